@@ -1,0 +1,182 @@
+"""Zero-code instrumentation: heartbeats from any torch.distributed program.
+
+Installed by the ``sitecustomize`` the supervisor puts on the ranks'
+PYTHONPATH.  Importing torch costs seconds, so nothing is imported here: a
+meta-path finder waits until the program itself imports ``torch.distributed``
+and then wraps
+
+* ``init_process_group``: when the process joins the default group it claims
+  the heartbeat slot of its global rank (this is how tree mode finds ranks
+  that a launcher such as torchrun, vLLM or SGLang spawned);
+* the collectives: each call marks "in collective <op> <shapes>" in the slot
+  and bumps the collective sequence number.
+
+In spawn mode the slot is claimed at startup already (its index is in the
+environment), so ranks that never join a group still report liveness.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+
+from supervisor import runtime
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+    "monitored_barrier",
+)
+
+_installed = False
+_depth = threading.local()
+
+
+def describe(args: tuple, kwargs: dict) -> str:
+    """Shapes and dtype of the first tensor (or tensor list) argument."""
+    for value in list(args) + list(kwargs.values()):
+        shape = getattr(value, "shape", None)
+        if shape is not None:
+            dims = "x".join(str(d) for d in shape) or "scalar"
+            return f"{dims} {str(getattr(value, 'dtype', '')).replace('torch.', '')}"
+        if isinstance(value, (list, tuple)) and value:
+            first = value[0]
+            shape = getattr(first, "shape", None)
+            if shape is not None:
+                dims = "x".join(str(d) for d in shape) or "scalar"
+                dtype = str(getattr(first, "dtype", "")).replace("torch.", "")
+                return f"{len(value)}*[{dims} {dtype}]"
+            return f"{len(value)} objects"
+    return ""
+
+
+def _wrap_collective(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        depth = getattr(_depth, "n", 0)
+        if depth:
+            return fn(*args, **kwargs)
+        _depth.n = 1
+        runtime.begin_collective(name, describe(args, kwargs))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            runtime.end_collective()
+            _depth.n = 0
+
+    wrapper.__tp_supervise_wrapped__ = True
+    return wrapper
+
+
+def _wrap_init(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        try:
+            import torch.distributed as dist
+
+            runtime.claim(dist.get_rank())
+        except Exception as exc:  # never break the user's program
+            print(f"supervise: could not claim a heartbeat slot: {exc!r}", file=sys.stderr)
+        return result
+
+    wrapper.__tp_supervise_wrapped__ = True
+    return wrapper
+
+
+def patch(dist_module) -> None:
+    """Wrap init and the collectives of ``torch.distributed`` (idempotent)."""
+    try:
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    except Exception:
+        c10d = None
+    targets = [m for m in (dist_module, c10d) if m is not None]
+    for module in targets:
+        init = getattr(module, "init_process_group", None)
+        if init is not None and not getattr(init, "__tp_supervise_wrapped__", False):
+            setattr(module, "init_process_group", _wrap_init(init))
+    wrapped: dict[int, object] = {}
+    for name in COLLECTIVES:
+        for module in targets:
+            fn = getattr(module, name, None)
+            if fn is None or getattr(fn, "__tp_supervise_wrapped__", False):
+                continue
+            new = wrapped.get(id(fn))
+            if new is None:
+                new = _wrap_collective(name, fn)
+                wrapped[id(fn)] = new
+            setattr(module, name, new)
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        try:
+            patch(module)
+        except Exception as exc:
+            print(f"supervise: torch.distributed not instrumented: {exc!r}", file=sys.stderr)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of ``torch.distributed`` so we patch it right after it runs."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch.distributed":
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            if find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+def install() -> None:
+    """Install the hook (called from sitecustomize; idempotent)."""
+    global _installed
+    if _installed or not runtime.enabled():
+        return
+    _installed = True
+    if os.environ.get(runtime.ENV_SLOT):
+        # Spawn mode: the rank's slot is known; claim it now so liveness and
+        # the stack signal work even before (or without) a process group.
+        runtime.claim(int(os.environ.get("RANK", "0")), instrumented=False)
+    if "torch.distributed" in sys.modules:
+        patch(sys.modules["torch.distributed"])
+    else:
+        sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,272 @@
+"""Rank-side runtime: what a supervised rank imports (no torch needed).
+
+Public API (all calls are no-ops when the process is not supervised)::
+
+    from supervisor import runtime as sv
+
+    sv.ready()                      # model loaded, serving
+    with sv.step():                 # one engine step (progress = steps completed)
+        with sv.collective("all_reduce", "64x256 float32"):
+            ...
+    sv.phase("schedule")            # free-form label of where the rank is
+
+Environment it reads (set by ``supervise serve``; see docs/environment.md):
+
+    SUPERVISE_RUN_ID          run id (also marks every process of the run)
+    SUPERVISE_HEARTBEAT       path of the heartbeat segment
+    SUPERVISE_SLOT            slot index of this rank (spawn mode)
+    SUPERVISE_SLOT_BASE       first global rank of this node (tree mode: slot = rank - base)
+    SUPERVISE_DEATH_FD        read end of the death pipe (EOF = supervisor gone)
+    SUPERVISE_SUPERVISOR_PID  pid of the supervisor (fallback for the death watch)
+    SUPERVISE_STACK_SIGNAL    signal on which the rank writes all threads' stacks
+    SUPERVISE_RUN_DIR         per-run scratch directory (stack files live here)
+
+Costs: one update is a few ``struct.pack_into`` calls into an mmap (about a
+microsecond; bench/bench_heartbeat.py measures it).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from supervisor import heartbeat as hb
+
+ENV_RUN_ID = "SUPERVISE_RUN_ID"
+ENV_HEARTBEAT = "SUPERVISE_HEARTBEAT"
+ENV_SLOT = "SUPERVISE_SLOT"
+ENV_SLOT_BASE = "SUPERVISE_SLOT_BASE"
+ENV_DEATH_FD = "SUPERVISE_DEATH_FD"
+ENV_SUPERVISOR_PID = "SUPERVISE_SUPERVISOR_PID"
+ENV_STACK_SIGNAL = "SUPERVISE_STACK_SIGNAL"
+ENV_RUN_DIR = "SUPERVISE_RUN_DIR"
+
+
+def stack_file_path(run_dir: str | os.PathLike, slot: int, pid: int) -> str:
+    """Where a rank's faulthandler writes its stacks (one file per process)."""
+    return os.path.join(os.fspath(run_dir), "stacks", f"slot-{slot}.pid-{pid}.txt")
+
+
+class _Runtime:
+    """Process-wide state of the rank side.  One instance, created lazily."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.writer: hb.SlotWriter | None = None
+        self.pid = os.getpid()
+        self.stack_file = None
+        self.death_watch_started = False
+        self.instrumented = False
+
+    def claim(self, slot: int, rank: int, instrumented: bool) -> bool:
+        path = os.environ.get(ENV_HEARTBEAT)
+        if not path:
+            return False
+        with self.lock:
+            if self.writer is not None and self.pid == os.getpid():
+                if instrumented and not self.instrumented:
+                    self.instrumented = True
+                    self.writer.set_flags(self.writer.flags | hb.INSTRUMENTED, time.monotonic())
+                return True
+            self.pid = os.getpid()
+            try:
+                writer = hb.SlotWriter(path, slot)
+            except (OSError, hb.HeartbeatLayoutError) as exc:
+                print(f"supervise: heartbeat disabled for rank {rank}: {exc}", file=sys.stderr)
+                return False
+            stack_signal = self._register_stack_signal(slot)
+            flags = hb.INSTRUMENTED if instrumented else 0
+            self.instrumented = instrumented
+            writer.claim(self.pid, rank, stack_signal, flags, time.monotonic())
+            self.writer = writer
+        self.start_death_watch()
+        return True
+
+    def _register_stack_signal(self, slot: int) -> int:
+        signum = int(os.environ.get(ENV_STACK_SIGNAL, "0") or 0)
+        run_dir = os.environ.get(ENV_RUN_DIR)
+        if not signum or not run_dir:
+            return 0
+        try:
+            path = stack_file_path(run_dir, slot, os.getpid())
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.stack_file = open(path, "w", buffering=1)
+            faulthandler.register(signum, file=self.stack_file, all_threads=True, chain=False)
+        except (OSError, ValueError, RuntimeError):
+            return 0
+        return signum
+
+    def start_death_watch(self) -> None:
+        if self.death_watch_started:
+            return
+        fds: list[int] = []
+        fd_text = os.environ.get(ENV_DEATH_FD)
+        if fd_text and fd_text.isdigit():
+            fd = int(fd_text)
+            try:
+                os.fstat(fd)
+                fds.append(fd)
+            except OSError:
+                pass
+        sup = os.environ.get(ENV_SUPERVISOR_PID)
+        if sup and sup.isdigit() and hasattr(os, "pidfd_open"):
+            try:
+                fds.append(os.pidfd_open(int(sup)))
+            except OSError:
+                # The supervisor is already gone: nothing to watch, leave now.
+                _supervisor_gone()
+        if not fds:
+            return
+        self.death_watch_started = True
+        t = threading.Thread(target=_watch_death, args=(fds,), name="supervise-death-watch", daemon=True)
+        t.start()
+
+
+def _supervisor_gone() -> None:
+    print("supervise: supervisor is gone, rank exiting", file=sys.stderr, flush=True)
+    os._exit(70)
+
+
+def _watch_death(fds: list[int]) -> None:
+    """Exit the rank when the supervisor dies (pipe EOF or its pidfd fires)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    while True:
+        try:
+            events = poller.poll()
+        except InterruptedError:
+            continue
+        for fd, _ev in events:
+            try:
+                data = os.read(fd, 1) if _is_pipe(fd) else b""
+            except OSError:
+                data = b""
+            if not data:
+                _supervisor_gone()
+
+
+def _is_pipe(fd: int) -> bool:
+    import stat
+
+    try:
+        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+_rt = _Runtime()
+
+
+def _ensure_spawn_slot() -> hb.SlotWriter | None:
+    """Spawn mode: the slot is known from the environment; claim on first use."""
+    w = _rt.writer
+    if w is not None and _rt.pid == os.getpid():
+        return w
+    slot_text = os.environ.get(ENV_SLOT)
+    if not slot_text:
+        return None
+    rank = int(os.environ.get("RANK", slot_text))
+    _rt.claim(int(slot_text), rank, instrumented=True)
+    return _rt.writer
+
+
+def enabled() -> bool:
+    """True when this process runs under ``supervise serve``."""
+    return bool(os.environ.get(ENV_HEARTBEAT))
+
+
+def claim(rank: int, instrumented: bool = False) -> bool:
+    """Claim the slot of global ``rank`` (the zero-code hook calls this at group join)."""
+    base = int(os.environ.get(ENV_SLOT_BASE, "0") or 0)
+    slot_text = os.environ.get(ENV_SLOT)
+    slot = int(slot_text) if slot_text else rank - base
+    if slot < 0:
+        return False
+    return _rt.claim(slot, rank, instrumented)
+
+
+def ready() -> None:
+    """The rank finished loading and can serve."""
+    w = _ensure_spawn_slot()
+    if w is not None:
+        w.set_flags(w.flags | hb.READY, time.monotonic())
+
+
+def finished() -> None:
+    """The rank is about to exit cleanly (the supervisor treats its exit as planned)."""
+    w = _rt.writer
+    if w is not None and _rt.pid == os.getpid():
+        w.set_flags((w.flags | hb.FINISHED) & ~(hb.IN_STEP | hb.IN_COLLECTIVE), time.monotonic())
+
+
+def begin_step() -> None:
+    w = _ensure_spawn_slot()
+    if w is not None:
+        w.step_begin(time.monotonic())
+
+
+def end_step() -> None:
+    w = _rt.writer
+    if w is not None:
+        w.step_end(time.monotonic())
+
+
+@contextmanager
+def step() -> Iterator[None]:
+    """One engine step: progress is counted when it completes."""
+    begin_step()
+    try:
+        yield
+    finally:
+        end_step()
+
+
+def begin_collective(op: str, desc: str = "") -> None:
+    w = _rt.writer if _rt.writer is not None else _ensure_spawn_slot()
+    if w is not None:
+        w.collective_begin(op, desc, time.monotonic())
+
+
+def end_collective() -> None:
+    w = _rt.writer
+    if w is not None:
+        w.collective_end(time.monotonic())
+
+
+@contextmanager
+def collective(op: str, desc: str = "") -> Iterator[None]:
+    """A collective in progress: the supervisor sees the op and its shapes."""
+    begin_collective(op, desc)
+    try:
+        yield
+    finally:
+        end_collective()
+
+
+def phase(name: str) -> None:
+    """Label where the rank is (``schedule``, ``prefill``, ``decode`` …)."""
+    w = _ensure_spawn_slot()
+    if w is not None:
+        w.set_phase(name, time.monotonic())
+
+
+def slot_writer() -> hb.SlotWriter | None:
+    """The slot writer of this process, if it claimed one (consensus uses it)."""
+    return _rt.writer if _rt.pid == os.getpid() else None
+
+
+def install_signal_exit() -> None:
+    """Make SIGTERM raise SystemExit so ``finally`` blocks and atexit run."""
+
+    def _term(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _term)
