@@ -4,6 +4,7 @@ Public API (all calls are no-ops when the process is not supervised)::
 
     from supervisor import runtime as sv
 
+    sv.starting()                   # first thing: "I will report ready"
     sv.ready()                      # model loaded, serving
     with sv.step():                 # one engine step (progress = steps completed)
         with sv.collective("all_reduce", "64x256 float32"):
@@ -191,6 +192,16 @@ def claim(rank: int, instrumented: bool = False) -> bool:
     if slot < 0:
         return False
     return _rt.claim(slot, rank, instrumented)
+
+
+def starting() -> None:
+    """Declare that this rank will call ``ready()``: the startup watchdog waits for it.
+
+    Call it first thing (before importing torch or loading weights).
+    """
+    w = _ensure_spawn_slot()
+    if w is not None:
+        w.set_flags(w.flags | hb.INSTRUMENTED, time.monotonic())
 
 
 def ready() -> None:
