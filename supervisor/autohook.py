@@ -95,11 +95,12 @@ def _wrap_collective(name: str, fn):
 def _wrap_init(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        runtime.enter_rendezvous()
         result = fn(*args, **kwargs)
         try:
             import torch.distributed as dist
 
-            runtime.claim(dist.get_rank())
+            runtime.joined_group(dist.get_rank())
         except Exception as exc:  # never break the user's program
             print(f"supervise: could not claim a heartbeat slot: {exc!r}", file=sys.stderr)
         return result

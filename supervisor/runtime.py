@@ -211,6 +211,31 @@ def ready() -> None:
         w.set_flags(w.flags | hb.READY, time.monotonic())
 
 
+RENDEZVOUS_PHASE = "rendezvous"
+
+
+def enter_rendezvous() -> None:
+    """The rank is joining the process group (the startup watchdog waits for it)."""
+    w = _rt.writer if _rt.pid == os.getpid() else None
+    if w is not None:
+        w.set_phase(RENDEZVOUS_PHASE, time.monotonic())
+
+
+def joined_group(rank: int) -> None:
+    """The rank joined the default process group (called by the zero-code hook).
+
+    Claims the slot of ``rank`` (tree mode finds ranks this way).  A rank that
+    does not report readiness itself counts as ready once it joined.
+    """
+    if not claim(rank):
+        return
+    w = _rt.writer
+    now = time.monotonic()
+    w.set_phase("", now)
+    if not w.flags & hb.INSTRUMENTED:
+        w.set_flags(w.flags | hb.READY, now)
+
+
 def finished() -> None:
     """The rank is about to exit cleanly (the supervisor treats its exit as planned)."""
     w = _rt.writer

@@ -1,0 +1,206 @@
+"""``supervise``: serve, dump, analyze, drill.
+
+Usage errors exit 64 (EX_USAGE) before anything is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from supervisor import spec as specs
+from supervisor.spec import EngineOptions, LaunchSpec, UsageError
+
+EXIT_USAGE = 64
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2; our contract says 64
+        self.print_usage(sys.stderr)
+        print(f"supervise: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="supervise", description="Fault detection and hang diagnosis for tensor-parallel inference.")
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    serve = sub.add_parser("serve", help="launch and supervise the TP ranks", description="Launch and supervise the TP ranks. With no COMMAND, run the built-in reference engine.")
+    g = serve.add_argument_group("launch")
+    g.add_argument("--nproc-per-node", type=int, help="ranks on this node (default 2 for the built-in engine)")
+    g.add_argument("--tp", type=int, help="tensor-parallel world size (split evenly across --nnodes)")
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--node-rank", type=int, default=0)
+    g.add_argument("--master-addr", default="127.0.0.1")
+    g.add_argument("--master-port", type=int, help="rendezvous port (default: a free port)")
+    g.add_argument("--tree", action="store_true", help="COMMAND is itself a launcher (torchrun, vllm serve --tp N, ...); its ranks are found when they join torch.distributed")
+    g.add_argument("--no-hook", dest="hook", action="store_false", help="do not put the zero-code torch.distributed hook on the ranks' PYTHONPATH")
+    g.add_argument("--max-restarts", type=int, default=0)
+    w = serve.add_argument_group("watchdogs (omit timeouts for adaptive ones)")
+    w.add_argument("--hard-timeout", type=_seconds, help="no progress while busy: dump, then kill the group (exit 81)")
+    w.add_argument("--soft-timeout", type=_seconds, help="no progress while busy: dump only")
+    w.add_argument("--startup-timeout", type=_seconds, default=specs.DEFAULT_STARTUP_TIMEOUT_S)
+    w.add_argument("--kill-grace", type=_seconds, default=specs.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL escalation")
+    d = serve.add_argument_group("dumps")
+    d.add_argument("--dump-dir", type=Path, default=Path("supervise-dumps"))
+    d.add_argument("--dump-keep", type=int, default=specs.DEFAULT_DUMP_KEEP, help="keep at most this many bundles")
+    d.add_argument("--dump-max-bytes", type=int, default=specs.DEFAULT_DUMP_MAX_BYTES, help="keep at most this many bytes of bundles")
+    d.add_argument("--stack-method", default="auto", choices=specs.STACK_METHODS, help="auto: py-spy, falling back to the ranks' faulthandler")
+    d.add_argument("--native", action="store_true", help="include native frames in py-spy stacks")
+    o = serve.add_argument_group("observability")
+    o.add_argument("--metrics-addr", default=specs.DEFAULT_METRICS_ADDR, help="HOST:PORT for /metrics /healthz /readyz, or 'none' (binding beyond loopback exposes run state: see docs/metrics.md)")
+    o.add_argument("--consensus", default="observe", choices=specs.CONSENSUS_MODES)
+    o.add_argument("--consensus-inband", type=int, default=0, metavar="N", help="also compare digests in band (MIN/MAX all_reduce) every N steps; for benchmarks")
+    o.add_argument("--log-format", default="console", choices=("console", "json"))
+    e = serve.add_argument_group("built-in engine (no COMMAND)")
+    e.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    e.add_argument("--control-plane", default="broadcast", choices=("broadcast", "replicated"))
+    e.add_argument("--model", help="Hugging Face Llama-format directory (default: a seeded random tiny model)")
+    e.add_argument("--host", default="127.0.0.1", help="engine HTTP host")
+    e.add_argument("--port", type=int, default=specs.DEFAULT_ENGINE_PORT, help="engine HTTP port")
+    e.add_argument("--sync-token-ids", action="store_true")
+    e.add_argument("--inject", action="append", default=[], metavar="KIND@RANK[:STEP]", help=f"fault injection: {', '.join(specs.INJECT_KINDS)}")
+    e.add_argument("--engine-arg", action="append", default=[], metavar="ARG", help="extra argument passed to the engine")
+    serve.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+
+    dump = sub.add_parser("dump", help="on-demand soft dump of a running supervised job")
+    dump.add_argument("--run-id", help="which job (default: the only one running on this host)")
+    dump.add_argument("--timeout", type=_seconds, default=30.0)
+
+    analyze = sub.add_parser("analyze", help="render an incident bundle")
+    analyze.add_argument("bundle", type=Path)
+    analyze.add_argument("--json", action="store_true")
+
+    drill = sub.add_parser("drill", help="run the fault matrix against the built-in engine")
+    drill.add_argument("--kinds", default="all", help="comma-separated inject kinds (default: all)")
+    drill.add_argument("--tp", type=int, default=2)
+    drill.add_argument("--dump-dir", type=Path, default=Path("supervise-drill"))
+    drill.add_argument("--json", action="store_true")
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    builtin = not command
+    nproc = specs.resolve_nproc(args.nproc_per_node, args.tp, args.nnodes, builtin)
+    if not builtin and (args.inject or args.model or args.engine_arg):
+        raise UsageError("--inject, --model and --engine-arg apply to the built-in engine only (no COMMAND)")
+    injections = tuple(specs.parse_injection(text) for text in args.inject)
+    engine = EngineOptions(
+        device=args.device,
+        control_plane=args.control_plane,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        sync_token_ids=args.sync_token_ids,
+        injections=injections,
+        extra_args=tuple(args.engine_arg),
+    )
+    if args.model and not Path(args.model, "config.json").is_file():
+        raise UsageError(f"--model {args.model!r}: no config.json there; give a Hugging Face Llama-format directory")
+    return LaunchSpec(
+        command=tuple(command),
+        nproc_per_node=nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        tree=args.tree,
+        hard_timeout=args.hard_timeout,
+        soft_timeout=args.soft_timeout,
+        startup_timeout=args.startup_timeout,
+        kill_grace=args.kill_grace,
+        dump_dir=args.dump_dir,
+        dump_keep=args.dump_keep,
+        dump_max_bytes=args.dump_max_bytes,
+        stack_method=args.stack_method,
+        native_stacks=args.native,
+        metrics_addr=specs.parse_hostport(args.metrics_addr, "--metrics-addr"),
+        consensus=args.consensus,
+        consensus_inband=args.consensus_inband,
+        max_restarts=args.max_restarts,
+        log_format=args.log_format,
+        zero_code_hook=args.hook,
+        engine=engine,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from supervisor import logs
+
+    logs.configure(args.log_format)
+    try:
+        spec = spec_from_args(args)
+        specs.preflight(spec)
+    except UsageError as exc:
+        print(f"supervise: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from supervisor.core import Supervisor
+
+    base_env = dict(os.environ)
+    return Supervisor(spec, base_env).run()
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    from supervisor import control
+
+    jobs = control.list_jobs()
+    if args.run_id:
+        jobs = [j for j in jobs if j.run_id == args.run_id]
+        if not jobs:
+            print(f"supervise dump: no running job with run id {args.run_id!r}", file=sys.stderr)
+            return 2
+    elif not jobs:
+        print("supervise dump: no supervised job is running on this host", file=sys.stderr)
+        return 2
+    elif len(jobs) > 1:
+        ids = ", ".join(j.run_id for j in jobs)
+        print(f"supervise dump: {len(jobs)} jobs are running ({ids}); choose one with --run-id", file=sys.stderr)
+        return 2
+    job = jobs[0]
+    try:
+        reply = control.request(job.socket, {"cmd": "dump"}, timeout_s=args.timeout)
+    except OSError as exc:
+        print(f"supervise dump: cannot reach job {job.run_id} (pid {job.pid}): {exc}", file=sys.stderr)
+        return 1
+    if not reply.get("ok"):
+        print(f"supervise dump: {reply.get('error', 'failed')}", file=sys.stderr)
+        return 1
+    print(reply["bundle"])
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from dumps import analyze
+
+    argv = [str(args.bundle)] + (["--json"] if args.json else [])
+    return analyze.main(argv)
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    from supervisor import drill
+
+    return drill.main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    handler = {"serve": cmd_serve, "dump": cmd_dump, "analyze": cmd_analyze, "drill": cmd_drill}[args.cmd]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

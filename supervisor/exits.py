@@ -1,0 +1,166 @@
+"""Classification of rank exits.
+
+Failure taxonomy (the first failure is the root cause; later ones are
+consequences of it, or of the teardown):
+
+* ``clean``         exit code 0 after every rank finished (not a failure)
+* ``early_exit``    exit code 0 while peers still run: in a TP group a rank
+                    that leaves strands its peers inside the next collective
+* ``nonzero``       exit code != 0 (a Python exception ends with 1)
+* ``native_abort``  killed by SIGABRT: a C++ ``std::terminate`` or ``abort()``,
+                    e.g. a NCCL watchdog timeout; no Python handler ran
+* ``segfault``      SIGSEGV / SIGBUS / SIGILL / SIGFPE
+* ``oom_killed``    SIGKILL while the cgroup's ``oom_kill`` counter rose
+* ``signal``        any other signal (SIGKILL from outside, SIGTERM, ...)
+* ``lost``          a tree-mode rank that is not our child vanished; its
+                    status belongs to its own parent
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+CLEAN = "clean"
+EARLY_EXIT = "early_exit"
+NONZERO = "nonzero"
+NATIVE_ABORT = "native_abort"
+SEGFAULT = "segfault"
+OOM_KILLED = "oom_killed"
+SIGNALED = "signal"
+LOST = "lost"
+
+REASONS = (EARLY_EXIT, NONZERO, NATIVE_ABORT, SEGFAULT, OOM_KILLED, SIGNALED, LOST)
+
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """What the kernel told us about one process's end (from waitid)."""
+
+    code: int | None  # exit code when it exited
+    signal: int | None  # terminating signal when killed
+    core_dumped: bool = False
+
+    @classmethod
+    def from_waitid(cls, result) -> "ExitStatus":
+        if result.si_code == os.CLD_EXITED:
+            return cls(code=result.si_status, signal=None)
+        return cls(code=None, signal=result.si_status, core_dumped=result.si_code == os.CLD_DUMPED)
+
+    @property
+    def returncode(self) -> int:
+        """subprocess-style: the code, or minus the signal."""
+        return self.code if self.code is not None else -(self.signal or 0)
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    """A classified rank exit: the reason class and one sentence of cause."""
+
+    status: ExitStatus | None
+    reason: str
+    description: str
+
+    @property
+    def failed(self) -> bool:
+        return self.reason != CLEAN
+
+    def to_dict(self) -> dict:
+        st = self.status
+        return {
+            "code": None if st is None else st.code,
+            "signal": None if st is None or st.signal is None else signal_name(st.signal),
+            "core_dumped": False if st is None else st.core_dumped,
+            "reason": self.reason,
+            "description": self.description,
+        }
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def classify(status: ExitStatus, *, peers_running: bool, oom_kills_rose: bool = False) -> ExitInfo:
+    """Pure: turn a kernel exit status into a reason and a sentence."""
+    if status.code is not None:
+        if status.code == 0:
+            if peers_running:
+                return ExitInfo(status, EARLY_EXIT, "exited with code 0 while its peers were still running")
+            return ExitInfo(status, CLEAN, "exited with code 0")
+        return ExitInfo(status, NONZERO, f"exited with code {status.code}")
+    sig = status.signal or 0
+    name = signal_name(sig)
+    core = " (core dumped)" if status.core_dumped else ""
+    if sig == signal.SIGABRT:
+        return ExitInfo(
+            status,
+            NATIVE_ABORT,
+            f"was killed by SIGABRT{core}: a native abort (C++ std::terminate / abort(), e.g. a NCCL watchdog), "
+            "no Python handler ran",
+        )
+    if sig in _CRASH_SIGNALS:
+        return ExitInfo(status, SEGFAULT, f"crashed with {name}{core}")
+    if sig == signal.SIGKILL and oom_kills_rose:
+        return ExitInfo(status, OOM_KILLED, "was killed by the OOM killer (SIGKILL; the cgroup's oom_kill count rose)")
+    return ExitInfo(status, SIGNALED, f"was killed by {name}{core}")
+
+
+def lost(pid: int) -> ExitInfo:
+    return ExitInfo(None, LOST, f"(pid {pid}) disappeared; it was not our child, so its exit status is unknown")
+
+
+class OomCounter:
+    """Reads the ``oom_kill`` count of this process's cgroup (v2, or v1 memory)."""
+
+    def __init__(self, pid: int | None = None):
+        self.path = _memory_events_path(pid or os.getpid())
+        self.baseline = self.read()
+
+    def read(self) -> int | None:
+        if self.path is None:
+            return None
+        try:
+            for line in self.path.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            return None
+        return None
+
+    def rose(self) -> bool:
+        now = self.read()
+        if now is None or self.baseline is None:
+            return False
+        rose = now > self.baseline
+        self.baseline = now
+        return rose
+
+
+def _memory_events_path(pid: int) -> Path | None:
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hier, controllers, rel = parts
+        if hier == "0" and controllers == "":
+            candidate = Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.events"
+            if candidate.exists():
+                return candidate
+        if "memory" in controllers.split(","):
+            candidate = Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / "memory.oom_control"
+            if candidate.exists():
+                return candidate
+    fallback = Path("/sys/fs/cgroup/memory.events")
+    return fallback if fallback.exists() else None

@@ -1,0 +1,191 @@
+"""The incident desk: turns the main loop's decisions into bundles.
+
+It decides nothing; it knows *how* to ask ``dumps/`` for a bundle of the
+right reason with the supervisor's own knowledge (the first failure, the
+watchdog verdict, the consensus verdict) added to the evidence.  Incidents
+that end the run are written synchronously, before the teardown changes the
+evidence; soft ones (hang suspected, divergence observed, on demand) on the
+``dumper`` thread, so the main loop keeps reacting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import structlog
+
+from dumps.bundle import BundleWriter
+from dumps.capture import RankTarget
+from dumps.incident import write_incident
+from supervisor.exits import ExitInfo
+from supervisor.launch import RankHandle
+
+if TYPE_CHECKING:
+    from supervisor.core import Supervisor
+    from supervisor.watch import DivergenceFound, WatchdogVerdict
+
+log = structlog.get_logger("supervise.incident")
+
+# Stack capture budget when a rank died: the bundle must not delay the
+# teardown much (exit within --kill-grace + 1 s of the death).
+RANK_EXIT_CAPTURE_S = 0.8
+HANG_CAPTURE_S = 3.0
+
+
+class IncidentDesk:
+    def __init__(self, sup: "Supervisor"):
+        self.sup = sup
+        spec = sup.spec
+        self.writer = BundleWriter(spec.dump_dir, keep=spec.dump_keep, max_bytes=spec.dump_max_bytes)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumper")
+        self.pending: list[Future] = []
+        self.previous_cpu = None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def on_event(self, ev: object) -> None:
+        log.debug("ignored event", kind=type(ev).__name__)
+
+    def wait_idle(self, timeout_s: float = HANG_CAPTURE_S * 2) -> None:
+        deadline = time.monotonic() + timeout_s
+        for fut in self.pending:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+        self.pending = []
+
+    # -------------------------------------------------------------- evidence
+    def targets(self) -> list[RankTarget]:
+        sup = self.sup
+        snaps = {s.slot: s for s in sup.heartbeat.read_all()} if sup.heartbeat else {}
+        out = []
+        for slot, h in sorted(sup.attempt.ranks.items()):
+            out.append(
+                RankTarget(
+                    rank=h.rank,
+                    slot=slot,
+                    pid=h.pid,
+                    alive=h.alive,
+                    exit=None if h.exit is None else h.exit.to_dict(),
+                    heartbeat=snaps.get(slot),
+                )
+            )
+        if sup.spec.tree and not out:
+            for slot, snap in snaps.items():
+                if snap.claimed:
+                    out.append(RankTarget(snap.rank, slot, snap.pid, True, None, snap))
+        return out
+
+    def _base_summary(self) -> dict:
+        sup = self.sup
+        return {
+            "run_id": sup.run_id,
+            "mode": "tree" if sup.spec.tree else "spawn",
+            "world_size": sup.spec.world_size,
+            "node_rank": sup.spec.node_rank,
+            "restarts": sup.restarts,
+            "command": sup.spec.rank_argv(),
+        }
+
+    def _write(self, reason: str, deadline_s: float, extra_summary: dict, extra_files: dict | None = None):
+        sup = self.sup
+        summary = dict(self._base_summary(), **extra_summary)
+        started = time.monotonic()
+        result = write_incident(
+            self.writer,
+            reason=reason,
+            run_id=sup.run_id,
+            targets=self.targets(),
+            run_dir=sup.run_dir,
+            method=sup.spec.stack_method,
+            native=sup.spec.native_stacks,
+            deadline_s=deadline_s,
+            extra_summary=summary,
+            extra_files=extra_files or {},
+            previous_cpu=self.previous_cpu,
+        )
+        self.previous_cpu = result.samples or self.previous_cpu
+        duration = time.monotonic() - started
+        sup.services.on_dump(reason, result.ok, duration)
+        diag = result.diagnosis
+        log.warning(
+            "incident bundle written" if result.path else "incident bundle FAILED",
+            reason=reason,
+            bundle=str(result.path) if result.path else None,
+            culprit_ranks=getattr(diag, "culprit_ranks", None),
+            verdict=getattr(diag, "verdict", None),
+            duration_s=round(duration, 3),
+        )
+        return result
+
+    def _async(self, reason: str, deadline_s: float, extra: dict, reply: "queue.SimpleQueue | None" = None) -> None:
+        def job():
+            try:
+                result = self._write(reason, deadline_s, extra)
+                if reply is not None:
+                    reply.put({"ok": result.path is not None, "bundle": str(result.path) if result.path else None})
+            except Exception as exc:
+                log.exception("dump failed", reason=reason)
+                if reply is not None:
+                    reply.put({"ok": False, "error": repr(exc)})
+
+        self.pending = [f for f in self.pending if not f.done()]
+        self.pending.append(self.pool.submit(job))
+
+    # -------------------------------------------------------------- incidents
+    def rank_exit(self, first: RankHandle, info: ExitInfo) -> None:
+        sup = self.sup
+        who = "the launcher" if first is sup.attempt.launcher else f"rank {first.rank}"
+        others = [h.rank for h in sup.live_ranks() if h is not first]
+        verdict = f"{who} (pid {first.pid}) {info.description}"
+        if others:
+            verdict += f"; ranks {','.join(map(str, others))} were still running and are torn down as a consequence"
+        extra = {
+            "culprit_ranks": [first.rank] if first.rank >= 0 else [],
+            "verdict": verdict,
+            "first_failure": {"rank": first.rank, "pid": first.pid, **info.to_dict()},
+        }
+        self._write("rank_exit", RANK_EXIT_CAPTURE_S, extra)
+
+    def _watchdog_extra(self, ev: "WatchdogVerdict") -> dict:
+        v = ev.verdict
+        data = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else {}
+        return {"watchdog": json.loads(json.dumps(data, default=str)), "stalled_s": round(ev.stalled_s, 3)}
+
+    def soft_hang(self, ev: "WatchdogVerdict") -> None:
+        self._async("hang_suspected", HANG_CAPTURE_S, self._watchdog_extra(ev))
+
+    def hard_hang(self, ev: "WatchdogVerdict") -> list[int]:
+        self.wait_idle()
+        result = self._write("hang", HANG_CAPTURE_S, self._watchdog_extra(ev))
+        return list(getattr(result.diagnosis, "culprit_ranks", []) or [])
+
+    def startup_timeout(self, ev: "WatchdogVerdict") -> None:
+        extra = self._watchdog_extra(ev)
+        extra["verdict_hint"] = ev.message
+        self._write("startup_timeout", HANG_CAPTURE_S, extra)
+
+    def divergence(self, ev: "DivergenceFound", blocking: bool) -> None:
+        v = ev.verdict
+        extra = {
+            "culprit_ranks": list(v.culprit_ranks),
+            "verdict": v.verdict,
+            "divergence": json.loads(json.dumps(dataclasses.asdict(v), default=str))
+            if dataclasses.is_dataclass(v)
+            else {},
+        }
+        if blocking:
+            self.wait_idle()
+            self._write("divergence", HANG_CAPTURE_S, extra)
+        else:
+            self._async("divergence", HANG_CAPTURE_S, extra)
+
+    def on_demand(self, reply: "queue.SimpleQueue") -> None:
+        self._async("on_demand", HANG_CAPTURE_S, {}, reply)

@@ -1,0 +1,173 @@
+"""Starting rank processes (spawn mode) and the launcher (tree mode).
+
+Every rank:
+* runs in its own session and process group (``start_new_session``), so a
+  group signal reaches its children and nothing else;
+* gets ``PR_SET_PDEATHSIG = SIGKILL`` between fork and exec, so it dies with
+  the supervisor whatever language it is written in (the signal fires when the
+  *thread* that forked it exits: ranks are only ever spawned from the main
+  thread, which lives as long as the supervisor);
+* inherits the read end of the death pipe (``SUPERVISE_DEATH_FD``): the
+  rank-side runtime exits on EOF, a second line of defence for processes that
+  lose the parent-death signal (e.g. across a setuid exec);
+* gets the torchrun environment plus ``SUPERVISE_*``; the user's environment is
+  passed through untouched otherwise (the supervisor never edits os.environ).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from supervisor import procs, runtime
+from supervisor.exits import ExitInfo
+
+HOOK_DIR = Path(__file__).resolve().parent / "_hook"
+PKG_ROOT = Path(__file__).resolve().parent.parent
+STACK_SIGNAL = signal.SIGRTMIN + 3
+FR_BUFFER_DEFAULT = "2000"
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Per-run facts every rank's environment is built from."""
+
+    run_id: str
+    run_dir: Path
+    heartbeat_path: Path
+    death_fd: int
+    supervisor_pid: int
+    world_size: int
+    nproc_per_node: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    zero_code_hook: bool
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One rank to start: its identity and its exact argv and environment."""
+
+    slot: int  # local rank on this node = heartbeat slot
+    rank: int  # global rank
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+
+@dataclass
+class RankHandle:
+    """A live (or finished) rank process.  Only the supervisor mutates it.
+
+    ``popen`` is None for tree-mode ranks, which are grandchildren started by
+    the launcher and found through their heartbeat slot.
+    """
+
+    spec: RankSpec
+    pid: int
+    started_at: float
+    popen: subprocess.Popen | None = None
+    exit: ExitInfo | None = None
+    exited_at: float | None = None
+    finished_flag: bool = False  # the rank said it was finishing (runtime.finished)
+
+    @property
+    def slot(self) -> int:
+        return self.spec.slot
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def alive(self) -> bool:
+        return self.exit is None
+
+
+def _join_path(first: str, rest: str | None) -> str:
+    return first if not rest else f"{first}{os.pathsep}{rest}"
+
+
+def rank_env(
+    base: Mapping[str, str], ctx: RunContext, slot: int | None, extra: Mapping[str, str] = ()
+) -> dict[str, str]:
+    """The environment of one rank (``slot`` None: the tree-mode launcher)."""
+    env = dict(base)
+    if slot is not None:
+        # torchrun's contract; in tree mode the launcher sets these itself.
+        env.update(
+            {
+                "MASTER_ADDR": ctx.master_addr,
+                "MASTER_PORT": str(ctx.master_port),
+                "WORLD_SIZE": str(ctx.world_size),
+                "LOCAL_WORLD_SIZE": str(ctx.nproc_per_node),
+                "GROUP_RANK": str(ctx.node_rank),
+                "RANK": str(ctx.node_rank * ctx.nproc_per_node + slot),
+                "LOCAL_RANK": str(slot),
+                runtime.ENV_SLOT: str(slot),
+                "TORCHELASTIC_RUN_ID": ctx.run_id,
+            }
+        )
+    env.update(
+        {
+            runtime.ENV_RUN_ID: ctx.run_id,
+            runtime.ENV_RUN_DIR: str(ctx.run_dir),
+            runtime.ENV_HEARTBEAT: str(ctx.heartbeat_path),
+            runtime.ENV_DEATH_FD: str(ctx.death_fd),
+            runtime.ENV_SUPERVISOR_PID: str(ctx.supervisor_pid),
+            runtime.ENV_STACK_SIGNAL: str(int(STACK_SIGNAL)),
+            runtime.ENV_SLOT_BASE: str(ctx.node_rank * ctx.nproc_per_node),
+            "SUPERVISE_PKG_ROOT": str(PKG_ROOT),
+        }
+    )
+    env.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER_DEFAULT)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if ctx.zero_code_hook:
+        env["PYTHONPATH"] = _join_path(str(HOOK_DIR), base.get("PYTHONPATH"))
+    for key, value in dict(extra).items():
+        if key in base:  # the user's explicit setting wins
+            continue
+        env[key] = value
+    return env
+
+
+def _child_setup(supervisor_pid: int):
+    def setup() -> None:
+        # Runs in the child after fork (and setsid), before exec.
+        procs.set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != supervisor_pid:
+            os._exit(70)  # the supervisor died between fork and prctl
+
+    return setup
+
+
+def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None) -> RankHandle:
+    """Start one rank.  Must be called from the main thread (see module doc)."""
+    popen = subprocess.Popen(
+        list(spec.argv),
+        env=dict(spec.env),
+        cwd=cwd,
+        start_new_session=True,
+        pass_fds=(ctx.death_fd,),
+        preexec_fn=_child_setup(ctx.supervisor_pid),
+        close_fds=True,
+    )
+    return RankHandle(spec=spec, pid=popen.pid, popen=popen, started_at=time.monotonic())
+
+
+def signal_group(handle_pid: int, signum: int) -> bool:
+    """Signal a rank's process group (its pid: it is a session leader)."""
+    try:
+        os.killpg(handle_pid, signum)
+        return True
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(handle_pid, signum)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False

@@ -1,0 +1,181 @@
+"""The supervisor's side services: metrics + health HTTP, control socket,
+consensus poller, GPU telemetry, and the per-rank environment they need.
+
+The main loop calls the ``on_*`` methods; nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import TYPE_CHECKING, Sequence
+
+import structlog
+
+from supervisor import state as engine_state
+from supervisor.heartbeat import SlotSnapshot
+from supervisor.http import HealthCell, HealthServer, HealthStatus
+from supervisor.metrics import SupervisorMetrics
+from watchdogs.gpu import GpuTelemetry
+
+if TYPE_CHECKING:
+    from supervisor.core import Supervisor
+    from supervisor.teardown import TeardownResult
+
+log = structlog.get_logger("supervise")
+
+# GPU telemetry is sampled at most this often (NVML calls cost milliseconds).
+GPU_SAMPLE_INTERVAL_S = 1.0
+CONTROL_DUMP_TIMEOUT_S = 60.0
+
+
+class Services:
+    def __init__(self, sup: "Supervisor"):
+        self.sup = sup
+        spec = sup.spec
+        slot_ranks = [spec.rank_offset + i for i in range(spec.nproc_per_node)]
+        self.metrics = SupervisorMetrics(sup.run_id, slot_ranks, node=spec.node_rank)
+        self.health = HealthCell(HealthStatus.for_state(engine_state.EngineState.STARTING, "starting"))
+        self.http: HealthServer | None = None
+        if spec.metrics_addr is not None:
+            self.http = HealthServer(self.metrics, self.health, spec.metrics_addr[0], spec.metrics_addr[1])
+        self.gpu = GpuTelemetry()
+        self._gpu_next = 0.0
+        self.consensus_monitor = None
+        self.consensus_thread = None
+        if spec.consensus != "off":
+            self._init_consensus()
+        self.control = None
+        self.metrics.set_engine_state(engine_state.EngineState.STARTING)
+
+    def _init_consensus(self) -> None:
+        from consensus.monitor import ConsensusMonitor
+        from supervisor.watch import ConsensusThread
+
+        self.consensus_monitor = ConsensusMonitor(self.sup.run_dir, self.sup.spec.nproc_per_node)
+        self.consensus_thread = ConsensusThread(self.sup, self.consensus_monitor)
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.http is not None:
+            self.http.start()
+            log.info("metrics and health", url=self.http.url, endpoints="/metrics /healthz /readyz")
+        from supervisor.control import ControlServer
+
+        self.control = ControlServer(
+            self.sup.run_id,
+            self._control_request,
+            {"metrics": self.metrics_url, "dump_dir": str(self.sup.spec.dump_dir.resolve())},
+        )
+        self.control.start()
+        if self.consensus_thread is not None:
+            self.consensus_thread.start()
+
+    def stop(self) -> None:
+        if self.consensus_thread is not None:
+            self.consensus_thread.stop()
+        if self.control is not None:
+            self.control.close()
+        if self.http is not None:
+            self.http.stop()
+
+    @property
+    def metrics_url(self) -> str | None:
+        return None if self.http is None else self.http.url
+
+    # ------------------------------------------------------------ rank env
+    def rank_env(self, slot: int | None) -> dict[str, str]:
+        """Extra environment for one rank (the user's own values win)."""
+        env: dict[str, str] = {}
+        run_dir = self.sup.run_dir
+        try:
+            from dumps import flight
+
+            env.update(flight.rank_env(run_dir, slot if slot is not None else -1))
+        except ImportError:
+            pass
+        if self.sup.spec.consensus != "off" or self.sup.spec.consensus_inband:
+            from consensus.channel import rank_env as consensus_env
+
+            env.update(consensus_env(run_dir, slot if slot is not None else -1, self.sup.spec.consensus))
+            if self.sup.spec.consensus_inband:
+                env["SUPERVISE_CONSENSUS_INBAND"] = str(self.sup.spec.consensus_inband)
+        return env
+
+    # ------------------------------------------------------------ events
+    def on_state(self, state: engine_state.EngineState) -> None:
+        self.metrics.set_engine_state(state)
+        self.metrics.set_incident_open(engine_state.is_fault(state) or state is engine_state.EngineState.SUSPECT)
+        self.health.set(HealthStatus.for_state(state, detail=state.value))
+
+    def on_ready(self) -> None:
+        spec = self.sup.spec
+        if spec.builtin:
+            url = f"http://{spec.engine.host}:{spec.engine.port}"
+            example = (
+                f"curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+                "-d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"
+            )
+            log.info("engine ready", url=url, metrics=self.metrics_url, try_it=example)
+            print(f"ready: {example}", flush=True)
+        else:
+            log.info("every rank is ready", ranks=len(self.sup.attempt.ranks), metrics=self.metrics_url)
+
+    def on_tick(self, snaps: Sequence[SlotSnapshot], verdict, now: float) -> None:
+        alive = {slot: h.alive for slot, h in self.sup.attempt.ranks.items()}
+        self.metrics.observe_ranks(snaps, now, alive)
+        self.metrics.set_watchdog(
+            soft=verdict.soft_timeout,
+            hard=verdict.hard_timeout,
+            startup=self.sup.spec.startup_timeout,
+            stalled_s=verdict.stalled_s,
+        )
+        if self.consensus_monitor is not None:
+            counts = getattr(self.consensus_monitor, "counts", None)
+            if counts is not None:
+                comparisons, mismatches = counts()
+                self.metrics.set_consensus_counts(comparisons, mismatches)
+        if self.gpu.available and now >= self._gpu_next:
+            self._gpu_next = now + GPU_SAMPLE_INTERVAL_S
+            for sample in self.gpu.sample():
+                self.metrics.set_gpu(
+                    sample.index,
+                    utilization_pct=sample.utilization_pct,
+                    power_watts=sample.power_watts,
+                    memory_used_bytes=sample.memory_used_bytes,
+                    memory_total_bytes=sample.memory_total_bytes,
+                )
+
+    def on_hang(self, kind: str) -> None:
+        self.metrics.record_hang(kind)
+
+    def on_divergence(self) -> None:
+        self.metrics.record_divergence()
+
+    def on_rank_exit(self, reason: str) -> None:
+        self.metrics.record_rank_exit(reason)
+
+    def on_restart(self) -> None:
+        self.metrics.record_restart()
+
+    def on_dump(self, reason: str, ok: bool, duration_s: float) -> None:
+        self.metrics.record_dump(reason, ok, duration_s)
+
+    def on_teardown(self, result: "TeardownResult") -> None:
+        self.metrics.record_teardown(result.duration_s, result.complete)
+
+    def gpu_holders(self, pids: set[int]) -> list[tuple[int, int, int]]:
+        if not self.gpu.available:
+            return []
+        return self.gpu.processes_holding_memory(pids)
+
+    # ------------------------------------------------------------ control
+    def _control_request(self, request: dict) -> dict:
+        """Runs on a control-socket thread: hand to the main loop, wait for its reply."""
+        from supervisor.core import ControlRequest
+
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        self.sup.events.put(ControlRequest(request, box))
+        try:
+            return box.get(timeout=CONTROL_DUMP_TIMEOUT_S)
+        except queue.Empty:
+            return {"ok": False, "error": f"no reply within {CONTROL_DUMP_TIMEOUT_S:.0f} s"}

@@ -1,0 +1,333 @@
+"""What to launch: a frozen, self-validating description of a supervised run.
+
+``LaunchSpec`` checks the arithmetic (node rank, world size, timeouts) on
+construction; ``preflight`` checks the world (executable, ports, dump dir,
+GPUs) before anything is started.  Both raise ``UsageError`` whose message
+names the flag and the fix; the CLI turns it into exit code 64.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONSENSUS_MODES = ("off", "observe", "enforce")
+STACK_METHODS = ("auto", "py-spy", "faulthandler", "none")
+INJECT_KINDS = (
+    "hang_collective",
+    "hang_scheduler",
+    "stop",
+    "crash",
+    "exit",
+    "segfault",
+    "abort",
+    "diverge_token",
+    "diverge_batch",
+    "slow",
+)
+DEFAULT_BUILTIN_TP = 2
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_KILL_GRACE_S = 5.0
+DEFAULT_METRICS_ADDR = "127.0.0.1:9180"
+DEFAULT_ENGINE_PORT = 8000
+DEFAULT_DUMP_KEEP = 50
+DEFAULT_DUMP_MAX_BYTES = 1 << 30
+
+_INJECT_RE = re.compile(r"^(?P<kind>[a-z_]+)@(?P<rank>\d+)(?::(?P<step>\d+))?$")
+
+
+class UsageError(ValueError):
+    """Invalid invocation; nothing has been started.  Exit code 64."""
+
+
+@dataclass(frozen=True)
+class Injection:
+    kind: str
+    rank: int
+    step: int | None
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.rank}" + (f":{self.step}" if self.step is not None else "")
+
+
+def parse_injection(text: str) -> Injection:
+    m = _INJECT_RE.match(text)
+    if not m:
+        raise UsageError(f"--inject {text!r}: expected KIND@RANK[:STEP], e.g. stop@1 or diverge_token@1:20")
+    kind = m.group("kind")
+    if kind not in INJECT_KINDS:
+        raise UsageError(f"--inject {text!r}: unknown kind {kind!r}; choose one of {', '.join(INJECT_KINDS)}")
+    step = m.group("step")
+    return Injection(kind, int(m.group("rank")), int(step) if step is not None else None)
+
+
+def parse_hostport(text: str, flag: str) -> tuple[str, int] | None:
+    if text == "none":
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise UsageError(f"{flag} {text!r}: expected HOST:PORT or 'none', e.g. 127.0.0.1:9180")
+    value = int(port)
+    if not 0 <= value <= 65535:
+        raise UsageError(f"{flag} {text!r}: port must be between 0 and 65535")
+    return host.strip("[]"), value
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Flags of the built-in engine (used only when no command is given)."""
+
+    device: str = "cpu"
+    control_plane: str = "broadcast"
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_ENGINE_PORT
+    sync_token_ids: bool = False
+    injections: tuple[Injection, ...] = ()
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self) -> list[str]:
+        args = [
+            "--device",
+            self.device,
+            "--control-plane",
+            self.control_plane,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
+        if self.model:
+            args += ["--model", self.model]
+        if self.sync_token_ids:
+            args.append("--sync-token-ids")
+        for inj in self.injections:
+            args += ["--inject", str(inj)]
+        return args + list(self.extra_args)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """A validated request to supervise one TP group on this node."""
+
+    command: tuple[str, ...]  # empty: the built-in engine
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port is chosen at launch
+    tree: bool = False
+    hard_timeout: float | None = None
+    soft_timeout: float | None = None
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
+    kill_grace: float = DEFAULT_KILL_GRACE_S
+    dump_dir: Path = Path("supervise-dumps")
+    dump_keep: int = DEFAULT_DUMP_KEEP
+    dump_max_bytes: int = DEFAULT_DUMP_MAX_BYTES
+    stack_method: str = "auto"
+    native_stacks: bool = False
+    metrics_addr: tuple[str, int] | None = ("127.0.0.1", 9180)
+    consensus: str = "observe"
+    consensus_inband: int = 0
+    max_restarts: int = 0
+    log_format: str = "console"
+    zero_code_hook: bool = True
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes {self.nnodes}: must be at least 1")
+        if self.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(
+                f"--node-rank {self.node_rank} is outside [0, {self.nnodes}) for --nnodes {self.nnodes}: "
+                "set it to this node's zero-based index"
+            )
+        for flag, value in (
+            ("--hard-timeout", self.hard_timeout),
+            ("--soft-timeout", self.soft_timeout),
+            ("--startup-timeout", self.startup_timeout),
+        ):
+            if value is not None and not value > 0:
+                raise UsageError(f"{flag} {value}: must be a positive number of seconds")
+        if self.kill_grace < 0:
+            raise UsageError(f"--kill-grace {self.kill_grace}: must be >= 0 seconds")
+        if self.soft_timeout is not None and self.hard_timeout is not None and self.soft_timeout >= self.hard_timeout:
+            raise UsageError(
+                f"--soft-timeout {self.soft_timeout} must be shorter than --hard-timeout {self.hard_timeout} "
+                "(the soft watchdog dumps before the hard one kills)"
+            )
+        if self.consensus not in CONSENSUS_MODES:
+            raise UsageError(f"--consensus {self.consensus!r}: choose one of {', '.join(CONSENSUS_MODES)}")
+        if self.consensus_inband < 0:
+            raise UsageError("--consensus-inband N: N must be >= 0 (0 disables the in-band check)")
+        if self.stack_method not in STACK_METHODS:
+            raise UsageError(f"--stack-method {self.stack_method!r}: choose one of {', '.join(STACK_METHODS)}")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts {self.max_restarts}: must be >= 0")
+        if self.dump_keep < 1:
+            raise UsageError(f"--dump-keep {self.dump_keep}: must keep at least 1 bundle")
+        if self.dump_max_bytes < 1:
+            raise UsageError(f"--dump-max-bytes {self.dump_max_bytes}: must be positive")
+        if self.log_format not in ("console", "json"):
+            raise UsageError(f"--log-format {self.log_format!r}: choose console or json")
+        if self.tree and not self.command:
+            raise UsageError("--tree needs a COMMAND after '--' (a launcher such as torchrun or vllm serve)")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise UsageError(f"--master-port {self.master_port}: must be between 1 and 65535")
+        for inj in self.engine.injections:
+            if inj.rank >= self.world_size:
+                raise UsageError(
+                    f"--inject {inj}: rank {inj.rank} does not exist in a world of {self.world_size} ranks"
+                )
+
+    @property
+    def builtin(self) -> bool:
+        return not self.command
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def rank_offset(self) -> int:
+        return self.node_rank * self.nproc_per_node
+
+    def rank_argv(self) -> list[str]:
+        if self.builtin:
+            return [sys.executable, "-m", "engine", *self.engine.argv()]
+        return list(self.command)
+
+
+def resolve_nproc(nproc_per_node: int | None, tp: int | None, nnodes: int, builtin: bool) -> int:
+    """Launch arithmetic: ``--tp`` is the TP world size, split evenly across nodes."""
+    if tp is not None:
+        if tp < 1:
+            raise UsageError(f"--tp {tp}: must be at least 1")
+        if nnodes >= 1 and tp % nnodes != 0:
+            raise UsageError(
+                f"--tp {tp} is not divisible by --nnodes {nnodes}: the world size must split evenly across "
+                "nodes; adjust --tp or --nnodes"
+            )
+        per_node = tp // max(nnodes, 1)
+        if nproc_per_node is not None and nproc_per_node != per_node:
+            raise UsageError(
+                f"--nproc-per-node {nproc_per_node} contradicts --tp {tp} with --nnodes {nnodes} "
+                f"({per_node} per node); give only one of them"
+            )
+        return per_node
+    if nproc_per_node is not None:
+        return nproc_per_node
+    if builtin:
+        return DEFAULT_BUILTIN_TP
+    raise UsageError("how many ranks? give --nproc-per-node N (or --tp N)")
+
+
+# --------------------------------------------------------------------------
+# preflight: checks against the world, still before anything is started
+
+
+def preflight(spec: LaunchSpec) -> None:
+    _check_command(spec)
+    _check_dump_dir(spec.dump_dir)
+    _check_gpus(spec)
+    if spec.metrics_addr is not None and spec.metrics_addr[1] != 0:
+        _check_port_free(spec.metrics_addr[0], spec.metrics_addr[1], "--metrics-addr")
+    if spec.node_rank == 0 and spec.master_port is not None and _is_local(spec.master_addr):
+        _check_port_free(spec.master_addr, spec.master_port, "--master-port")
+    if spec.builtin and spec.engine.port != 0:
+        _check_port_free(spec.engine.host, spec.engine.port, "--port")
+
+
+def _check_command(spec: LaunchSpec) -> None:
+    if spec.builtin:
+        return
+    exe = spec.command[0]
+    if os.sep in exe:
+        path = Path(exe)
+        if not path.exists():
+            raise UsageError(f"command {exe!r} does not exist; check the path after '--'")
+        if path.is_dir() or not os.access(path, os.X_OK):
+            raise UsageError(f"command {exe!r} is not executable; chmod +x it or run it through its interpreter")
+        return
+    if shutil.which(exe) is None:
+        raise UsageError(f"command {exe!r} was not found on PATH; check the spelling or give its full path")
+
+
+def _check_dump_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"--dump-dir {str(path)!r} is not writable ({exc.strerror or exc}); choose a directory you can write"
+        ) from None
+
+
+def visible_gpu_count() -> int | None:
+    """GPUs this node can use: CUDA_VISIBLE_DEVICES when set, else NVML's count."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return len([d for d in cvd.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return 0
+
+
+def _check_gpus(spec: LaunchSpec) -> None:
+    if not spec.builtin or spec.engine.device != "cuda":
+        return
+    count = visible_gpu_count() or 0
+    if spec.nproc_per_node > count:
+        raise UsageError(
+            f"--nproc-per-node {spec.nproc_per_node} ranks with --device cuda, but this node has {count} visible "
+            "GPU(s): lower --tp / --nproc-per-node, spread the world over more nodes with --nnodes, "
+            "or run on the CPU with --device cpu"
+        )
+
+
+def _is_local(host: str) -> bool:
+    if host in ("localhost", "0.0.0.0", "::", "::1") or host.startswith("127."):
+        return True
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _check_port_free(host: str, port: int, flag: str) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UsageError(
+                    f"{flag}: port {port} on {host} is already in use; stop what holds it or pick another port"
+                ) from None
+            raise UsageError(f"{flag}: cannot bind {host}:{port} ({exc.strerror or exc})") from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,213 @@
+"""Observer threads: the watchdog tick and the consensus poller.
+
+They read shared memory only (never a socket or a pipe of a rank), run the
+pure policies of ``watchdogs/`` and ``consensus/``, update metrics, and post
+events for the main loop.  Neither kills or dumps anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+
+from supervisor.heartbeat import SlotSnapshot, empty_slot
+from watchdogs import policy
+
+if TYPE_CHECKING:
+    from supervisor.core import Supervisor
+
+log = structlog.get_logger("supervise.watchdog")
+
+TICK_S = 0.1  # one watchdog tick: /healthz follows a fault within this
+CONSENSUS_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class WatchdogVerdict:
+    """Event: something the main loop must act on."""
+
+    kind: str  # all_ready | soft | recovered | hard | startup_timeout
+    stalled_s: float
+    message: str
+    verdict: object  # watchdogs.policy.Verdict (None for all_ready)
+    snapshots: tuple[SlotSnapshot, ...]
+    at: float
+
+    @property
+    def log_fields(self) -> dict:
+        v = self.verdict
+        if v is None:
+            return {}
+        return {"soft_timeout_s": round(v.soft_timeout, 2), "hard_timeout_s": round(v.hard_timeout, 2)}
+
+
+@dataclass(frozen=True)
+class RankClaimed:
+    """Event (tree mode): a process claimed a heartbeat slot."""
+
+    slot: int
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class DivergenceFound:
+    verdict: object  # consensus.compare.DivergenceVerdict
+    at: float
+
+
+class WatchdogThread:
+    def __init__(self, sup: "Supervisor"):
+        self.sup = sup
+        spec = sup.spec
+        self.config = policy.WatchdogConfig(
+            soft_timeout=spec.soft_timeout,
+            hard_timeout=spec.hard_timeout,
+            startup_timeout=spec.startup_timeout,
+        )
+        self.state = policy.WatchdogState.initial(time.monotonic())
+        self.all_ready_posted = False
+        self.known_pids: dict[int, int] = {}
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self.adapter = None
+        self.last_verdict = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+    def reset(self, now: float) -> None:
+        """A new attempt: forget progress history and claims (keep learned thresholds)."""
+        with self.lock:
+            # Keep what was learned about step times; forget progress history.
+            self.state = dataclasses.replace(
+                policy.WatchdogState.initial(now), window=self.state.window, learned=self.state.learned
+            )
+            self.all_ready_posted = False
+            self.known_pids = {}
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.tick(time.monotonic())
+            except Exception as exc:  # a watchdog never dies of one bad pass
+                log.error("watchdog pass failed", error=repr(exc))
+            next_tick += TICK_S
+            delay = next_tick - time.monotonic()
+            if delay < 0:
+                next_tick = time.monotonic()
+                delay = 0
+            self._stop.wait(delay)
+
+    def snapshots(self) -> list[SlotSnapshot]:
+        """Slots of live ranks; slots of dead or stale processes read as empty."""
+        sup = self.sup
+        if sup.heartbeat is None:
+            return []
+        raw = sup.heartbeat.read_all()
+        ranks = sup.attempt.ranks
+        out = []
+        for snap in raw:
+            handle = ranks.get(snap.slot)
+            if not snap.claimed:
+                out.append(snap)
+                continue
+            if sup.spec.tree:
+                if handle is not None and (handle.pid != snap.pid or not handle.alive):
+                    out.append(empty_slot(snap.slot))
+                    continue
+            elif handle is None or handle.pid != snap.pid and not _descends(snap.pid, handle.pid) or not handle.alive:
+                out.append(empty_slot(snap.slot))
+                continue
+            out.append(snap)
+        return out
+
+    def tick(self, now: float) -> None:
+        sup = self.sup
+        if sup.attempt.outcome is not None or not sup.attempt.started_at:
+            return
+        snaps = self.snapshots()
+        if sup.spec.tree:
+            self._discover(snaps)
+        external = self.adapter.sample() if self.adapter is not None else None
+        exited = {slot for slot, h in sup.attempt.ranks.items() if not h.alive}
+        with self.lock:
+            self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited)
+        self.last_verdict = verdict
+        if sup.services is not None:
+            sup.services.on_tick(snaps, verdict, now)
+        if verdict.thresholds_changed:
+            log.info(
+                "watchdog thresholds",
+                soft_s=round(verdict.soft_timeout, 2),
+                hard_s=round(verdict.hard_timeout, 2),
+                soft_source=verdict.soft_source,
+                hard_source=verdict.hard_source,
+            )
+        kind = verdict.kind.value
+        if kind in ("soft", "recovered", "hard", "startup_timeout"):
+            sup.events.put(WatchdogVerdict(kind, verdict.stalled_s, verdict.message, verdict, tuple(snaps), now))
+        if not self.all_ready_posted and kind not in ("startup_wait", "startup_timeout", "startup_overdue"):
+            if self._have_ranks(snaps):
+                self.all_ready_posted = True
+                sup.events.put(WatchdogVerdict("all_ready", 0.0, "every rank is ready", None, tuple(snaps), now))
+
+    def _have_ranks(self, snaps: list[SlotSnapshot]) -> bool:
+        if not self.sup.spec.tree:
+            return True
+        return sum(1 for s in snaps if s.claimed) >= self.sup.spec.nproc_per_node
+
+    def _discover(self, snaps: list[SlotSnapshot]) -> None:
+        for snap in self.sup.heartbeat.read_all():
+            if snap.claimed and snap.pid and self.known_pids.get(snap.slot) != snap.pid:
+                self.known_pids[snap.slot] = snap.pid
+                self.sup.events.put(RankClaimed(snap.slot, snap.rank, snap.pid))
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    """A slot claimed by a child of the rank (e.g. a wrapper script's python)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return any(p.pid == ancestor for p in proc.parents())
+    except psutil.Error:
+        return False
+
+
+class ConsensusThread:
+    """Polls the consensus monitor every few ms and posts divergences."""
+
+    def __init__(self, sup: "Supervisor", monitor):
+        self.sup = sup
+        self.monitor = monitor
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="consensus", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(CONSENSUS_POLL_S):
+            try:
+                for verdict in self.monitor.poll(time.monotonic()):
+                    self.sup.events.put(DivergenceFound(verdict, time.monotonic()))
+            except Exception as exc:
+                log.error("consensus pass failed", error=repr(exc))
+                self._stop.wait(0.5)
+

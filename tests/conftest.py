@@ -1,0 +1,158 @@
+"""Shared fixtures: run `supervise` as a real subprocess and prove nothing leaks.
+
+Every process a test starts carries TP_SUPERVISE_TEST_MARK=<uuid> in its
+environment (inherited by ranks and their children), so the leak check finds
+them by /proc scan whatever their parent is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_RANK = ROOT / "tests" / "fakes" / "rank.py"
+MARK_VAR = "TP_SUPERVISE_TEST_MARK"
+
+
+def marked_pids(mark: str) -> list[int]:
+    needle = f"{MARK_VAR}={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    with open(f"/proc/{entry}/stat", "rb") as s:
+                        state = s.read().decode(errors="replace").rsplit(")", 1)[1].split()[0]
+                    if state not in ("Z", "X"):
+                        found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def wait_no_marked(mark: str, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = marked_pids(mark)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+@dataclass
+class Run:
+    proc: subprocess.Popen
+    dump_dir: Path
+    mark: str
+    started: float
+    stdout: str = ""
+    stderr: str = ""
+    ended: float | None = None
+    lines: list[dict] = field(default_factory=list)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            pytest.fail(f"supervise did not exit within {timeout} s\nstderr:\n{err[-4000:]}")
+        self.ended = time.monotonic()
+        self.stdout, self.stderr = out, err
+        self.lines = []
+        for line in err.splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    self.lines.append(json.loads(line))
+                except ValueError:
+                    pass
+        return self.proc.returncode
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    def bundles(self) -> list[Path]:
+        if not self.dump_dir.is_dir():
+            return []
+        return sorted(p for p in self.dump_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def summary(self, reason: str) -> dict:
+        matches = [b for b in self.bundles() if reason in b.name]
+        assert matches, f"no {reason} bundle in {[b.name for b in self.bundles()]}\n{self.stderr[-3000:]}"
+        return json.loads((matches[-1] / "summary.json").read_text())
+
+    def events(self, text: str) -> list[dict]:
+        return [line for line in self.lines if text in str(line.get("event", ""))]
+
+    def run_id(self) -> str | None:
+        for line in self.lines:
+            if line.get("run_id"):
+                return line["run_id"]
+        return None
+
+
+@pytest.fixture
+def supervise(tmp_path):
+    """Start `supervise serve` with test-friendly defaults; checks for leaks after."""
+    mark = uuid.uuid4().hex
+    runs: list[Run] = []
+
+    def start(args: list[str], command: list[str] | None = None, env: dict | None = None, **kw) -> Run:
+        dump_dir = kw.pop("dump_dir", tmp_path / "dumps")
+        full_env = dict(os.environ)
+        full_env[MARK_VAR] = mark
+        full_env["SUPERVISE_REGISTRY_DIR"] = str(tmp_path / "registry")
+        full_env.update(env or {})
+        argv = [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "serve",
+            "--log-format",
+            "json",
+            "--metrics-addr",
+            kw.pop("metrics_addr", "127.0.0.1:0"),
+            "--dump-dir",
+            str(dump_dir),
+            *args,
+        ]
+        if command is not None:
+            argv += ["--", *command]
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+        )
+        run = Run(proc=proc, dump_dir=dump_dir, mark=mark, started=time.monotonic())
+        runs.append(run)
+        return run
+
+    start.mark = mark
+    yield start
+    for run in runs:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.communicate()
+    leaked = wait_no_marked(mark, timeout=3.0)
+    for pid in leaked:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not leaked, f"processes leaked: {leaked}"
+
+
+def fake_rank(*args: str) -> list[str]:
+    return [sys.executable, str(FAKE_RANK), *args]

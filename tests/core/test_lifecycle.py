@@ -1,0 +1,68 @@
+"""Supervisor lifecycle: signals to the supervisor, its own death, restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from tests.conftest import fake_rank, marked_pids, wait_no_marked
+
+
+def _wait_ranks(mark: str, count: int, timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = marked_pids(mark)
+        if len(pids) >= count:
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"expected {count} marked processes, saw {marked_pids(mark)}")
+
+
+def test_sigterm_stops_gracefully_with_exit_0(supervise):
+    run = supervise(["--nproc-per-node", "2", "--kill-grace", "3"], fake_rank("--all", "loop"))
+    _wait_ranks(supervise.mark, 3)
+    time.sleep(0.5)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=20) == 0, run.stderr[-3000:]
+    assert run.bundles() == []
+
+
+def test_second_sigint_kills_immediately(supervise):
+    run = supervise(["--nproc-per-node", "2", "--kill-grace", "30"], fake_rank("--all", "ignore_term"))
+    _wait_ranks(supervise.mark, 3)
+    time.sleep(0.5)
+    run.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    run.wait(timeout=20)
+    assert time.monotonic() - t0 < 10, "second SIGINT must not wait for the 30 s grace"
+    assert run.events("second SIGINT")
+
+
+def test_supervisor_sigkill_leaves_no_rank(supervise):
+    run = supervise(["--nproc-per-node", "3"], fake_rank("--all", "loop", "--on", "1=doublefork"))
+    pids = _wait_ranks(supervise.mark, 4)
+    time.sleep(0.5)
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.wait(timeout=10)  # not communicate(): the orphan holds the pipes
+    left = wait_no_marked(supervise.mark, timeout=1.0)
+    # The double-forked setsid grandchild is not a rank: it has no parent-death
+    # signal.  Every rank must be gone within a second.
+    rank_pids = [p for p in pids if p != run.proc.pid]
+    assert not [p for p in left if p in rank_pids], f"ranks survived the supervisor: {left}"
+    for pid in left:  # the orphaned grandchild; cleaned so the fixture passes
+        os.kill(pid, signal.SIGKILL)
+    run.wait(timeout=10)
+
+
+def test_restart_policy_relaunches_then_reports_crash_loop(supervise):
+    run = supervise(
+        ["--nproc-per-node", "2", "--kill-grace", "1", "--max-restarts", "2"],
+        fake_rank("--all", "sleep", "--on", "1=exit:3", "--delay", "0.3"),
+    )
+    assert run.wait(timeout=60) == 80
+    assert len(run.events("restarting the group")) == 2
+    assert run.events("crash loop")
+    assert len([b for b in run.bundles() if "rank_exit" in b.name]) == 3

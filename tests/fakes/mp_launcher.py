@@ -1,0 +1,68 @@
+"""A launcher that spawns its TP ranks with multiprocessing, the way vLLM and
+SGLang do (spawn context, ranks are grandchildren of the supervisor).
+
+    python mp_launcher.py --tp 2 [--fault stop|stall|none] [--fault-rank 1] [--iters N]
+
+The launcher waits for its workers and exits with the first non-zero code.
+No supervisor code here: the zero-code hook must find the ranks.
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+
+
+def worker(rank, world, port, args):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    x = torch.ones(32, 128)
+    for i in range(args.iters):
+        if rank == args.fault_rank and i == args.fault_at:
+            if args.fault == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif args.fault == "stall":
+                while True:
+                    time.sleep(0.01)
+            elif args.fault == "crash":
+                os._exit(3)
+        dist.all_reduce(x)
+        x.mul_(0.5)
+        time.sleep(args.sleep)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--fault", default="none")
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-at", type=int, default=30)
+    p.add_argument("--sleep", type=float, default=0.01)
+    args = p.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, args.tp, port, args), name=f"Worker_TP{r}") for r in range(args.tp)]
+    for proc in procs:
+        proc.start()
+    code = 0
+    for proc in procs:
+        proc.join()
+        if proc.exitcode and not code:
+            code = proc.exitcode if proc.exitcode > 0 else 128 - proc.exitcode
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
