@@ -60,6 +60,7 @@ RESTART_BACKOFF_MAX_S = 30.0
 # A run that stayed up this long resets the backoff (not a crash loop).
 RESTART_STABLE_S = 300.0
 LAUNCHER_KEY = "launcher"
+TEARDOWN_EXIT = "teardown"  # metrics reason of exits caused by our own teardown
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,7 @@ class Supervisor:
                 if self.last_teardown is not None and not self.last_teardown.complete:
                     code = EXIT_TEARDOWN
                 log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restarts)
+                self.services.linger(self.spec.metrics_linger, self.hurry)
                 return code
         finally:
             self._cleanup()
@@ -356,6 +358,8 @@ class Supervisor:
             )
         handle.exit, handle.exited_at = info, ev.at
         if self.attempt.outcome is not None or self.state is EngineState.TEARING_DOWN:
+            # A consequence of the incident being handled (or of our own stop).
+            self.services.on_rank_exit(TEARDOWN_EXIT)
             log.debug("rank exited during shutdown", rank=handle.rank, pid=ev.pid, cause=info.description)
             return
         if handle is self.attempt.launcher:
@@ -365,6 +369,7 @@ class Supervisor:
             # Peers of a finishing job exit within moments: check again shortly.
             threading.Timer(EARLY_EXIT_WINDOW_S, self.events.put, args=(EarlyExitCheck(handle.slot),)).start()
             return
+        self.services.on_rank_exit(info.reason)
         if not info.failed:
             if not self.live_ranks() and self.attempt.launcher is None:
                 log.info("every rank finished with exit code 0")
@@ -377,12 +382,16 @@ class Supervisor:
         if handle is None or self.attempt.outcome is not None:
             return
         if self.live_ranks():
+            self.services.on_rank_exit(exits.EARLY_EXIT)
             self._rank_failed(handle, handle.exit)
-        elif all(h.exit.reason in (exits.CLEAN, exits.EARLY_EXIT) for h in self.attempt.ranks.values()):
+            return
+        self.services.on_rank_exit(exits.CLEAN)
+        if all(h.exit.reason in (exits.CLEAN, exits.EARLY_EXIT) for h in self.attempt.ranks.values()):
             log.info("every rank finished with exit code 0")
             self._finish(Outcome(EXIT_OK, "clean"))
 
     def _on_launcher_exit(self, handle: RankHandle, info: ExitInfo) -> None:
+        self.services.on_rank_exit(info.reason)
         if not info.failed or info.reason == exits.EARLY_EXIT:
             if self.attempt.first_failure is None:
                 log.info("launcher finished with exit code 0")
@@ -406,7 +415,6 @@ class Supervisor:
             **first_info.to_dict(),
         )
         self.transition(Event.RANK_EXIT)
-        self.services.on_rank_exit(first_info.reason)
         self.desk.rank_exit(first, first_info)
         self._finish(Outcome(EXIT_RANK, "rank_exit", culprit=first.rank))
 

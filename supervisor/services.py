@@ -163,6 +163,13 @@ class Services:
     def on_teardown(self, result: "TeardownResult") -> None:
         self.metrics.record_teardown(result.duration_s, result.complete)
 
+    def linger(self, seconds: float, interrupt) -> None:
+        """Keep /metrics up after the incident so Prometheus scrapes its last counts."""
+        if self.http is None or seconds <= 0:
+            return
+        log.info("metrics stay up before exit", seconds=seconds, url=self.metrics_url)
+        interrupt.wait(seconds)
+
     def gpu_holders(self, pids: set[int]) -> list[tuple[int, int, int]]:
         if not self.gpu.available:
             return []

@@ -134,6 +134,7 @@ class LaunchSpec:
     stack_method: str = "auto"
     native_stacks: bool = False
     metrics_addr: tuple[str, int] | None = ("127.0.0.1", 9180)
+    metrics_linger: float = 0.0
     consensus: str = "observe"
     consensus_inband: int = 0
     max_restarts: int = 0
@@ -158,6 +159,8 @@ class LaunchSpec:
         ):
             if value is not None and not value > 0:
                 raise UsageError(f"{flag} {value}: must be a positive number of seconds")
+        if self.metrics_linger < 0:
+            raise UsageError(f"--metrics-linger {self.metrics_linger}: must be >= 0 seconds")
         if self.kill_grace < 0:
             raise UsageError(f"--kill-grace {self.kill_grace}: must be >= 0 seconds")
         if self.soft_timeout is not None and self.hard_timeout is not None and self.soft_timeout >= self.hard_timeout:

@@ -8,6 +8,7 @@ events for the main loop.  Neither kills or dumps anything.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +26,11 @@ log = structlog.get_logger("supervise.watchdog")
 
 TICK_S = 0.1  # one watchdog tick: /healthz follows a fault within this
 CONSENSUS_POLL_S = 0.005
+# A spawned rank that does not report readiness (no slot: not Python or no
+# hook; or a claimed slot without the READY flag and not instrumented) counts
+# as ready after this long.  Instrumented ranks are held back by the policy's
+# pending check until they call ready().
+UNCLAIMED_READY_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,8 @@ class WatchdogThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self.adapter = None
+        argv0 = os.path.basename(spec.rank_argv()[0])
+        self.expect_claim = spec.zero_code_hook and "python" in argv0
         self.last_verdict = None
 
     def start(self) -> None:
@@ -159,14 +167,27 @@ class WatchdogThread:
         if kind in ("soft", "recovered", "hard", "startup_timeout"):
             sup.events.put(WatchdogVerdict(kind, verdict.stalled_s, verdict.message, verdict, tuple(snaps), now))
         if not self.all_ready_posted and kind not in ("startup_wait", "startup_timeout", "startup_overdue"):
-            if self._have_ranks(snaps):
+            if self._have_ranks(snaps, now):
                 self.all_ready_posted = True
                 sup.events.put(WatchdogVerdict("all_ready", 0.0, "every rank is ready", None, tuple(snaps), now))
 
-    def _have_ranks(self, snaps: list[SlotSnapshot]) -> bool:
-        if not self.sup.spec.tree:
-            return True
-        return sum(1 for s in snaps if s.claimed) >= self.sup.spec.nproc_per_node
+    def _have_ranks(self, snaps: list[SlotSnapshot], now: float) -> bool:
+        """Every rank showed up: claimed its slot, or (a rank that cannot
+        claim one, e.g. not Python or no hook) has run for a grace period."""
+        spec = self.sup.spec
+        by_slot = {s.slot: s for s in snaps if s.claimed}
+        if spec.tree:
+            return len(by_slot) >= spec.nproc_per_node
+        for slot, handle in self.sup.attempt.ranks.items():
+            snap = by_slot.get(slot)
+            if snap is not None and snap.ready:
+                continue
+            # Claimed but silent (the hook claims before user code runs, and
+            # the program may still declare itself instrumented), or never
+            # claimed: ready only after the grace period.
+            if (snap is None and self.expect_claim) or now - handle.started_at < UNCLAIMED_READY_GRACE_S:
+                return False
+        return True
 
     def _discover(self, snaps: list[SlotSnapshot]) -> None:
         for snap in self.sup.heartbeat.read_all():

@@ -110,7 +110,10 @@ def main() -> None:
     p.add_argument("--on", action="append", default=[])
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM whatever the action")
     args = p.parse_args()
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = int(os.environ.get("RANK", "0"))
     action = args.all
     for item in args.on:

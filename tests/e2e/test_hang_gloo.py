@@ -1,0 +1,78 @@
+"""Issue 4/5 acceptance on real gloo collectives, with no supervisor code in
+the program (the zero-code hook instruments torch.distributed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+GLOO = str(Path(__file__).resolve().parents[1] / "fakes" / "gloo_loop.py")
+
+
+def gloo(*args: str) -> list[str]:
+    return [sys.executable, GLOO, *args]
+
+
+def test_stopped_rank_soft_then_hard_hang(supervise):
+    run = supervise(
+        ["--nproc-per-node", "2", "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "2"],
+        gloo("--iters", "100000", "--fault", "stop", "--fault-at", "30"),
+    )
+    assert run.wait(timeout=90) == 81, run.stderr[-4000:]
+    names = [b.name for b in run.bundles()]
+    assert any("hang_suspected" in n for n in names), names
+    hang = run.summary("-hang")
+    assert hang["reason"] == "hang"
+    assert hang["culprit_ranks"] == [1], hang["verdict"]
+    assert hang["ranks"]["1"]["state"] == "T"
+    assert "stopped" in hang["verdict"]
+    bundle = [b for b in run.bundles() if b.name.endswith("-hang") or "-hang-" in b.name][-1]
+    rank0 = (bundle / "stacks" / "rank-0.txt").read_text()
+    assert "all_reduce" in rank0
+    assert (bundle / "stacks" / "rank-1.txt").read_text().strip()
+
+
+def test_rank_stuck_in_python_outside_collectives(supervise):
+    run = supervise(
+        ["--nproc-per-node", "2", "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "2"],
+        gloo("--iters", "100000", "--fault", "stall", "--fault-at", "30"),
+    )
+    assert run.wait(timeout=90) == 81, run.stderr[-4000:]
+    hang = run.summary("-hang")
+    assert hang["culprit_ranks"] == [1], hang["verdict"]
+    bundle = [b for b in run.bundles() if b.name.endswith("-hang") or "-hang-" in b.name][-1]
+    assert "stuck_in_python" in (bundle / "stacks" / "rank-1.txt").read_text()
+
+
+def test_idle_longer_than_hard_timeout_is_not_a_hang(supervise):
+    run = supervise(
+        ["--nproc-per-node", "2", "--soft-timeout", "2", "--hard-timeout", "4"],
+        gloo("--iters", "40", "--idle", "7", "--fault-at", "20"),
+    )
+    assert run.wait(timeout=90) == 0, run.stderr[-4000:]
+    assert run.bundles() == []
+
+
+def test_slow_rank_under_soft_timeout_is_not_a_hang(supervise):
+    run = supervise(
+        ["--nproc-per-node", "2", "--soft-timeout", "3", "--hard-timeout", "6"],
+        gloo("--iters", "24", "--slow", "2", "--fault-at", "20"),
+    )
+    assert run.wait(timeout=90) == 0, run.stderr[-4000:]
+    assert run.bundles() == []
+
+
+def test_adaptive_default_detects_a_stopped_rank_well_under_a_minute(supervise):
+    run = supervise(
+        ["--nproc-per-node", "2", "--kill-grace", "2"],
+        gloo("--iters", "100000", "--fault", "stop", "--fault-at", "300", "--sleep", "0.005"),
+    )
+    assert run.wait(timeout=120) == 81, run.stderr[-4000:]
+    hang = run.summary("-hang")
+    assert hang["culprit_ranks"] == [1]
+    stalled = hang.get("stalled_s")
+    assert stalled is not None and stalled < 60
