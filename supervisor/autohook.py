@@ -109,6 +109,43 @@ def _wrap_init(fn):
     return wrapper
 
 
+def _wrap_destroy(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        group = args[0] if args else kwargs.get("group")
+        result = fn(*args, **kwargs)
+        if group is None:
+            # Leaving the default group on purpose: the rank is finishing.
+            runtime.finished()
+        return result
+
+    wrapper.__tp_supervise_wrapped__ = True
+    return wrapper
+
+
+_crashed = False
+
+
+def _note_crash(previous):
+    def hook(*args, **kwargs):
+        global _crashed
+        _crashed = True
+        return previous(*args, **kwargs)
+
+    return hook
+
+
+def _at_exit() -> None:
+    """Interpreter shutdown without an uncaught exception: a planned exit.
+
+    In tree mode the supervisor cannot read a grandchild's exit status; this
+    flag is how it tells a finishing rank from a vanished one.  (os._exit and
+    fatal signals skip atexit, so they still count as vanished.)
+    """
+    if not _crashed:
+        runtime.finished()
+
+
 def patch(dist_module) -> None:
     """Wrap init and the collectives of ``torch.distributed`` (idempotent)."""
     try:
@@ -120,6 +157,9 @@ def patch(dist_module) -> None:
         init = getattr(module, "init_process_group", None)
         if init is not None and not getattr(init, "__tp_supervise_wrapped__", False):
             setattr(module, "init_process_group", _wrap_init(init))
+        destroy = getattr(module, "destroy_process_group", None)
+        if destroy is not None and not getattr(destroy, "__tp_supervise_wrapped__", False):
+            setattr(module, "destroy_process_group", _wrap_destroy(destroy))
     wrapped: dict[int, object] = {}
     for name in COLLECTIVES:
         for module in targets:
@@ -173,6 +213,10 @@ def install() -> None:
     if _installed or not runtime.enabled():
         return
     _installed = True
+    import atexit
+
+    sys.excepthook = _note_crash(sys.excepthook)
+    atexit.register(_at_exit)
     if os.environ.get(runtime.ENV_SLOT):
         # Spawn mode: the rank's slot is known; claim it now so liveness and
         # the stack signal work even before (or without) a process group.

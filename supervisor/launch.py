@@ -118,7 +118,7 @@ def rank_env(
             runtime.ENV_RUN_ID: ctx.run_id,
             runtime.ENV_RUN_DIR: str(ctx.run_dir),
             runtime.ENV_HEARTBEAT: str(ctx.heartbeat_path),
-            runtime.ENV_DEATH_FD: str(ctx.death_fd),
+            runtime.ENV_DEATH_FD: f"{ctx.death_fd}:{os.fstat(ctx.death_fd).st_ino}",
             runtime.ENV_SUPERVISOR_PID: str(ctx.supervisor_pid),
             runtime.ENV_STACK_SIGNAL: str(int(STACK_SIGNAL)),
             runtime.ENV_SLOT_BASE: str(ctx.node_rank * ctx.nproc_per_node),

@@ -17,7 +17,7 @@ Environment it reads (set by ``supervise serve``; see docs/environment.md):
     SUPERVISE_HEARTBEAT       path of the heartbeat segment
     SUPERVISE_SLOT            slot index of this rank (spawn mode)
     SUPERVISE_SLOT_BASE       first global rank of this node (tree mode: slot = rank - base)
-    SUPERVISE_DEATH_FD        read end of the death pipe (EOF = supervisor gone)
+    SUPERVISE_DEATH_FD        <fd>:<inode> of the death pipe's read end (EOF = supervisor gone)
     SUPERVISE_SUPERVISOR_PID  pid of the supervisor (fallback for the death watch)
     SUPERVISE_STACK_SIGNAL    signal on which the rank writes all threads' stacks
     SUPERVISE_RUN_DIR         per-run scratch directory (stack files live here)
@@ -108,14 +108,9 @@ class _Runtime:
         if self.death_watch_started:
             return
         fds: list[int] = []
-        fd_text = os.environ.get(ENV_DEATH_FD)
-        if fd_text and fd_text.isdigit():
-            fd = int(fd_text)
-            try:
-                os.fstat(fd)
-                fds.append(fd)
-            except OSError:
-                pass
+        fd = _death_pipe_fd(os.environ.get(ENV_DEATH_FD, ""))
+        if fd is not None:
+            fds.append(fd)
         sup = os.environ.get(ENV_SUPERVISOR_PID)
         if sup and sup.isdigit() and hasattr(os, "pidfd_open"):
             try:
@@ -128,6 +123,28 @@ class _Runtime:
         self.death_watch_started = True
         t = threading.Thread(target=_watch_death, args=(fds,), name="supervise-death-watch", daemon=True)
         t.start()
+
+
+def _death_pipe_fd(value: str) -> int | None:
+    """The inherited death-pipe fd, only if it really is that pipe.
+
+    ``SUPERVISE_DEATH_FD`` is ``<fd>:<inode>``.  A grandchild started by a
+    launcher (multiprocessing spawn, torchrun) inherits the variable but not
+    the fd; the same number may then name an unrelated pipe, whose EOF must
+    not be taken for the supervisor's death.
+    """
+    import stat
+
+    fd_text, _, ino_text = value.partition(":")
+    if not fd_text.isdigit() or not ino_text.isdigit():
+        return None
+    try:
+        st = os.fstat(int(fd_text))
+    except OSError:
+        return None
+    if not stat.S_ISFIFO(st.st_mode) or st.st_ino != int(ino_text):
+        return None
+    return int(fd_text)
 
 
 def _supervisor_gone() -> None:
@@ -146,21 +163,9 @@ def _watch_death(fds: list[int]) -> None:
         except InterruptedError:
             continue
         for fd, _ev in events:
-            try:
-                data = os.read(fd, 1) if _is_pipe(fd) else b""
-            except OSError:
-                data = b""
-            if not data:
-                _supervisor_gone()
-
-
-def _is_pipe(fd: int) -> bool:
-    import stat
-
-    try:
-        return stat.S_ISFIFO(os.fstat(fd).st_mode)
-    except OSError:
-        return False
+            # The supervisor never writes the death pipe: readable means EOF.
+            # A pidfd becomes readable when the supervisor exits.
+            _supervisor_gone()
 
 
 _rt = _Runtime()

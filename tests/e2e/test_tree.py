@@ -1,0 +1,67 @@
+"""Tree mode: the command is a launcher; ranks are found when they join the group."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+VENV_BIN = Path(sys.executable).parent
+
+
+def mp_launcher(*args: str) -> list[str]:
+    return [sys.executable, str(FAKES / "mp_launcher.py"), *args]
+
+
+def test_multiprocessing_launcher_clean_run(supervise):
+    run = supervise(["--tree", "--nproc-per-node", "2"], mp_launcher("--tp", "2", "--iters", "60"))
+    assert run.wait(timeout=90) == 0, run.stderr[-4000:]
+    joined = run.events("rank joined the group")
+    assert sorted(line["rank"] for line in joined) == [0, 1]
+    assert run.bundles() == []
+
+
+def test_multiprocessing_launcher_stopped_rank_is_a_hang(supervise):
+    run = supervise(
+        ["--tree", "--nproc-per-node", "2", "--soft-timeout", "2", "--hard-timeout", "4", "--kill-grace", "2"],
+        mp_launcher("--tp", "2", "--iters", "100000", "--fault", "stop", "--fault-at", "40"),
+    )
+    assert run.wait(timeout=90) == 81, run.stderr[-4000:]
+    hang = run.summary("-hang")
+    assert hang["culprit_ranks"] == [1], hang["verdict"]
+    assert hang["ranks"]["1"]["state"] == "T"
+
+
+def test_multiprocessing_launcher_crashed_rank(supervise):
+    run = supervise(
+        ["--tree", "--nproc-per-node", "2", "--kill-grace", "2"],
+        mp_launcher("--tp", "2", "--iters", "100000", "--fault", "crash", "--fault-at", "40"),
+    )
+    assert run.wait(timeout=90) == 80, run.stderr[-4000:]
+    summary = run.summary("rank_exit")
+    assert summary["culprit_ranks"] == [1], summary["verdict"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([sys.executable, str(FAKES / "hf_tp_generate.py"), "--make", str(path)], check=True, capture_output=True)
+    return path
+
+
+def test_torchrun_transformers_tp_generate(supervise, tiny_llama):
+    torchrun = str(VENV_BIN / "torchrun")
+    script = str(FAKES / "hf_tp_generate.py")
+    run = supervise(
+        ["--tree", "--nproc-per-node", "2", "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "2"],
+        [torchrun, "--nproc-per-node", "2", script, "--model", str(tiny_llama), "--loops", "4000", "--fault", "stop", "--fault-at", "3"],
+    )
+    assert run.wait(timeout=120) == 81, run.stderr[-4000:]
+    assert sorted(line["rank"] for line in run.events("rank joined the group")) == [0, 1]
+    hang = run.summary("-hang")
+    assert hang["culprit_ranks"] == [1], hang["verdict"]
