@@ -1,0 +1,7 @@
+"""Stack capture, flight recorder, diagnosis, incident bundles and their rendering.
+
+Entry points for the supervisor: ``dumps.incident.write_incident`` (one call
+per incident), ``dumps.bundle.BundleWriter``, ``dumps.capture.RankTarget``,
+``dumps.flight.rank_env`` (per-rank environment) and ``dumps.analyze.main``
+(``supervise analyze``).  This package never decides *when* to dump.
+"""

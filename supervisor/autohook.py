@@ -103,6 +103,14 @@ def _wrap_init(fn):
             runtime.joined_group(dist.get_rank())
         except Exception as exc:  # never break the user's program
             print(f"supervise: could not claim a heartbeat slot: {exc!r}", file=sys.stderr)
+        try:
+            # Per-rank debug server (flight-recorder trace, tracebacks) that
+            # answers while the main thread is blocked inside a collective.
+            from dumps import flight
+
+            flight.serve_in_rank()
+        except Exception as exc:
+            print(f"supervise: flight-recorder server not started: {exc!r}", file=sys.stderr)
         return result
 
     wrapper.__tp_supervise_wrapped__ = True

@@ -73,7 +73,7 @@ class IncidentDesk:
                     slot=slot,
                     pid=h.pid,
                     alive=h.alive,
-                    exit=None if h.exit is None else h.exit.to_dict(),
+                    exit=None if h.exit is None else dict(h.exit.to_dict(), at=h.exited_at),
                     heartbeat=snaps.get(slot),
                 )
             )

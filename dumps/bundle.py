@@ -1,0 +1,248 @@
+"""Incident bundles on disk: atomic, never overwritten, bounded (docs/bundle.md).
+
+A bundle is written completely into a hidden temp directory inside the
+dump dir, then renamed to ``<UTC yyyymmddTHHMMSSZ>-<reason>[-N]``.
+``rename(2)`` of a directory onto an existing non-empty directory fails, so
+two writers (threads or processes) that pick the same name cannot clobber
+each other: the loser takes the next ``-N``.  Readers never see a partial
+bundle.  Retention deletes the oldest bundles (by name: time, then ``-N``)
+until both the count and the byte limit hold, never the bundle just
+written; a bundle is renamed to a hidden name before it is removed, so a
+reader sees it whole or not at all.  Temp dirs left by a writer that died
+are removed on the next write.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+
+import structlog
+
+from dumps.render import summary_text
+
+log = structlog.get_logger()
+
+SUMMARY_JSON = "summary.json"
+SUMMARY_TXT = "summary.txt"
+FORMAT_VERSION = 1
+TMP_PREFIX = ".tmp-"
+DEL_PREFIX = ".del-"
+TIME_FORMAT = "%Y%m%dT%H%M%SZ"
+MAX_SUFFIX = 10_000
+BUNDLE_NAME = re.compile(r"^(?P<ts>\d{8}T\d{6}Z)-(?P<reason>[a-z0-9_]+?)(?:-(?P<n>\d+))?$")
+_REASON_CHARS = re.compile(r"[^a-z0-9_]+")
+
+
+def bundle_name(detected_at: datetime, reason: str, n: int = 0) -> str:
+    ts = detected_at.astimezone(timezone.utc).strftime(TIME_FORMAT)
+    clean = _REASON_CHARS.sub("_", reason.lower()).strip("_") or "incident"
+    return f"{ts}-{clean}" + (f"-{n}" if n else "")
+
+
+def iso_utc(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def stack_file(rank: int) -> str:
+    return f"stacks/rank-{rank}.txt"
+
+
+def fr_file(rank: int) -> str:
+    return f"fr/rank-{rank}.json"
+
+
+_STACK_FILE = re.compile(r"^stacks/rank-(-?\d+)\.txt$")
+
+
+def stacks_from_files(files: Mapping[str, bytes | str]) -> dict[int, str]:
+    """Rank -> stack text, from bundle file names (``stacks/rank-<r>.txt``)."""
+    out = {}
+    for name, content in files.items():
+        m = _STACK_FILE.match(name)
+        if m:
+            out[int(m.group(1))] = content if isinstance(content, str) else bytes(content).decode("utf-8", "replace")
+    return out
+
+
+def read_stacks(bundle: Path) -> dict[int, str]:
+    """Rank -> stack text of a published bundle."""
+    files = {}
+    for path in sorted(Path(bundle, "stacks").glob("rank-*.txt")):
+        files[f"stacks/{path.name}"] = path.read_text(encoding="utf-8", errors="replace")
+    return stacks_from_files(files)
+
+
+def is_bundle(path: Path) -> bool:
+    return Path(path, SUMMARY_JSON).is_file()
+
+
+@dataclass(frozen=True)
+class _Existing:
+    path: Path
+    key: tuple
+    size: int
+
+
+def _tree_size(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _safe_relpath(name: str) -> PurePosixPath:
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts or name in (SUMMARY_JSON, SUMMARY_TXT):
+        raise ValueError(f"bad bundle file name {name!r}")
+    return rel
+
+
+class BundleWriter:
+    """Writes bundles under ``dump_dir``; keeps at most ``keep`` and ``max_bytes`` (0: no byte limit)."""
+
+    def __init__(self, dump_dir: Path, keep: int, max_bytes: int):
+        if keep < 1:
+            raise ValueError("keep must be at least 1 (the bundle just written is always kept)")
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0 (0: no byte limit)")
+        self.dump_dir = Path(dump_dir)
+        self.keep = keep
+        self.max_bytes = max_bytes
+
+    def write(
+        self,
+        reason: str,
+        summary: dict,
+        files: Mapping[str, bytes | str],
+        detected_at: datetime,
+    ) -> Path:
+        """Write one bundle atomically and apply retention; returns its path.
+
+        ``files`` maps relative paths (``stacks/rank-0.txt``) to contents.
+        ``summary`` gets ``reason``, ``detected_at`` and ``format_version``
+        filled in when absent; ``summary.txt`` is rendered from it.
+        """
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        full = {"format_version": FORMAT_VERSION, "reason": reason, "detected_at": iso_utc(detected_at)}
+        full.update(summary)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=self.dump_dir))
+        try:
+            for name, content in files.items():
+                target = tmp.joinpath(*_safe_relpath(name).parts)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if isinstance(content, str):
+                    data = content.encode("utf-8")
+                elif isinstance(content, (bytes, bytearray, memoryview)):
+                    data = bytes(content)
+                else:
+                    raise TypeError(f"bundle file {name!r}: content must be str or bytes, not {type(content).__name__}")
+                target.write_bytes(data)
+            (tmp / SUMMARY_TXT).write_text(summary_text(full, stacks_from_files(files)), encoding="utf-8")
+            # summary.json last: a directory with it is complete.
+            (tmp / SUMMARY_JSON).write_text(json.dumps(full, indent=2, default=str) + "\n", encoding="utf-8")
+            os.chmod(tmp, 0o755)
+            final = self._publish(tmp, detected_at, reason)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            self.enforce_retention(protect=final)
+        except OSError as exc:  # retention never fails a written bundle
+            log.warning("dump.retention_failed", error=repr(exc))
+        return final
+
+    def _publish(self, tmp: Path, detected_at: datetime, reason: str) -> Path:
+        for n in range(MAX_SUFFIX):
+            final = self.dump_dir / bundle_name(detected_at, reason, n)
+            try:
+                os.rename(tmp, final)
+                return final
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise
+        raise FileExistsError(f"no free bundle name for {reason} at {detected_at}")
+
+    def bundles(self) -> list[Path]:
+        """Published bundles, oldest first."""
+        return [e.path for e in self._existing(with_size=False)]
+
+    def _existing(self, with_size: bool) -> list[_Existing]:
+        out = []
+        try:
+            entries = list(os.scandir(self.dump_dir))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            m = BUNDLE_NAME.match(entry.name)
+            if not m or not entry.is_dir(follow_symlinks=False):
+                continue
+            key = (m.group("ts"), int(m.group("n") or 0), entry.name)
+            size = _tree_size(Path(entry.path)) if with_size else 0
+            out.append(_Existing(Path(entry.path), key, size))
+        out.sort(key=lambda e: e.key)
+        return out
+
+    def enforce_retention(self, protect: Path | None = None) -> list[Path]:
+        """Delete oldest bundles beyond ``keep`` / ``max_bytes``; returns what was deleted."""
+        self._sweep_temp()
+        existing = self._existing(with_size=True)
+        count = len(existing)
+        total = sum(e.size for e in existing)
+        deleted = []
+        for e in existing:
+            if count <= self.keep and (not self.max_bytes or total <= self.max_bytes):
+                break
+            if protect is not None and e.path == Path(protect):
+                continue
+            if self._remove(e.path):
+                deleted.append(e.path)
+                log.info("dump.bundle_deleted", path=str(e.path), bytes=e.size)
+            count -= 1
+            total -= e.size
+        return deleted
+
+    def _remove(self, path: Path) -> bool:
+        hidden = path.with_name(f"{DEL_PREFIX}{os.getpid()}-{path.name}")
+        try:
+            os.rename(path, hidden)
+        except FileNotFoundError:
+            return False  # another writer's retention got there first
+        shutil.rmtree(hidden, ignore_errors=True)
+        return True
+
+    def _sweep_temp(self) -> None:
+        """Remove temp/delete dirs whose writer process is gone."""
+        try:
+            entries = list(os.scandir(self.dump_dir))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            for prefix in (TMP_PREFIX, DEL_PREFIX):
+                if not entry.name.startswith(prefix):
+                    continue
+                pid_text = entry.name[len(prefix) :].split("-", 1)[0]
+                if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

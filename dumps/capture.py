@@ -1,0 +1,402 @@
+"""Stack capture for every rank at once, each bounded by its own timeout.
+
+Methods (``capture_all(method=…)``):
+
+``auto``          py-spy when it can be found, else (or when it fails for a
+                  rank) the faulthandler fallback;
+``py-spy``        py-spy only;
+``faulthandler``  the fallback only: the rank-side runtime registered
+                  ``faulthandler`` on the signal recorded in its heartbeat
+                  slot, writing to ``supervisor.runtime.stack_file_path``;
+                  we send that signal and read the bytes it appends;
+``none``          no stacks: /proc and heartbeat evidence only.
+
+py-spy is looked up as ``$SUPERVISE_PYSPY`` when set (a path; a path that
+does not exist, or ``off``, makes py-spy unavailable, which is how tests
+and containers without ptrace force the fallback), else ``py-spy`` on
+``PATH``, else next to the running interpreter (a venv's ``bin/``).
+
+Per rank, in its own named thread: read ``/proc`` first (state before any
+ptrace), then try py-spy in blocking mode (it pauses the rank for a few
+milliseconds, giving a consistent stack), then ``--nonblocking`` (needed
+for a SIGSTOPped rank, which plain py-spy cannot attach to, and as a retry
+after a timeout), then the signal fallback.  A stopped rank cannot run its
+signal handler, so the fallback says so instead of waiting.  Nothing here
+raises for one rank: every failure becomes that rank's ``error`` text.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from dumps import stacks as st
+from dumps.procinfo import CpuSamples, ProcInfo, cpu_delta, read_proc
+from supervisor.heartbeat import SlotSnapshot
+from supervisor.runtime import stack_file_path
+
+log = structlog.get_logger()
+
+ENV_PYSPY = "SUPERVISE_PYSPY"
+PYSPY_OFF_VALUES = frozenset({"off", "none", "false", "0"})
+METHODS = ("auto", "py-spy", "faulthandler", "none")
+# Share of a rank's remaining budget the blocking py-spy attempt may use,
+# so a hung attach still leaves time for --nonblocking and the fallback.
+PYSPY_BLOCKING_SHARE = 0.5
+PYSPY_NONBLOCKING_SHARE = 0.5
+# faulthandler writes from a C signal handler in a few write() calls; the
+# dump is complete once the file stops growing for this long and ends a line.
+FAULTHANDLER_QUIET_S = 0.03
+FAULTHANDLER_POLL_S = 0.005
+# Without a previous sample, CPU use is measured across the capture itself,
+# over at least this window (bounded by the deadline).
+MIN_CPU_WINDOW_S = 0.1
+# Wait for a rank's capture thread this much past its own end time (kill + reap).
+JOIN_GRACE_S = 0.05
+
+
+@dataclass(frozen=True)
+class RankTarget:
+    """A rank to capture, as the supervisor knows it at decision time."""
+
+    rank: int
+    slot: int
+    pid: int | None
+    alive: bool
+    exit: dict | None = None  # {"code", "signal", "core_dumped", "description"}
+    heartbeat: SlotSnapshot | None = None
+
+
+@dataclass(frozen=True)
+class RankEvidence:
+    """Everything captured about one rank; pure data for ``diagnose``."""
+
+    rank: int
+    slot: int
+    pid: int | None
+    alive: bool
+    exit: dict | None
+    heartbeat: SlotSnapshot | None
+    proc: ProcInfo | None = None
+    cpu_used_s: float | None = None
+    cpu_window_s: float | None = None
+    prev_progress: tuple[int, int] | None = None  # (step, coll_seq) at the previous sample
+    threads: tuple[st.ThreadStack, ...] = ()
+    stack_text: str = ""  # readable rendering of ``threads``
+    method: str = "none"  # how the stacks were obtained
+    error: str | None = None  # why there are no (or partial) stacks
+    attempts: tuple[str, ...] = ()
+    capture_s: float = 0.0
+
+    @property
+    def has_stacks(self) -> bool:
+        return bool(self.threads)
+
+    @property
+    def state(self) -> str | None:
+        return self.proc.state if self.proc is not None else None
+
+    @property
+    def cpu_fraction(self) -> float | None:
+        if self.cpu_used_s is None or not self.cpu_window_s:
+            return None
+        return self.cpu_used_s / self.cpu_window_s
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One capture pass over all ranks."""
+
+    ranks: Mapping[int, RankEvidence]
+    started_at: float  # time.monotonic()
+    duration_s: float
+    method: str
+    pyspy: str | None
+    samples: CpuSamples = field(default_factory=lambda: CpuSamples(at=0.0))
+
+
+def find_pyspy(environ: Mapping[str, str] | None = None) -> str | None:
+    """Path of the py-spy executable, or None when unavailable (see module doc)."""
+    env = os.environ if environ is None else environ
+    configured = env.get(ENV_PYSPY, "")
+    if configured:
+        if configured.lower() in PYSPY_OFF_VALUES:
+            return None
+        return configured if os.access(configured, os.X_OK) else None
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if os.access(beside, os.X_OK) else None
+
+
+# -- py-spy ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    threads: list[st.ThreadStack] | None
+    note: str
+
+
+def _pyspy(pyspy: str, pid: int, *, native: bool, nonblocking: bool, timeout_s: float) -> _Attempt:
+    label = "py-spy --nonblocking" if nonblocking else "py-spy"
+    if timeout_s <= 0:
+        return _Attempt(None, f"{label}: no time left")
+    cmd = [pyspy, "dump", "--pid", str(pid), "--json"]
+    if nonblocking:
+        cmd.append("--nonblocking")  # py-spy refuses --native with --nonblocking
+    elif native:
+        cmd.append("--native")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return _Attempt(None, f"{label}: timeout after {timeout_s:.2f} s")
+    except OSError as exc:
+        return _Attempt(None, f"{label}: cannot run ({exc.strerror or exc})")
+    if proc.returncode != 0:
+        first = next((ln for ln in proc.stderr.splitlines() if ln.strip()), f"exit {proc.returncode}")
+        return _Attempt(None, f"{label}: {first.strip()}")
+    try:
+        threads = st.parse_pyspy_json(proc.stdout, pid=pid)
+    except ValueError as exc:
+        return _Attempt(None, f"{label}: {exc}")
+    return _Attempt(threads, label)
+
+
+# -- faulthandler fallback ------------------------------------------------------
+
+_file_locks: dict[str, threading.Lock] = {}
+_file_locks_guard = threading.Lock()
+
+
+def _lock_for(path: str) -> threading.Lock:
+    with _file_locks_guard:
+        return _file_locks.setdefault(path, threading.Lock())
+
+
+def _size(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def _faulthandler(run_dir: Path, slot: int, pid: int, signum: int, end: float) -> _Attempt:
+    """Make the rank write its stacks and read what it appended."""
+    path = stack_file_path(run_dir, slot, pid)
+    with _lock_for(path):
+        before = _size(path)
+        if before is None:
+            return _Attempt(None, f"faulthandler: no stack file {path}")
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            return _Attempt(None, "faulthandler: process gone")
+        except PermissionError as exc:
+            return _Attempt(None, f"faulthandler: cannot signal ({exc.strerror})")
+        sent = last_change = time.monotonic()
+        last = before
+        while True:
+            now = time.monotonic()
+            size = _size(path) or 0
+            if size != last:
+                last, last_change = size, now
+            elif size > before and now - last_change >= FAULTHANDLER_QUIET_S and _ends_line(path, size):
+                break
+            if now >= end:
+                if size > before:
+                    break  # keep what was written; the parse says what it got
+                return _Attempt(None, f"faulthandler: timeout after {now - sent:.2f} s with no output")
+            time.sleep(FAULTHANDLER_POLL_S)
+        with open(path, "rb") as f:
+            f.seek(before)
+            text = f.read(last - before).decode("utf-8", "replace")
+    threads = st.parse_faulthandler(text)
+    if not threads:
+        return _Attempt(None, "faulthandler: output had no thread")
+    return _Attempt(threads, "faulthandler")
+
+
+def _ends_line(path: str, size: int) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(size - 1)
+            return f.read(1) == b"\n"
+    except OSError:
+        return False
+
+
+# -- one rank -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    run_dir: Path
+    method: str
+    pyspy: str | None
+    native: bool
+
+
+def _stack_signal(target: RankTarget) -> int:
+    """The rank's faulthandler signal, only when the slot is this very process."""
+    hb = target.heartbeat
+    if hb is None or not hb.stack_signal or hb.pid != target.pid:
+        return 0
+    return hb.stack_signal
+
+
+def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, start: float, end: float):
+    """(threads, method, error, attempts) for one rank; never raises."""
+    if not target.alive or target.pid is None:
+        return [], "none", "rank is not running", ()
+    if proc is None:
+        return [], "none", "process gone", ()
+    if proc.state in ("Z", "X"):
+        return [], "none", f"process is a zombie (state {proc.state}): no stacks", ()
+    if plan.method == "none":
+        return [], "none", "stack capture off (method none)", ()
+    stopped = proc.state in ("T", "t")
+    notes: list[str] = []
+    if plan.method in ("auto", "py-spy"):
+        if plan.pyspy is None:
+            notes.append(f"py-spy unavailable (not found, or ${ENV_PYSPY} points nowhere)")
+        else:
+            if not stopped:
+                share = (end - time.monotonic()) * PYSPY_BLOCKING_SHARE
+                got = _pyspy(plan.pyspy, target.pid, native=plan.native, nonblocking=False, timeout_s=share)
+                notes.append(got.note)
+                if got.threads is not None:
+                    return got.threads, got.note, None, tuple(notes)
+            share = (end - time.monotonic()) * (PYSPY_NONBLOCKING_SHARE if plan.method == "auto" else 1.0)
+            got = _pyspy(plan.pyspy, target.pid, native=False, nonblocking=True, timeout_s=share)
+            notes.append(got.note)
+            if got.threads is not None:
+                return got.threads, got.note, None, tuple(notes)
+    if plan.method in ("auto", "faulthandler"):
+        signum = _stack_signal(target)
+        if stopped:
+            notes.append(f"faulthandler: rank is stopped (state {proc.state}) and cannot run its signal handler")
+        elif not signum:
+            notes.append("faulthandler: the rank registered no stack signal")
+        else:
+            got = _faulthandler(plan.run_dir, target.slot, target.pid, signum, end)
+            notes.append(got.note)
+            if got.threads is not None:
+                return got.threads, got.note, None, tuple(notes)
+    waited = time.monotonic() - start
+    timed_out = any("timeout" in n for n in notes)
+    reason = f"no stacks (timeout after {waited:.2f} s)" if timed_out else "no stacks"
+    return [], "none", f"{reason}: " + "; ".join(notes), tuple(notes)
+
+
+# -- all ranks ------------------------------------------------------------------
+
+
+def capture_all(
+    targets: Sequence[RankTarget],
+    *,
+    run_dir: Path,
+    method: str = "auto",
+    native: bool = False,
+    per_rank_timeout_s: float,
+    deadline_s: float,
+    previous: CpuSamples | None = None,
+) -> Evidence:
+    """Capture every rank in parallel; return within ``deadline_s`` seconds from now.
+
+    ``deadline_s`` is a duration (the whole call's budget), ``per_rank_timeout_s``
+    bounds each rank's attempts.  ``previous`` is the sample a former call
+    returned in ``Evidence.samples``; without it CPU use is measured across
+    this capture (at least ``MIN_CPU_WINDOW_S``).
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown capture method {method!r} (one of {', '.join(METHODS)})")
+    start = time.monotonic()
+    deadline = start + max(0.0, deadline_s)
+    plan = _Plan(Path(run_dir), method, find_pyspy() if method in ("auto", "py-spy") else None, native)
+    first: dict[int, ProcInfo | None] = {}
+    for t in targets:
+        first[t.rank] = read_proc(t.pid) if (t.alive and t.pid) else None
+    first_at = time.monotonic()
+
+    results: dict[int, tuple] = {}
+    lock = threading.Lock()
+    rank_end = min(deadline, start + max(0.0, per_rank_timeout_s))
+
+    def work(target: RankTarget) -> None:
+        t0 = time.monotonic()
+        try:
+            out = _capture_stacks(target, first[target.rank], plan, t0, rank_end)
+        except Exception as exc:  # one bad rank never spoils the dump
+            log.warning("dump.capture_failed", rank=target.rank, error=repr(exc))
+            out = ([], "none", f"capture failed: {exc!r}", ())
+        with lock:
+            results[target.rank] = (*out, time.monotonic() - t0)
+
+    workers = [threading.Thread(target=work, args=(t,), name=f"dump-rank-{t.rank}", daemon=True) for t in targets]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(max(0.0, rank_end + JOIN_GRACE_S - time.monotonic()))
+    with lock:
+        done = dict(results)
+
+    samples_at, second = first_at, first
+    if previous is None:
+        wait = min(first_at + MIN_CPU_WINDOW_S, deadline) - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        second = {t.rank: read_proc(t.pid) if (t.alive and t.pid) else None for t in targets}
+        samples_at = time.monotonic()
+
+    ranks: dict[int, RankEvidence] = {}
+    cpu: dict[int, float] = {}
+    for t in targets:
+        proc, later = first[t.rank], second[t.rank]
+        used = window = None
+        if proc is not None:
+            if previous is not None:
+                used, window = cpu_delta(proc.pid, proc.cpu_s, first_at, previous)
+            elif later is not None:
+                used, window = max(0.0, later.cpu_s - proc.cpu_s), samples_at - first_at
+            cpu[proc.pid] = (later or proc).cpu_s
+        if t.rank in done:
+            threads, how, error, attempts, took = done[t.rank]
+        else:
+            took = time.monotonic() - start
+            threads, how, error, attempts = [], "none", f"no stacks (timeout after {took:.2f} s)", ()
+        prev_progress = previous.progress.get(t.rank) if previous is not None else None
+        ranks[t.rank] = RankEvidence(
+            rank=t.rank,
+            slot=t.slot,
+            pid=t.pid,
+            alive=t.alive,
+            exit=t.exit,
+            heartbeat=t.heartbeat,
+            proc=proc,
+            cpu_used_s=used,
+            cpu_window_s=window,
+            prev_progress=prev_progress,
+            threads=tuple(threads),
+            stack_text=st.render_threads(threads),
+            method=how,
+            error=error,
+            attempts=tuple(attempts),
+            capture_s=took,
+        )
+    progress = {t.rank: (t.heartbeat.step, t.heartbeat.coll_seq) for t in targets if t.heartbeat is not None}
+    samples = CpuSamples(at=samples_at, cpu_s=cpu, progress=progress)
+    duration = time.monotonic() - start
+    log.info("dump.captured", ranks=len(targets), method=method, duration_s=round(duration, 3))
+    return Evidence(ranks=ranks, started_at=start, duration_s=duration, method=method, pyspy=plan.pyspy, samples=samples)
+

@@ -1,0 +1,272 @@
+"""Flight recorder: which collective each rank last entered, taken from the ranks.
+
+What works in torch 2.13 on CPU/gloo (checked against the installed source
+and by experiment; see docs/bundle.md):
+
+* ``TORCH_FR_BUFFER_SIZE=N`` (read when a process group is created) turns
+  the recorder on for gloo too: every collective is an entry with
+  ``collective_seq_id`` per process group, ``profiling_name``
+  (``gloo:all_reduce``), input/output sizes and dtypes, and ``retired``
+  (false while the work is in flight).  gloo leaves ``state`` at
+  ``scheduled`` and the start/complete timestamps at 0.
+* ``torch._C._distributed_c10d._dump_fr_trace_json()`` returns that buffer
+  as JSON, in-process only.
+* ``torch._C._distributed_c10d._WorkerServer(path)`` serves HTTP on a unix
+  socket from a C++ thread with handlers ``fr_trace_json``,
+  ``dump_traceback``, ``pyspy_dump`` and ``ping`` (``POST
+  /handler/<name>``).  The handlers answer while the rank's main thread is
+  blocked inside a collective.  torch starts it only from
+  ``torch.distributed.elastic.control_plane.worker_main()``: setting
+  ``TORCH_WORKER_SERVER_SOCKET`` alone starts nothing.  Hence
+  ``serve_in_rank()`` below, which the rank side (zero-code hook, built-in
+  engine) calls once it joined its process group.
+
+Supervisor side: ``rank_env`` gives each rank the variables, ``collect``
+queries every rank's socket in parallel under one timeout, and the pure
+``analyze`` compares the traces across ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import http.client
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import structlog
+
+from dumps.fr_analysis import FrEntry, FrFindings, Mismatch, MissingCollective, analyze
+from supervisor import runtime
+from supervisor.runtime import ENV_RUN_DIR
+
+log = structlog.get_logger()
+
+ENV_FR_BUFFER = "TORCH_FR_BUFFER_SIZE"
+ENV_WORKER_SOCKET = "TORCH_WORKER_SERVER_SOCKET"
+# Entries kept per process (a ring buffer): ~12 decode steps of an 80-layer model.
+DEFAULT_FR_BUFFER = 2000
+# sun_path holds 108 bytes including the terminating NUL.
+UNIX_PATH_MAX = 107
+HANDLER_FR = "fr_trace_json"
+
+
+# -- paths and environment ------------------------------------------------------
+
+
+def socket_path(run_dir: str | os.PathLike, slot: int) -> str:
+    """Unix socket of a rank's worker server; both sides compute it the same way.
+
+    ``<run_dir>/fr/slot-<slot>.sock``, or, when that exceeds the 107-byte
+    limit of a unix socket path, a name in the temp dir derived from a hash
+    of the run dir.
+    """
+    run = os.path.abspath(os.fspath(run_dir))
+    path = os.path.join(run, "fr", f"slot-{slot}.sock")
+    if len(path.encode()) <= UNIX_PATH_MAX:
+        return path
+    digest = hashlib.sha1(run.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"tpsv-fr-{digest}-{slot}.sock")
+
+
+def rank_env(run_dir: Path, slot: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables the supervisor adds for one rank; keys already in ``environ`` are left out.
+
+    The user's values win: a ``TORCH_FR_BUFFER_SIZE=0`` in the user's
+    environment turns the recorder off, and a user-chosen worker socket is
+    kept (``collect`` then cannot find it, which it reports).
+    """
+    env = os.environ if environ is None else environ
+    ours = {
+        ENV_FR_BUFFER: str(DEFAULT_FR_BUFFER),
+        ENV_WORKER_SOCKET: socket_path(run_dir, slot),
+    }
+    return {k: v for k, v in ours.items() if k not in env}
+
+
+# -- rank side ------------------------------------------------------------------
+
+_server = None
+_server_lock = threading.Lock()
+
+
+def _listening(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def serve_in_rank(slot: int | None = None, environ: Mapping[str, str] | None = None) -> bool:
+    """Start torch's worker server for this rank (idempotent, never raises).
+
+    Call it once the rank joined its process group.  The path is
+    ``socket_path($SUPERVISE_RUN_DIR, slot)`` for ``slot`` (default: the
+    heartbeat slot this process claimed through ``supervisor.runtime``), so
+    the supervisor finds it in spawn and tree mode alike; without a slot or
+    run dir, ``$TORCH_WORKER_SERVER_SOCKET``.  A stale socket file of a dead
+    process is replaced; a live server there (the program runs torch's
+    ``worker_main`` itself) is left serving.
+    """
+    global _server
+    env = os.environ if environ is None else environ
+    run_dir = env.get(ENV_RUN_DIR)
+    if slot is None:
+        writer = runtime.slot_writer()
+        slot = writer.slot if writer is not None else None
+    path = socket_path(run_dir, slot) if (slot is not None and run_dir) else env.get(ENV_WORKER_SOCKET)
+    if not path:
+        return False
+    with _server_lock:
+        if _server is not None:
+            return True
+        try:
+            if os.path.exists(path):
+                if _listening(path):
+                    return True
+                os.unlink(path)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            from torch._C._distributed_c10d import _WorkerServer
+
+            _server = _WorkerServer(path)
+        except Exception as exc:  # never break the rank
+            log.warning("flight.serve_failed", path=path, error=repr(exc))
+            return False
+        atexit.register(_stop_server, path)
+    return True
+
+
+def _stop_server(path: str) -> None:
+    global _server
+    with _server_lock:
+        server, _server = _server, None
+    if server is not None:
+        try:
+            server.shutdown()
+        except Exception:
+            pass
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# -- supervisor side: collection --------------------------------------------------
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def fetch(path: str, handler: str, timeout_s: float) -> bytes:
+    """POST /handler/<handler> on a worker server's unix socket."""
+    conn = _UnixHTTPConnection(path, timeout_s)
+    try:
+        conn.request("POST", f"/handler/{handler}")
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise OSError(f"HTTP {resp.status}: {body[:200]!r}")
+        return body
+    finally:
+        conn.close()
+
+
+def _proc_state(pid: int | None) -> str | None:
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+        return text[text.rindex(")") + 2]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def collect_detailed(targets: Sequence, run_dir: Path, timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
+    """(traces by rank, why each other rank has none); returns within ``timeout_s``."""
+    end = time.monotonic() + max(0.0, timeout_s)
+    traces: dict[int, dict] = {}
+    errors: dict[int, str] = {}
+    lock = threading.Lock()
+
+    def one(target) -> None:
+        path = socket_path(run_dir, target.slot)
+        try:
+            body = fetch(path, HANDLER_FR, max(0.001, end - time.monotonic()))
+            trace = json.loads(body)
+            if not isinstance(trace, dict):
+                raise ValueError("trace is not a JSON object")
+            result, error = trace, None
+        except FileNotFoundError:
+            result, error = None, "no worker server socket (flight recorder not served by this rank)"
+        except (TimeoutError, socket.timeout):
+            result, error = None, f"timeout after {timeout_s:.2f} s"
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            result, error = None, f"{type(exc).__name__}: {exc}"
+        with lock:
+            if result is not None:
+                traces[target.rank] = result
+            else:
+                errors[target.rank] = error
+
+    workers = []
+    for t in targets:
+        if not t.alive or not t.pid:
+            errors[t.rank] = "rank is not running"
+            continue
+        state = _proc_state(t.pid)
+        if state in ("T", "t"):
+            errors[t.rank] = f"rank is stopped (state {state}): its worker server cannot answer"
+            continue
+        w = threading.Thread(target=one, args=(t,), name=f"fr-rank-{t.rank}", daemon=True)
+        w.start()
+        workers.append((t.rank, w))
+    for rank, w in workers:
+        w.join(max(0.0, end - time.monotonic()))
+    with lock:
+        for rank, w in workers:
+            if rank not in traces and rank not in errors:
+                errors[rank] = f"timeout after {timeout_s:.2f} s"
+        return dict(traces), dict(errors)
+
+
+def collect(targets: Sequence, run_dir: Path, timeout_s: float) -> dict[int, dict]:
+    """Per-rank flight-recorder trace; ranks without one are absent."""
+    return collect_detailed(targets, run_dir, timeout_s)[0]
+
+
+__all__ = [
+    "FrEntry",
+    "FrFindings",
+    "Mismatch",
+    "MissingCollective",
+    "analyze",
+    "collect",
+    "collect_detailed",
+    "rank_env",
+    "serve_in_rank",
+    "socket_path",
+]

@@ -1,0 +1,140 @@
+"""What ``/proc`` says about a rank: scheduler state, wait channel, CPU, threads.
+
+Read *before* any stack capture: ``py-spy`` attaches with ptrace and the
+target then reads as ``t`` (tracing stop) for a moment, which would hide a
+real ``T`` (SIGSTOP) or ``D`` (uninterruptible I/O).
+
+CPU time is the sum of every thread's on-CPU nanoseconds
+(``/proc/<pid>/task/*/schedstat``), falling back to ``utime + stime`` of
+``/proc/<pid>/stat`` (clock ticks) where schedstat is absent or zero.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+NS_PER_S = 1e9
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# Fields of /proc/<pid>/stat after the ")" that ends comm (0-based): state, utime, stime, num_threads.
+_STAT_STATE, _STAT_UTIME, _STAT_STIME, _STAT_THREADS = 0, 11, 12, 17
+
+STATE_NAMES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "uninterruptible I/O",
+    "T": "stopped",
+    "t": "tracing stop",
+    "Z": "zombie",
+    "X": "dead",
+    "I": "idle",
+}
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    """One read of a process; ``state`` is the leader thread's letter."""
+
+    pid: int
+    state: str
+    wchan: str
+    cpu_s: float
+    num_threads: int
+    thread_states: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def stopped(self) -> bool:
+        return self.state == "T"
+
+    def to_dict(self) -> dict:
+        return {
+            "pid": self.pid,
+            "state": self.state,
+            "state_name": STATE_NAMES.get(self.state, "unknown"),
+            "wchan": self.wchan,
+            "cpu_seconds": round(self.cpu_s, 6),
+            "num_threads": self.num_threads,
+            "thread_states": dict(self.thread_states),
+        }
+
+
+@dataclass(frozen=True)
+class CpuSamples:
+    """CPU seconds per pid and progress per rank at one monotonic instant.
+
+    ``capture_all`` returns one; pass it back as ``previous`` next time so
+    the CPU delta covers the whole interval between two dumps (or two
+    watchdog ticks), not only the capture window.
+    """
+
+    at: float
+    cpu_s: Mapping[int, float] = field(default_factory=dict)
+    progress: Mapping[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (step, coll_seq)
+
+
+def _read(path: str) -> str:
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
+def _stat_fields(text: str) -> list[str]:
+    # comm may contain spaces and parentheses: split after the last ")".
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _task_cpu_ns(pid: int, tid: str) -> int:
+    try:
+        return int(_read(f"/proc/{pid}/task/{tid}/schedstat").split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def read_proc(pid: int) -> ProcInfo | None:
+    """``None`` when the process is gone (or never existed)."""
+    try:
+        fields = _stat_fields(_read(f"/proc/{pid}/stat"))
+    except (OSError, ValueError):
+        return None
+    state = fields[_STAT_STATE]
+    ticks_s = (int(fields[_STAT_UTIME]) + int(fields[_STAT_STIME])) / _CLK_TCK
+    try:
+        wchan = _read(f"/proc/{pid}/wchan").strip()
+    except OSError:
+        wchan = ""
+    if wchan == "0":
+        wchan = ""
+    states: dict[str, int] = {}
+    cpu_ns = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            letter = _stat_fields(_read(f"/proc/{pid}/task/{tid}/stat"))[_STAT_STATE]
+        except (OSError, ValueError, IndexError):
+            continue
+        states[letter] = states.get(letter, 0) + 1
+        cpu_ns += _task_cpu_ns(pid, tid)
+    cpu_s = cpu_ns / NS_PER_S if cpu_ns else ticks_s
+    return ProcInfo(
+        pid=pid,
+        state=state,
+        wchan=wchan,
+        cpu_s=cpu_s,
+        num_threads=int(fields[_STAT_THREADS]),
+        thread_states=states,
+    )
+
+
+def cpu_delta(
+    pid: int, now_cpu_s: float, now: float, previous: CpuSamples | None
+) -> tuple[float | None, float | None]:
+    """(CPU seconds used, wall seconds elapsed) since ``previous``; Nones when unknown."""
+    if previous is None or pid not in previous.cpu_s:
+        return None, None
+    window = now - previous.at
+    if window <= 0:
+        return None, None
+    return max(0.0, now_cpu_s - previous.cpu_s[pid]), window

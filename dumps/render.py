@@ -1,0 +1,148 @@
+"""Rendering of a bundle's summary for people (rich), shared by summary.txt and analyze.
+
+Works from the ``summary.json`` dict alone (plus optional stack texts), so
+a bundle written by an older version still renders what it has.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+TEXT_WIDTH = 110
+CULPRIT_STYLE = "bold red"
+MAX_STACK_LINES = 60
+
+
+def _exit_cell(exit_info) -> str:
+    if not exit_info:
+        return ""
+    if isinstance(exit_info, Mapping):
+        if exit_info.get("description"):
+            return str(exit_info["description"])
+        if exit_info.get("signal"):
+            return str(exit_info["signal"])
+        if exit_info.get("code") is not None:
+            return f"code {exit_info['code']}"
+    return str(exit_info)
+
+
+def _cell(value) -> str:
+    return "" if value is None else str(value)
+
+
+def rank_table(summary: Mapping) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col, justify in (
+        ("rank", "right"),
+        ("pid", "right"),
+        ("state", "left"),
+        ("exit", "left"),
+        ("step", "right"),
+        ("collective", "left"),
+        ("cpu%", "right"),
+        ("group", "left"),
+        ("where", "left"),
+    ):
+        table.add_column(col, justify=justify, overflow="fold")
+    ranks = summary.get("ranks") or {}
+    for key in sorted(ranks, key=_rank_key):
+        r = ranks[key] or {}
+        state = _cell(r.get("state"))
+        if r.get("state_name"):
+            state = f"{state} ({r['state_name']})"
+        collective = r.get("collective") or ("" if not r.get("in_collective") else "yes")
+        style = CULPRIT_STYLE if r.get("culprit") else None
+        mark = "*" if r.get("culprit") else ""
+        table.add_row(
+            f"{mark}{key}",
+            _cell(r.get("pid")),
+            state,
+            _exit_cell(r.get("exit")),
+            _cell(r.get("step")),
+            collective,
+            _cell(r.get("cpu_percent")),
+            _cell(r.get("stack_group")),
+            r.get("where") or (r.get("stack_error") or ""),
+            style=style,
+        )
+    return table
+
+
+def _header(summary: Mapping) -> Text:
+    text = Text()
+    text.append(f"{summary.get('reason', '?')}", style="bold")
+    text.append(f"  run {summary.get('run_id', '?')}  detected {summary.get('detected_at', '?')}")
+    if summary.get("class"):
+        text.append(f"  class {summary['class']}", style="bold")
+    culprits = summary.get("culprit_ranks") or []
+    text.append(f"  culprit ranks {culprits if culprits else 'none named'}")
+    return text
+
+
+def _groups(summary: Mapping, stacks: Mapping[int, str] | None) -> list:
+    parts: list = []
+    ranks = summary.get("ranks") or {}
+    for g in summary.get("stack_groups") or []:
+        members = g.get("ranks") or []
+        label = f"group {g.get('label', '?')}: ranks {','.join(str(r) for r in members)}"
+        body: str = g.get("short") or g.get("signature") or ""
+        if stacks:
+            sample_rank = next((r for r in members if _has_frames(stacks.get(r, ""))), None)
+            if sample_rank is not None:
+                lines = stacks[sample_rank].rstrip().splitlines()
+                if len(lines) > MAX_STACK_LINES:
+                    lines = lines[:MAX_STACK_LINES] + [f"… {len(lines) - MAX_STACK_LINES} more lines"]
+                body = f"(stack of rank {sample_rank})\n" + "\n".join(lines)
+        parts.append(Panel(Text(body), title=label, title_align="left", box=box.ROUNDED))
+    grouped = {int(r) for g in summary.get("stack_groups") or [] for r in g.get("ranks") or []}
+    keys = {str(k) for k in ranks} | {str(r) for r in (stacks or {})}
+    for key in sorted(keys, key=_rank_key):
+        rank = _rank_key(key)
+        if rank in grouped:
+            continue
+        text = (stacks or {}).get(rank, "")
+        if _has_frames(text):
+            parts.append(Panel(Text(text.rstrip()), title=f"rank {key}", title_align="left", box=box.ROUNDED))
+        else:
+            err = (ranks.get(key) or {}).get("stack_error") or "no stacks"
+            parts.append(Text(f"rank {key}: {err}", style="yellow"))
+    return parts
+
+
+def _rank_key(key) -> int:
+    text = str(key)
+    return int(text) if text.lstrip("-").isdigit() else 0
+
+
+def _has_frames(text: str) -> bool:
+    """Stack files start with '#' comment lines; anything else is a stack."""
+    return any(line.strip() and not line.startswith("#") for line in text.splitlines())
+
+
+def render(summary: Mapping, console: Console, stacks: Mapping[int, str] | None = None) -> None:
+    """Verdict, notes, per-rank table and the stack groups."""
+    console.print(_header(summary))
+    console.print(Panel(Text(str(summary.get("verdict", "(no verdict)")), style="bold"), title="verdict", box=box.HEAVY))
+    for note in summary.get("notes") or []:
+        console.print(Text(f"- {note}"))
+    for err in summary.get("errors") or []:
+        console.print(Text(f"! {err}", style="yellow"))
+    console.print(rank_table(summary))
+    groups = _groups(summary, stacks)
+    if groups:
+        console.print(Group(*groups))
+
+
+def summary_text(summary: Mapping, stacks: Mapping[int, str] | None = None) -> str:
+    """Plain-text rendering (no colour) for summary.txt."""
+    buf = io.StringIO()
+    console = Console(file=buf, width=TEXT_WIDTH, color_system=None, force_terminal=False, highlight=False)
+    render(summary, console, stacks)
+    return buf.getvalue()
