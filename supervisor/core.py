@@ -51,6 +51,7 @@ EXIT_DIVERGENCE = 82
 EXIT_STARTUP = 83
 EXIT_PEER_NODE = 84
 EXIT_TEARDOWN = 85
+EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in the supervisor (ranks are still torn down)
 
 # A rank that exits 0 is a fault only if its peers do not follow it within
 # this window (all ranks of a finished job exit within moments of each other).
@@ -219,26 +220,33 @@ class Supervisor:
         )
         self._setup()
         try:
-            while True:
-                outcome = self._run_attempt()
-                if outcome.restartable and self.stopping is None and self.restarts < self.spec.max_restarts:
-                    self._restart_backoff(outcome)
-                    continue
-                if outcome.restartable and self.spec.max_restarts > 0:
-                    log.error(
-                        "crash loop: giving up",
-                        restarts=self.restarts,
-                        max_restarts=self.spec.max_restarts,
-                        last_reason=outcome.reason,
-                    )
-                code = outcome.code
-                if self.last_teardown is not None and not self.last_teardown.complete:
-                    code = EXIT_TEARDOWN
-                log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restarts)
-                self.services.linger(self.spec.metrics_linger, self.hurry)
-                return code
+            return self._run_attempts()
+        except Exception:
+            log.exception("supervisor internal error: tearing down every rank")
+            self._teardown(immediate=False)
+            return EXIT_INTERNAL
         finally:
             self._cleanup()
+
+    def _run_attempts(self) -> int:
+        while True:
+            outcome = self._run_attempt()
+            if outcome.restartable and self.stopping is None and self.restarts < self.spec.max_restarts:
+                self._restart_backoff(outcome)
+                continue
+            if outcome.restartable and self.spec.max_restarts > 0:
+                log.error(
+                    "crash loop: giving up",
+                    restarts=self.restarts,
+                    max_restarts=self.spec.max_restarts,
+                    last_reason=outcome.reason,
+                )
+            code = outcome.code
+            if self.last_teardown is not None and not self.last_teardown.complete:
+                code = EXIT_TEARDOWN
+            log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restarts)
+            self.services.linger(self.spec.metrics_linger, self.hurry)
+            return code
 
     def _restart_backoff(self, outcome: Outcome) -> None:
         uptime = time.monotonic() - self.attempt.started_at

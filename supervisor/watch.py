@@ -98,9 +98,7 @@ class WatchdogThread:
         """A new attempt: forget progress history and claims (keep learned thresholds)."""
         with self.lock:
             # Keep what was learned about step times; forget progress history.
-            self.state = dataclasses.replace(
-                policy.WatchdogState.initial(now), window=self.state.window, learned=self.state.learned
-            )
+            self.state = dataclasses.replace(policy.WatchdogState.initial(now), window=self.state.window)
             self.all_ready_posted = False
             self.known_pids = {}
 
