@@ -1,0 +1,177 @@
+"""GPU telemetry through NVML (nvidia-ml-py), for hang evidence and teardown checks.
+
+A hang in a TP group looks like work from the outside: peers spin inside a
+collective at full utilisation.  "GPUs busy, no progress" is therefore part
+of the hang evidence, and after teardown the supervisor checks that no process
+of the run still holds GPU memory.
+
+Without NVML (no driver, no GPU, library missing) ``available`` is False,
+one info line says why, and every method returns empty results.  NVML errors
+never propagate: a call that fails leaves its field ``None``.
+
+Note: inside a container NVML may report host PIDs, which then match none of
+the ranks' PIDs; ``gpus_busy_without_progress`` falls back to every GPU then.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, TypeVar
+
+import structlog
+
+from watchdogs.policy import Verdict
+
+log = structlog.get_logger()
+
+MILLIWATTS_PER_WATT = 1000.0
+# A GPU at or above this utilisation while its group makes no progress is "busy".
+BUSY_UTILIZATION_PCT = 90.0
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_bytes: int | None  # None: the driver does not say (e.g. no permission)
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One GPU at one moment; a field is None when NVML could not read it."""
+
+    index: int
+    uuid: str
+    utilization_pct: float | None
+    power_w: float | None
+    memory_used: int | None
+    memory_total: int | None
+    processes: tuple[GpuProcess, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "utilization_pct": self.utilization_pct,
+            "power_w": self.power_w,
+            "memory_used_bytes": self.memory_used,
+            "memory_total_bytes": self.memory_total,
+            "processes": [{"pid": p.pid, "used_bytes": p.used_bytes} for p in self.processes],
+        }
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class GpuTelemetry:
+    """NVML, initialised once.  Thread safe; call ``close()`` at shutdown."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._nvml: Any = None
+        self._reported: set[str] = set()
+        self.available = False
+        self.reason = ""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as exc:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded …
+            self.reason = f"{type(exc).__name__}: {exc}"
+            log.info("gpu telemetry unavailable", reason=self.reason)
+            return
+        self._nvml = pynvml
+        self.available = True
+        log.info("gpu telemetry enabled", gpus=self._call("nvmlDeviceGetCount", pynvml.nvmlDeviceGetCount))
+
+    def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T | None:
+        """One guarded NVML call: None on any error (each kind of failure logged once)."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            key = f"{what}:{type(exc).__name__}"
+            if key not in self._reported:
+                self._reported.add(key)
+                log.info("nvml call failed", call=what, error=f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _processes(self, handle: Any) -> tuple[GpuProcess, ...]:
+        nvml = self._nvml
+        seen: dict[int, GpuProcess] = {}
+        for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            fn = getattr(nvml, name, None)
+            if fn is None:
+                continue
+            for proc in self._call(name, fn, handle) or ():
+                pid = int(getattr(proc, "pid", 0) or 0)
+                used = getattr(proc, "usedGpuMemory", None)
+                if pid and pid not in seen:
+                    seen[pid] = GpuProcess(pid, int(used) if isinstance(used, int) else None)
+        return tuple(seen[p] for p in sorted(seen))
+
+    def _device(self, index: int) -> GpuSample | None:
+        nvml = self._nvml
+        handle = self._call("nvmlDeviceGetHandleByIndex", nvml.nvmlDeviceGetHandleByIndex, index)
+        if handle is None:
+            return None
+        uuid = self._call("nvmlDeviceGetUUID", nvml.nvmlDeviceGetUUID, handle)
+        util = self._call("nvmlDeviceGetUtilizationRates", nvml.nvmlDeviceGetUtilizationRates, handle)
+        power = self._call("nvmlDeviceGetPowerUsage", nvml.nvmlDeviceGetPowerUsage, handle)
+        mem = self._call("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, handle)
+        return GpuSample(
+            index=index,
+            uuid=_text(uuid) if uuid is not None else "",
+            utilization_pct=float(util.gpu) if util is not None else None,
+            power_w=power / MILLIWATTS_PER_WATT if power is not None else None,
+            memory_used=int(mem.used) if mem is not None else None,
+            memory_total=int(mem.total) if mem is not None else None,
+            processes=self._processes(handle),
+        )
+
+    def sample(self) -> list[GpuSample]:
+        """Every GPU's utilisation, power, memory and processes (empty without NVML)."""
+        with self._lock:
+            if not self.available:
+                return []
+            count = self._call("nvmlDeviceGetCount", self._nvml.nvmlDeviceGetCount) or 0
+            out = []
+            for index in range(count):
+                sample = self._device(index)
+                if sample is not None:
+                    out.append(sample)
+            return out
+
+    def processes_holding_memory(self, pids: set[int]) -> list[tuple[int, int, int | None]]:
+        """(gpu index, pid, bytes or None) for each of ``pids`` still present on a GPU."""
+        if not pids:
+            return []
+        return holding_memory(self.sample(), pids)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.available:
+                self._call("nvmlShutdown", self._nvml.nvmlShutdown)
+            self.available = False
+
+
+def holding_memory(samples: Iterable[GpuSample], pids: set[int]) -> list[tuple[int, int, int | None]]:
+    """Pure part of ``processes_holding_memory``."""
+    return [(s.index, p.pid, p.used_bytes) for s in samples for p in s.processes if p.pid in pids]
+
+
+def gpus_busy_without_progress(samples: Iterable[GpuSample], verdict: Verdict) -> bool:
+    """The hang signature: the group is stalled while its GPUs run at full utilisation.
+
+    Looks at the GPUs that host a rank of the verdict; when none of them lists
+    a rank's PID (no process info, or a PID namespace), at every GPU.
+    """
+    if not verdict.stalled:
+        return False
+    samples = list(samples)
+    rank_pids = {pid for _rank, pid in verdict.rank_pids}
+    hosting = [s for s in samples if any(p.pid in rank_pids for p in s.processes)]
+    considered = hosting or samples
+    return any(s.utilization_pct is not None and s.utilization_pct >= BUSY_UTILIZATION_PCT for s in considered)

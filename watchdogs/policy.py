@@ -1,0 +1,472 @@
+"""Watchdog policy: is the TP group starting, idle, working, or hung?  Pure; time is an argument.
+
+The supervisor's watchdog tick reads every heartbeat slot and calls::
+
+    state, verdict = observe(state, snapshots, now, config, external, exited)
+
+and acts on the verdicts that fire (``verdict.fired``); this module never
+kills, dumps or sleeps.
+
+Definitions (docs/watchdogs.md has the long form):
+
+* **live rank**: a claimed slot that has not finished and whose process has
+  not exited (``exited`` holds the slots the exit monitor saw die).
+* **busy**: some live rank is inside a step or a collective (a slot read
+  ``torn`` counts as busy: its rank stopped in the middle of an update), or
+  the engine's own metrics say requests are running (``external``).
+* **progress**: any live rank's step or collective counter changed since the
+  previous observation (a slot newly claimed or re-claimed by another pid
+  counts too), or the external token counter changed.
+* **stall**: busy with no progress; the stall clock starts at the last
+  progress or when the group became busy, whichever is later.  An idle group
+  has no stall, however long it idles.
+* **startup**: a rank must report ready when its slot is INSTRUMENTED or its
+  phase is ``rendezvous``; unclaimed slots and other (zero-code) ranks count
+  as ready.  While some rank must still report ready, steady-state timeouts do
+  not apply and the startup timeout (counted from ``WatchdogState.initial``)
+  does.
+
+Verdict kinds that *fire* (once per incident; act on these):
+``soft``, ``hard``, ``startup_timeout``, ``recovered``.  The others describe
+the current condition: ``startup_wait``, ``startup_overdue`` (after
+``startup_timeout`` fired), ``idle``, ``ok``, ``suspect`` (after ``soft``),
+``hung`` (after ``hard``).  When a stall crosses both thresholds between two
+ticks only ``hard`` fires (its action includes the soft one's dump).
+
+Thresholds: an explicit ``soft_timeout``/``hard_timeout`` is used exactly as
+given.  A missing one is adaptive (``watchdogs.adaptive``), bounded by the
+explicit one so their order holds: an adaptive hard is never below an
+explicit soft, an adaptive soft never above an explicit hard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import AbstractSet, Sequence
+
+from supervisor.heartbeat import SlotSnapshot
+from watchdogs import adaptive
+from watchdogs.adapters import ExternalProgress
+
+RENDEZVOUS_PHASE = "rendezvous"
+DEFAULT_STARTUP_TIMEOUT = 600.0
+
+
+class VerdictKind(str, Enum):
+    STARTUP_WAIT = "startup_wait"
+    STARTUP_TIMEOUT = "startup_timeout"
+    STARTUP_OVERDUE = "startup_overdue"
+    IDLE = "idle"
+    OK = "ok"
+    SOFT = "soft"
+    SUSPECT = "suspect"
+    HARD = "hard"
+    HUNG = "hung"
+    RECOVERED = "recovered"
+
+
+FIRING_KINDS = frozenset({VerdictKind.SOFT, VerdictKind.HARD, VerdictKind.STARTUP_TIMEOUT, VerdictKind.RECOVERED})
+STALLED_KINDS = frozenset({VerdictKind.SOFT, VerdictKind.SUSPECT, VerdictKind.HARD, VerdictKind.HUNG})
+
+SOURCE_EXPLICIT = "explicit"
+SOURCE_LEARNED = "learned"
+SOURCE_WARMUP = "warmup"
+
+
+def _check_seconds(name: str, value: float | None, allow_none: bool) -> None:
+    if value is None:
+        if not allow_none:
+            raise ValueError(f"{name} is required")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """Timeouts in seconds.  ``None`` soft/hard = adaptive (see module docstring)."""
+
+    soft_timeout: float | None = None
+    hard_timeout: float | None = None
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    adaptive: adaptive.AdaptiveParams = field(default_factory=adaptive.AdaptiveParams)
+
+    def __post_init__(self) -> None:
+        _check_seconds("soft_timeout", self.soft_timeout, allow_none=True)
+        _check_seconds("hard_timeout", self.hard_timeout, allow_none=True)
+        _check_seconds("startup_timeout", self.startup_timeout, allow_none=False)
+        if self.soft_timeout is not None and self.hard_timeout is not None and self.soft_timeout > self.hard_timeout:
+            raise ValueError(
+                f"soft timeout ({self.soft_timeout} s) must not exceed hard timeout ({self.hard_timeout} s)"
+            )
+        if not isinstance(self.adaptive, adaptive.AdaptiveParams):
+            raise ValueError("adaptive must be an AdaptiveParams")
+
+
+@dataclass(frozen=True)
+class CollectiveView:
+    """A rank inside a collective, as the verdict reports it."""
+
+    rank: int
+    slot: int
+    pid: int
+    op: str
+    desc: str
+    coll_seq: int
+    waiting_s: float  # time since it entered this collective
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "slot": self.slot,
+            "pid": self.pid,
+            "op": self.op,
+            "desc": self.desc,
+            "collective_seq": self.coll_seq,
+            "waiting_seconds": round(self.waiting_s, 3),
+        }
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One observation's decision plus the evidence a dump or a log line needs."""
+
+    kind: VerdictKind
+    at: float
+    message: str
+    stalled_s: float
+    soft_timeout: float
+    hard_timeout: float
+    soft_source: str  # explicit | learned | warmup
+    hard_source: str
+    thresholds_changed: bool
+    adaptive: adaptive.Thresholds  # what the learner derived (in force only where the source is not explicit)
+    busy_ranks: tuple[int, ...]
+    in_collective: tuple[CollectiveView, ...]
+    outside_collective: tuple[int, ...]  # live ranks not inside a collective
+    pending_ranks: tuple[int, ...]  # ranks that must still report ready
+    rank_pids: tuple[tuple[int, int], ...]  # (rank, pid) of live ranks
+    min_step: int
+    max_step: int
+    min_coll_seq: int
+    max_coll_seq: int
+    external: ExternalProgress | None
+
+    @property
+    def fired(self) -> bool:
+        """True on the one observation where the supervisor must act."""
+        return self.kind in FIRING_KINDS
+
+    @property
+    def stalled(self) -> bool:
+        return self.kind in STALLED_KINDS
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind.value,
+            "message": self.message,
+            "stalled_seconds": round(self.stalled_s, 3),
+            "soft_timeout_seconds": self.soft_timeout,
+            "hard_timeout_seconds": self.hard_timeout,
+            "soft_source": self.soft_source,
+            "hard_source": self.hard_source,
+            "adaptive": {
+                "learned": self.adaptive.learned,
+                "basis_seconds": self.adaptive.basis_s,
+                "window_max_seconds": self.adaptive.window_max_s,
+                "samples": self.adaptive.samples,
+            },
+            "busy_ranks": list(self.busy_ranks),
+            "in_collective": [c.to_dict() for c in self.in_collective],
+            "outside_collective": list(self.outside_collective),
+            "pending_ranks": list(self.pending_ranks),
+            "step_range": [self.min_step, self.max_step],
+            "collective_seq_range": [self.min_coll_seq, self.max_coll_seq],
+            "external": None if self.external is None else self.external.to_dict(),
+        }
+
+
+# (slot, pid, step, coll_seq) per live slot: what "progress" compares.
+Counters = tuple[tuple[int, int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class WatchdogState:
+    """Everything ``observe`` remembers between ticks.  Create with ``initial(now)``."""
+
+    started_at: float
+    counters: Counters = ()
+    external_tokens: float | None = None
+    external_running: bool = False
+    stall_start: float | None = None  # None: not busy
+    soft_fired: bool = False
+    hard_fired: bool = False
+    startup_fired: bool = False
+    window: tuple[float, ...] = ()
+    thresholds: adaptive.Thresholds | None = None  # cache: recomputed when the window changes
+    reported: tuple[float, float] | None = None  # thresholds last flagged as changed
+    # When the previous observation also saw progress: its time.  Two progressing
+    # observations in a row bound the gap between progress events from above,
+    # which is how a program busy only in short collectives (zero-code ranks
+    # between sleeps) still yields samples every tick.
+    progressed_at: float | None = None
+
+    @classmethod
+    def initial(cls, now: float) -> "WatchdogState":
+        """State at launch: the startup clock starts ``now``."""
+        return cls(started_at=now)
+
+
+def must_report_ready(snap: SlotSnapshot) -> bool:
+    return snap.instrumented or snap.phase == RENDEZVOUS_PHASE
+
+
+def is_pending(snap: SlotSnapshot) -> bool:
+    """A live rank the startup watchdog still waits for."""
+    if snap.phase == RENDEZVOUS_PHASE and not snap.ready:
+        return True
+    return snap.instrumented and not snap.ready
+
+
+def effective_thresholds(config: WatchdogConfig, learned: adaptive.Thresholds) -> tuple[float, float, str, str]:
+    """(soft, hard, soft_source, hard_source) in force."""
+    auto = SOURCE_LEARNED if learned.learned else SOURCE_WARMUP
+    soft = config.soft_timeout if config.soft_timeout is not None else learned.soft
+    hard = config.hard_timeout if config.hard_timeout is not None else learned.hard
+    if config.soft_timeout is not None and config.hard_timeout is None:
+        hard = max(hard, soft)
+    if config.hard_timeout is not None and config.soft_timeout is None:
+        soft = min(soft, hard)
+    soft_src = SOURCE_EXPLICIT if config.soft_timeout is not None else auto
+    hard_src = SOURCE_EXPLICIT if config.hard_timeout is not None else auto
+    return soft, hard, soft_src, hard_src
+
+
+def _step_samples(live: Sequence[SlotSnapshot], previous: dict[int, tuple[int, int, int]]) -> list[float]:
+    """Durations of steps that completed since the last tick (one per rank: the latest)."""
+    out = []
+    for snap in live:
+        prev = previous.get(snap.slot)
+        if prev is not None and prev[0] == snap.pid and snap.step != prev[1] and snap.last_step_s > 0.0:
+            out.append(snap.last_step_s)
+    return out
+
+
+def _steady_kind(
+    now: float,
+    stall_start: float | None,
+    progress: bool,
+    busy: bool,
+    soft: float,
+    hard: float,
+    soft_fired: bool,
+    hard_fired: bool,
+) -> tuple[VerdictKind, float, bool, bool]:
+    """(kind, stalled seconds, soft_fired, hard_fired) after startup.  Fired kinds are edge-triggered."""
+    if stall_start is None or progress:
+        kind = VerdictKind.RECOVERED if (soft_fired or hard_fired) else (VerdictKind.OK if busy else VerdictKind.IDLE)
+        return kind, 0.0, False, False
+    stalled = now - stall_start
+    if stalled >= hard:
+        return (VerdictKind.HUNG if hard_fired else VerdictKind.HARD), stalled, soft_fired, True
+    if stalled >= soft or soft_fired:
+        return (VerdictKind.SUSPECT if soft_fired else VerdictKind.SOFT), stalled, True, hard_fired
+    return VerdictKind.OK, stalled, soft_fired, hard_fired
+
+
+def observe(
+    state: WatchdogState,
+    snapshots: Sequence[SlotSnapshot],
+    now: float,
+    config: WatchdogConfig,
+    external: ExternalProgress | None = None,
+    exited: AbstractSet[int] = frozenset(),
+) -> tuple[WatchdogState, Verdict]:
+    """Fold one reading of the heartbeat slots into the state and decide.
+
+    ``now`` is ``time.monotonic()``; ``exited`` holds slot indices whose
+    process is known dead (their stale flags must not make the group busy).
+    """
+    live = [s for s in snapshots if s.claimed and not s.finished and s.slot not in exited]
+    previous = {slot: (pid, step, coll) for slot, pid, step, coll in state.counters}
+    counters: Counters = tuple(sorted((s.slot, s.pid, s.step, s.coll_seq) for s in live))
+    hb_progress = any(previous.get(slot) != (pid, step, coll) for slot, pid, step, coll in counters)
+
+    ext_tokens, ext_running, ext_progress = state.external_tokens, state.external_running, False
+    if external is not None and external.ok:
+        ext_progress = ext_tokens is not None and external.tokens_total != ext_tokens
+        ext_tokens = external.tokens_total
+        ext_running = external.running > 0
+    progress = hb_progress or ext_progress
+
+    busy_ranks = tuple(sorted(s.rank for s in live if s.busy or s.torn))
+    busy = bool(busy_ranks) or ext_running
+    pending = tuple(sorted(s.rank for s in live if is_pending(s)))
+
+    window = state.window
+    learned = state.thresholds
+    stall_start: float | None
+    kind: VerdictKind
+    soft_fired, hard_fired, startup_fired = state.soft_fired, state.hard_fired, state.startup_fired
+
+    if pending:
+        # Startup: steady-state rules wait until every rank that must report ready did.
+        stall_start = None
+        if now - state.started_at >= config.startup_timeout:
+            kind = VerdictKind.STARTUP_OVERDUE if startup_fired else VerdictKind.STARTUP_TIMEOUT
+            startup_fired = True
+        else:
+            kind = VerdictKind.STARTUP_WAIT
+    else:
+        samples = _step_samples(live, previous)
+        if progress:
+            if state.stall_start is not None:
+                samples.append(now - state.stall_start)
+            elif state.progressed_at is not None:
+                samples.append(now - state.progressed_at)
+            stall_start = now if busy else None
+        elif busy:
+            stall_start = state.stall_start if state.stall_start is not None else now
+        else:
+            stall_start = None
+        window = adaptive.extend_window(window, samples, config.adaptive)
+        kind = VerdictKind.OK  # decided by _steady_kind once the thresholds are known
+
+    if learned is None or window is not state.window:
+        learned = adaptive.thresholds(window, config.adaptive)
+    soft, hard, soft_src, hard_src = effective_thresholds(config, learned)
+    changed = adaptive.changed_materially(state.reported, (soft, hard), config.adaptive.change_ratio)
+    reported = (soft, hard) if changed else state.reported
+
+    stalled = 0.0
+    if not pending:
+        kind, stalled, soft_fired, hard_fired = _steady_kind(
+            now, stall_start, progress, busy, soft, hard, soft_fired, hard_fired
+        )
+
+    new_state = WatchdogState(
+        started_at=state.started_at,
+        counters=counters,
+        external_tokens=ext_tokens,
+        external_running=ext_running,
+        stall_start=stall_start,
+        soft_fired=soft_fired,
+        hard_fired=hard_fired,
+        startup_fired=startup_fired,
+        window=window,
+        thresholds=learned,
+        reported=reported,
+        progressed_at=now if progress and not pending else None,
+    )
+    verdict = _verdict(
+        kind, now, live, stalled, (soft, hard, soft_src, hard_src), changed, learned, busy_ranks, pending, external,
+        recovered_by_progress=progress, startup_elapsed=now - state.started_at, config=config,
+    )
+    return new_state, verdict
+
+
+def _verdict(
+    kind: VerdictKind,
+    now: float,
+    live: Sequence[SlotSnapshot],
+    stalled: float,
+    limits: tuple[float, float, str, str],
+    changed: bool,
+    learned: adaptive.Thresholds,
+    busy_ranks: tuple[int, ...],
+    pending: tuple[int, ...],
+    external: ExternalProgress | None,
+    *,
+    recovered_by_progress: bool,
+    startup_elapsed: float,
+    config: WatchdogConfig,
+) -> Verdict:
+    soft, hard, soft_src, hard_src = limits
+    ordered = sorted(live, key=lambda s: (s.rank, s.slot))
+    colls = tuple(
+        CollectiveView(s.rank, s.slot, s.pid, s.coll_op, s.coll_desc, s.coll_seq, max(0.0, now - s.ts_coll_begin))
+        for s in ordered
+        if s.in_collective
+    )
+    outside = tuple(s.rank for s in ordered if not s.in_collective)
+    steps = [s.step for s in ordered] or [0]
+    seqs = [s.coll_seq for s in ordered] or [0]
+    message = _message(
+        kind, stalled, soft, hard, colls, ordered, pending, external, recovered_by_progress, startup_elapsed, config
+    )
+    return Verdict(
+        kind=kind,
+        at=now,
+        message=message,
+        stalled_s=stalled,
+        soft_timeout=soft,
+        hard_timeout=hard,
+        soft_source=soft_src,
+        hard_source=hard_src,
+        thresholds_changed=changed,
+        adaptive=learned,
+        busy_ranks=busy_ranks,
+        in_collective=colls,
+        outside_collective=outside,
+        pending_ranks=pending,
+        rank_pids=tuple((s.rank, s.pid) for s in ordered),
+        min_step=min(steps),
+        max_step=max(steps),
+        min_coll_seq=min(seqs),
+        max_coll_seq=max(seqs),
+        external=external,
+    )
+
+
+def _where(colls: tuple[CollectiveView, ...], live: Sequence[SlotSnapshot]) -> str:
+    """'rank 0 in all_reduce #41 (64x256 float32); rank 1 outside collectives at step 40 (phase decode)'."""
+    parts = []
+    for c in colls:
+        desc = f" ({c.desc})" if c.desc else ""
+        parts.append(f"rank {c.rank} in {c.op or 'collective'} #{c.coll_seq}{desc} for {c.waiting_s:.1f} s")
+    for s in live:
+        if not s.in_collective:
+            where = "in a step" if s.in_step else "outside steps"
+            phase = f", phase {s.phase}" if s.phase else ""
+            parts.append(f"rank {s.rank} outside collectives, {where} at step {s.step}{phase}")
+    return "; ".join(parts)
+
+
+def _message(
+    kind: VerdictKind,
+    stalled: float,
+    soft: float,
+    hard: float,
+    colls: tuple[CollectiveView, ...],
+    live: Sequence[SlotSnapshot],
+    pending: tuple[int, ...],
+    external: ExternalProgress | None,
+    recovered_by_progress: bool,
+    startup_elapsed: float,
+    config: WatchdogConfig,
+) -> str:
+    if kind in (VerdictKind.STARTUP_WAIT, VerdictKind.STARTUP_TIMEOUT, VerdictKind.STARTUP_OVERDUE):
+        ranks = ", ".join(str(r) for r in pending)
+        return (
+            f"waiting {startup_elapsed:.1f} s (startup timeout {config.startup_timeout:g} s) "
+            f"for rank(s) {ranks} to report ready"
+        )
+    if kind is VerdictKind.IDLE:
+        return "idle: no rank is inside a step or a collective"
+    if kind is VerdictKind.RECOVERED:
+        return "progress resumed" if recovered_by_progress else "group went idle without progress"
+    if kind is VerdictKind.OK:
+        return f"making progress (soft {soft:.2f} s, hard {hard:.2f} s)"
+    limit = f"hard {hard:.2f} s" if kind in (VerdictKind.HARD, VerdictKind.HUNG) else f"soft {soft:.2f} s"
+    ext = ""
+    if external is not None:
+        ext = (
+            f"; engine reports {external.running:g} running request(s), {external.tokens_total:g} tokens"
+            if external.ok
+            else f"; engine metrics unavailable ({external.error})"
+        )
+    return f"no progress for {stalled:.1f} s while busy ({limit}): {_where(colls, live)}{ext}"
