@@ -1,0 +1,175 @@
+"""The engine loops, one per role.
+
+=====================  =======================================================
+BroadcastLeader        rank 0, broadcast plane: drain requests, schedule,
+                       publish the plan, execute it, deliver outputs
+BroadcastWorker        rank > 0, broadcast plane: receive plans and execute
+                       them; no scheduler (rank 0's tokens are authoritative)
+ReplicatedRank         every rank, replicated plane: exchange rank 0's inputs
+                       over gloo, schedule locally, execute, apply own tokens
+=====================  =======================================================
+
+One engine step = one loop iteration that runs a batch.  Each step is
+reported through ``instrument.step(index)`` (same index on every rank) with
+the consensus events of the step: ``batch`` (seq id, start, tokens per item)
+and ``tokens`` (this rank's sampled ids) on every rank, plus ``requests`` and
+``stops`` in the replicated plane, where every rank decides them.
+
+Idle loops block (queue wait, zmq poll, or the gloo broadcast that rank 0
+sends every ``REPLICATED_IDLE_TICK_S``); none of them spins.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from engine import instrument
+from engine.bridge import ControlMessage, EngineBridge
+from engine.comm import TPComm
+from engine.inject import FaultInjector
+from engine.planes import PlanPublisher, PlanSubscriber, RequestExchange, Shutdown
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler, StepPlan
+
+IDLE_WAIT_S = 0.5  # how long an idle rank 0 / worker blocks before looking again
+REPLICATED_IDLE_TICK_S = 0.25  # idle period between request broadcasts (replicated plane)
+SHUTDOWN_MESSAGE = "engine is shutting down"
+
+log = structlog.get_logger()
+
+
+def _diverged(plan: StepPlan, injector: FaultInjector) -> StepPlan:
+    """The plan this rank actually runs (diverge_batch drops the newest sequence)."""
+    if injector.diverge_batch() and plan.items:
+        log.warning("inject: diverging batch", kind="diverge_batch", step=plan.index,
+                    dropped=plan.items[-1].seq_id)
+        return plan.without_last()
+    return plan
+
+
+def _apply(scheduler: Scheduler, msg: ControlMessage) -> list[str]:
+    """Feed a control message to a scheduler; returns ids of requests it refused."""
+    refused = []
+    for req in msg.requests:
+        try:
+            scheduler.add(req)
+        except ValueError as exc:
+            log.warning("request refused", request_id=req.request_id, error=str(exc))
+            refused.append(req.request_id)
+    for seq_id in msg.aborts:
+        scheduler.abort(seq_id)
+    return refused
+
+
+class BroadcastLeader:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, bridge: EngineBridge,
+                 publisher: PlanPublisher | None, injector: FaultInjector):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.bridge = bridge
+        self.publisher = publisher
+        self.injector = injector
+
+    def run(self) -> None:
+        while True:
+            busy = self.scheduler.has_work()
+            if not busy:
+                instrument.phase("idle")
+            msg = self.bridge.drain(0 if busy else IDLE_WAIT_S)
+            refused = _apply(self.scheduler, msg)
+            if refused:
+                self.bridge.fail(refused, "request refused by the scheduler")
+            if msg.shutdown:
+                break
+            instrument.phase("schedule")
+            plan = self.scheduler.schedule()
+            if plan is None:
+                continue
+            with instrument.step(plan.index):
+                self.injector.begin_step(plan.has_decode)
+                if self.publisher is not None:
+                    self.publisher.publish(plan)
+                mine = _diverged(plan, self.injector)
+                instrument.record("batch", mine.describe())
+                tokens = self.runner.execute(mine)
+                instrument.record("tokens", tokens)
+                outputs = self.scheduler.complete(mine, tokens)
+            self.bridge.deliver(outputs)
+        if self.publisher is not None:
+            self.publisher.publish(Shutdown(SHUTDOWN_MESSAGE))
+        self.bridge.fail_all(SHUTDOWN_MESSAGE)
+
+
+class BroadcastWorker:
+    def __init__(self, runner: ModelRunner, subscriber: PlanSubscriber, injector: FaultInjector):
+        self.runner = runner
+        self.subscriber = subscriber
+        self.injector = injector
+
+    def run(self) -> None:
+        while True:
+            instrument.phase("wait_plan")
+            msg = self.subscriber.recv(IDLE_WAIT_S)
+            if msg is None:
+                continue
+            if isinstance(msg, Shutdown):
+                break
+            with instrument.step(msg.index):
+                self.injector.begin_step(msg.has_decode)
+                mine = _diverged(msg, self.injector)
+                instrument.record("batch", mine.describe())
+                tokens = self.runner.execute(mine)
+                instrument.record("tokens", tokens)
+
+
+class ReplicatedRank:
+    def __init__(self, rank: int, runner: ModelRunner, scheduler: Scheduler, exchange: RequestExchange,
+                 comm: TPComm, injector: FaultInjector, bridge: EngineBridge | None, sync_token_ids: bool):
+        self.rank = rank
+        self.runner = runner
+        self.scheduler = scheduler
+        self.exchange = exchange
+        self.comm = comm
+        self.injector = injector
+        self.bridge = bridge
+        self.sync_token_ids = sync_token_ids
+
+    def _receive(self) -> ControlMessage:
+        local = None
+        if self.bridge is not None:
+            local = self.bridge.drain(0 if self.scheduler.has_work() else REPLICATED_IDLE_TICK_S)
+        instrument.phase("recv_requests")
+        return self.exchange.exchange(local)
+
+    def run(self) -> None:
+        while True:
+            msg = self._receive()
+            if not msg.empty:
+                instrument.record("requests", {
+                    "new": [[r.request_id, len(r.prompt_ids)] for r in msg.requests],
+                    "aborts": list(msg.aborts),
+                    "shutdown": msg.shutdown,
+                })
+            refused = _apply(self.scheduler, msg)
+            if self.bridge is not None and refused:
+                self.bridge.fail(refused, "request refused by the scheduler")
+            if msg.shutdown:
+                break
+            instrument.phase("schedule")
+            plan = self.scheduler.schedule()
+            if plan is None:
+                continue
+            with instrument.step(plan.index):
+                self.injector.begin_step(plan.has_decode)
+                mine = _diverged(plan, self.injector)
+                instrument.record("batch", mine.describe())
+                tokens = self.runner.execute(mine)
+                instrument.record("tokens", tokens)
+                if self.sync_token_ids:
+                    tokens = self.comm.min_ids(tokens, self.runner.device)
+                outputs = self.scheduler.complete(mine, tokens)
+                instrument.record("stops", [[o.seq_id, o.finish_reason] for o in outputs if o.finished])
+            if self.bridge is not None:
+                self.bridge.deliver(outputs)
+        if self.bridge is not None:
+            self.bridge.fail_all(SHUTDOWN_MESSAGE)

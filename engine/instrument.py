@@ -1,0 +1,116 @@
+"""The one place where the engine reports to the supervisor (torch-free).
+
+Everything in ``engine/`` calls these functions and nothing else of the
+supervisor:
+
+* ``starting()`` first thing in ``__main__`` (before torch is imported),
+  ``ready()`` when serving, ``finished()`` before a clean exit;
+* ``step(index)``: one engine step (a scheduler iteration that runs a batch);
+  it ends with the consensus ``end_step(index)``;
+* ``phase(name)``: where the rank is (schedule, prefill, decode, ...);
+* ``record(kind, payload)``: a consensus event (batch composition, sampled
+  token ids, stop decisions, received requests).
+
+Collectives are NOT reported here: the supervisor's zero-code hook wraps
+``torch.distributed`` and reports them (reporting them twice would double the
+collective count).
+
+``record``/``end_step`` go to ``consensus.rank`` when that module exists and
+has both functions (looked up once, lazily); otherwise they cost one
+attribute test.  ``configure_trace(dir, rank)`` additionally writes every
+event as a JSON line to ``dir/rank-<rank>.jsonl`` (``--trace-events``), to
+compare ranks' decisions without a supervisor.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from supervisor import runtime as _sv
+
+_UNRESOLVED = object()
+
+
+class _Sinks:
+    """Where consensus events go; resolved on first use."""
+
+    def __init__(self) -> None:
+        self.consensus_record: Callable[[str, Any], None] | None | object = _UNRESOLVED
+        self.consensus_end: Callable[[int], None] | None = None
+        self.trace = None  # open text file or None
+
+    def resolve(self) -> None:
+        record = end = None
+        try:
+            module = importlib.import_module("consensus.rank")
+        except ImportError:
+            module = None
+        if module is not None:
+            record = getattr(module, "record", None)
+            end = getattr(module, "end_step", None)
+            if not (callable(record) and callable(end)):
+                record = end = None
+        self.consensus_record = record
+        self.consensus_end = end
+
+
+_sinks = _Sinks()
+
+
+def starting() -> None:
+    _sv.starting()
+
+
+def ready() -> None:
+    _sv.ready()
+
+
+def finished() -> None:
+    _sv.finished()
+
+
+def phase(name: str) -> None:
+    _sv.phase(name)
+
+
+def configure_trace(directory: str | None, rank: int) -> None:
+    """Also write every consensus event of this rank to ``directory/rank-<rank>.jsonl``."""
+    if not directory:
+        return
+    os.makedirs(directory, exist_ok=True)
+    _sinks.trace = open(os.path.join(directory, f"rank-{rank}.jsonl"), "w", buffering=1)
+
+
+def record(kind: str, payload: Any) -> None:
+    """A consensus event of the current step (cheap no-op when nobody listens)."""
+    if _sinks.consensus_record is _UNRESOLVED:
+        _sinks.resolve()
+    if _sinks.consensus_record is not None:
+        _sinks.consensus_record(kind, payload)
+    if _sinks.trace is not None:
+        _sinks.trace.write(json.dumps({"kind": kind, "payload": payload}) + "\n")
+
+
+def end_step(index: int) -> None:
+    """Close the consensus record of engine step ``index`` (same index on every rank)."""
+    if _sinks.consensus_record is _UNRESOLVED:
+        _sinks.resolve()
+    if _sinks.consensus_end is not None:
+        _sinks.consensus_end(index)
+    if _sinks.trace is not None:
+        _sinks.trace.write(json.dumps({"end_step": index}) + "\n")
+
+
+@contextmanager
+def step(index: int) -> Iterator[None]:
+    """One engine step; consensus ``end_step(index)`` runs only when the step completed."""
+    _sv.begin_step()
+    try:
+        yield
+    finally:
+        _sv.end_step()
+    end_step(index)

@@ -1,0 +1,229 @@
+"""HTTP frontend on rank 0 (aiohttp, in its own thread and event loop).
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``
+(OpenAI-compatible; see engine/openai_api.py).  The frontend tokenizes,
+validates, hands requests to the engine loop through :class:`EngineBridge`,
+detokenizes outputs and applies stop strings (a matched stop string aborts
+the sequence in the engine).  A client that disconnects aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+import uuid
+
+import structlog
+from aiohttp import web
+
+from engine.bridge import EngineBridge, EngineError
+from engine.openai_api import (
+    ApiError,
+    CompletionSpec,
+    StopMatcher,
+    check_context,
+    completion_body,
+    parse_completion,
+    usage_body,
+)
+from engine.scheduler import Request, SamplingParams
+from engine.tokenizer import IncrementalDecoder
+
+STARTUP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 5.0
+HANDLER_DRAIN_S = 2.0  # in-flight handlers already got their error; give them this long to write it
+SEED_BITS = 63
+
+log = structlog.get_logger()
+
+
+def _error(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+def _shutting_down(message: str) -> ApiError:
+    return ApiError(503, message, None, "server_error")
+
+
+class Frontend:
+    def __init__(self, bridge: EngineBridge, tokenizer, *, model_name: str, max_context: int, vocab_size: int,
+                 host: str, port: int, seed: int):
+        self.bridge = bridge
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+        self.host = host
+        self.port = port
+        self._seeds = random.Random(seed)
+        self._created = int(time.time())
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+
+    # -- lifecycle (engine thread) ------------------------------------------
+    def start(self) -> int:
+        """Bind and serve in thread ``engine-http``; returns the bound port (raises OSError if binding fails)."""
+        self._thread = threading.Thread(target=self._serve, name="engine-http", daemon=True)
+        self._thread.start()
+        if not self._started.wait(STARTUP_TIMEOUT_S):
+            raise OSError(f"HTTP frontend did not start within {STARTUP_TIMEOUT_S} s")
+        if self._start_error is not None:
+            raise self._start_error
+        return self.port
+
+    def stop(self) -> None:
+        loop = self._loop
+        if loop is None or self._thread is None:
+            return
+        try:
+            fut = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
+            fut.result(STOP_TIMEOUT_S)
+        except Exception as exc:  # the process is exiting; never hang here
+            log.warning("HTTP frontend did not stop cleanly", error=repr(exc))
+        self._thread.join(STOP_TIMEOUT_S)
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=HANDLER_DRAIN_S)
+        try:
+            loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, self.port)
+            loop.run_until_complete(site.start())
+            self.port = self._runner.addresses[0][1]
+        except BaseException as exc:
+            self._start_error = exc
+            self._started.set()
+            loop.close()
+            return
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _shutdown(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        asyncio.get_running_loop().call_soon(asyncio.get_running_loop().stop)
+
+    # -- handlers --------------------------------------------------------------
+    async def health(self, _request: web.Request) -> web.Response:
+        if self.bridge.accepting:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "shutting_down"}, status=503)
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self._created, "owned_by": "tp-supervise",
+            "max_model_len": self.max_context,
+        }]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ApiError(400, "the request body is not valid JSON") from None
+            spec = parse_completion(body, model_name=self.model_name, vocab_size=self.vocab_size)
+            ids = list(spec.prompt_ids) if spec.prompt_ids is not None else self.tokenizer.encode(spec.prompt_text)
+            check_context(len(ids), spec.max_tokens, self.max_context)
+            if not self.bridge.accepting:
+                raise _shutting_down(self.bridge.close_reason or "engine is shutting down")
+        except ApiError as exc:
+            return _error(exc)
+        seed = spec.seed if spec.seed is not None else self._seeds.getrandbits(SEED_BITS)
+        params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
+                                seed=seed, ignore_eos=spec.ignore_eos)
+        req = Request(f"cmpl-{uuid.uuid4().hex}", tuple(ids), params)
+        try:
+            outputs = self.bridge.submit(req, asyncio.get_running_loop())
+        except RuntimeError as exc:
+            return _error(_shutting_down(str(exc)))
+        done = False
+        try:
+            if spec.stream:
+                response, done = await self._stream(request, req, spec, outputs)
+            else:
+                response, done = await self._collect(req, spec, outputs)
+            return response
+        finally:
+            if not done:
+                self.bridge.abort(req.request_id)
+
+    async def _generate(self, req: Request, spec: CompletionSpec, outputs: asyncio.Queue):
+        """Yields (text_delta, new_token_ids, finish_reason|None); raises ApiError on engine errors."""
+        decoder = IncrementalDecoder(self.tokenizer)
+        matcher = StopMatcher(spec.stop)
+        while True:
+            item = await outputs.get()
+            if isinstance(item, EngineError):
+                raise _shutting_down(item.message)
+            delta = decoder.push([item.token_id], final=item.finished)
+            text, stopped = matcher.feed(delta)
+            if stopped:
+                if not item.finished:
+                    self.bridge.abort(req.request_id)
+                yield text, [item.token_id], "stop"
+                return
+            if item.finished:
+                yield text + matcher.flush(), [item.token_id], item.finish_reason
+                return
+            yield text, [item.token_id], None
+
+    async def _collect(self, req: Request, spec: CompletionSpec, outputs: asyncio.Queue):
+        parts: list[str] = []
+        token_ids: list[int] = []
+        finish = None
+        try:
+            async for text, ids, reason in self._generate(req, spec, outputs):
+                parts.append(text)
+                token_ids.extend(ids)
+                finish = reason
+        except ApiError as exc:
+            return _error(exc), True
+        body = completion_body(
+            request_id=req.request_id, created=int(time.time()), model=self.model_name, text="".join(parts),
+            finish_reason=finish, token_ids=token_ids if spec.return_token_ids else None,
+            usage=usage_body(len(req.prompt_ids), len(token_ids)),
+        )
+        return web.json_response(body), True
+
+    async def _stream(self, request: web.Request, req: Request, spec: CompletionSpec, outputs: asyncio.Queue):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        created = int(time.time())
+        count = 0
+
+        async def send(payload) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            await response.write(f"data: {data}\n\n".encode())
+
+        try:
+            async for text, ids, reason in self._generate(req, spec, outputs):
+                count += len(ids)
+                if text or reason is not None or spec.return_token_ids:
+                    await send(completion_body(
+                        request_id=req.request_id, created=created, model=self.model_name, text=text,
+                        finish_reason=reason, token_ids=ids if spec.return_token_ids else None, usage=None))
+            if spec.include_usage:
+                await send({"id": req.request_id, "object": "text_completion", "created": created,
+                            "model": self.model_name, "choices": [],
+                            "usage": usage_body(len(req.prompt_ids), count)})
+        except ApiError as exc:
+            await send(exc.body())
+        await send("[DONE]")
+        await response.write_eof()
+        return response, True
