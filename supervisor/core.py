@@ -407,7 +407,21 @@ class Supervisor:
                 return
         self._rank_failed(handle, info)
 
+    def _divergence_was_first(self) -> bool:
+        """Before blaming a death or a hang: did the ranks diverge first?
+
+        A rank scheduling a batch of another size makes the next collective
+        abort (gloo) or hang (NCCL); the disagreement is the root cause.
+        """
+        verdicts = self.services.settle_consensus(time.monotonic())
+        if not verdicts:
+            return False
+        self._on_divergence(DivergenceFound(verdicts[0], time.monotonic()))
+        return self.attempt.outcome is not None
+
     def _rank_failed(self, handle: RankHandle, info: ExitInfo) -> None:
+        if self._divergence_was_first():
+            return
         # The root cause is the earliest failure, which may be a rank whose
         # early exit (code 0) was still inside its grace window.
         handles = list(self.attempt.ranks.values()) + [self.attempt.launcher]
@@ -453,6 +467,8 @@ class Supervisor:
             self.transition(Event.PROGRESS)
             log.info("progress resumed", stalled_s=round(ev.stalled_s, 2))
         elif kind == "hard":
+            if self._divergence_was_first():
+                return
             self.transition(Event.HARD_HANG)
             self.services.on_hang("hard")
             log.error("hang: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)

@@ -10,8 +10,6 @@ evidence; soft ones (hang suspected, divergence observed, on demand) on the
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +22,7 @@ from dumps.capture import RankTarget
 from dumps.incident import write_incident
 from supervisor.exits import ExitInfo
 from supervisor.launch import RankHandle
+from watchdogs.gpu import gpus_busy_without_progress
 
 if TYPE_CHECKING:
     from supervisor.core import Supervisor
@@ -125,10 +124,17 @@ class IncidentDesk:
         )
         return result
 
-    def _async(self, reason: str, deadline_s: float, extra: dict, reply: "queue.SimpleQueue | None" = None) -> None:
+    def _async(
+        self,
+        reason: str,
+        deadline_s: float,
+        extra: dict,
+        reply: "queue.SimpleQueue | None" = None,
+        files: dict | None = None,
+    ) -> None:
         def job():
             try:
-                result = self._write(reason, deadline_s, extra)
+                result = self._write(reason, deadline_s, extra, files)
                 if reply is not None:
                     reply.put({"ok": result.path is not None, "bundle": str(result.path) if result.path else None})
             except Exception as exc:
@@ -156,8 +162,16 @@ class IncidentDesk:
 
     def _watchdog_extra(self, ev: "WatchdogVerdict") -> dict:
         v = ev.verdict
-        data = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else {}
-        return {"watchdog": json.loads(json.dumps(data, default=str)), "stalled_s": round(ev.stalled_s, 3)}
+        extra = {"watchdog": v.to_dict(), "stalled_s": round(ev.stalled_s, 3)}
+        gpu = self.sup.services.gpu
+        if gpu.available:
+            samples = gpu.sample()
+            extra["gpu"] = {
+                "samples": [s.to_dict() for s in samples],
+                # The signature of a hang that looks like work (spin-waiting kernels).
+                "busy_without_progress": gpus_busy_without_progress(samples, v),
+            }
+        return extra
 
     def soft_hang(self, ev: "WatchdogVerdict") -> None:
         self._async("hang_suspected", HANG_CAPTURE_S, self._watchdog_extra(ev))
@@ -174,18 +188,13 @@ class IncidentDesk:
 
     def divergence(self, ev: "DivergenceFound", blocking: bool) -> None:
         v = ev.verdict
-        extra = {
-            "culprit_ranks": list(v.culprit_ranks),
-            "verdict": v.verdict,
-            "divergence": json.loads(json.dumps(dataclasses.asdict(v), default=str))
-            if dataclasses.is_dataclass(v)
-            else {},
-        }
+        extra = {"culprit_ranks": list(v.culprit_ranks), "verdict": v.verdict, "divergence": v.to_dict()}
+        files = v.bundle_files()
         if blocking:
             self.wait_idle()
-            self._write("divergence", HANG_CAPTURE_S, extra)
+            self._write("divergence", HANG_CAPTURE_S, extra, files)
         else:
-            self._async("divergence", HANG_CAPTURE_S, extra)
+            self._async("divergence", HANG_CAPTURE_S, extra, files=files)
 
     def on_demand(self, reply: "queue.SimpleQueue") -> None:
         self._async("on_demand", HANG_CAPTURE_S, {}, reply)

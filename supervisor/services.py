@@ -96,9 +96,14 @@ class Services:
         if self.sup.spec.consensus != "off" or self.sup.spec.consensus_inband:
             from consensus.channel import rank_env as consensus_env
 
-            env.update(consensus_env(run_dir, slot if slot is not None else -1, self.sup.spec.consensus))
-            if self.sup.spec.consensus_inband:
-                env["SUPERVISE_CONSENSUS_INBAND"] = str(self.sup.spec.consensus_inband)
+            env.update(
+                consensus_env(
+                    run_dir,
+                    slot if slot is not None else -1,
+                    self.sup.spec.consensus,
+                    inband_every=self.sup.spec.consensus_inband,
+                )
+            )
         return env
 
     # ------------------------------------------------------------ events
@@ -169,6 +174,13 @@ class Services:
             return
         log.info("metrics stay up before exit", seconds=seconds, url=self.metrics_url)
         interrupt.wait(seconds)
+
+    def settle_consensus(self, now: float) -> list:
+        """Divergences still in flight (a rank that died mid-step, e.g. gloo
+        aborting on a batch of another size): the root cause of what follows."""
+        if self.consensus_monitor is None:
+            return []
+        return self.consensus_monitor.settle(now)
 
     def gpu_holders(self, pids: set[int]) -> list[tuple[int, int, int]]:
         if not self.gpu.available:
