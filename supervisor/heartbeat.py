@@ -68,14 +68,15 @@ assert _SLOT.size == SLOT_SIZE
 # Field groups the writer updates on hot paths (offsets into the slot).
 _IDENT = struct.Struct("<iiIi")  # pid, rank, flags, stack_signal at offset 8
 _FLAGS = struct.Struct("<I")  # at offset 16
-_STEP = struct.Struct("<QQdddd")  # step, coll_seq, ts_hb, ts_step, ts_coll, last_step
+# flags, stack_signal, step, coll_seq, ts_hb, ts_step, ts_coll, last_step: the
+# hot fields are contiguous, so one update is one pack (plus the two seq stores).
+_HOT = struct.Struct("<IiQQdddd")
 _TEXT32 = struct.Struct("<32s")
 _TEXT96 = struct.Struct("<96s")
 _LOCAL = struct.Struct("<i")
 
 OFF_IDENT = 8
 OFF_FLAGS = 16
-OFF_STEP = 24
 OFF_TS_READY = 72
 OFF_PHASE = 80
 OFF_COLL_OP = 112
@@ -297,11 +298,13 @@ class SlotWriter:
         if self._seq & 1:
             self._seq += 1
         self.flags = 0
+        self.stack_signal = 0
         self.step = 0
         self.coll_seq = 0
         self.ts_step_begin = 0.0
         self.ts_coll_begin = 0.0
         self.last_step_s = 0.0
+        self._coll_text = ("", "")
 
     # -- seqlock ------------------------------------------------------------
     def _open(self) -> None:
@@ -312,10 +315,12 @@ class SlotWriter:
         self._seq += 1
         _SEQ.pack_into(self._map, self._base, self._seq)
 
-    def _pack_counters(self, now: float) -> None:
-        _STEP.pack_into(
+    def _pack_hot(self, now: float) -> None:
+        _HOT.pack_into(
             self._map,
-            self._base + OFF_STEP,
+            self._base + OFF_FLAGS,
+            self.flags,
+            self.stack_signal,
             self.step,
             self.coll_seq,
             now,
@@ -324,20 +329,25 @@ class SlotWriter:
             self.last_step_s,
         )
 
+    def _update(self, now: float) -> None:
+        self._open()
+        self._pack_hot(now)
+        self._close()
+
     # -- updates --------------------------------------------------------------
     def claim(self, pid: int, rank: int, stack_signal: int, flags: int, now: float) -> None:
         self.flags = flags | CLAIMED
+        self.stack_signal = stack_signal
         self._open()
         _IDENT.pack_into(self._map, self._base + OFF_IDENT, pid, rank, self.flags, stack_signal)
         _LOCAL.pack_into(self._map, self._base + OFF_LOCAL, self.slot)
-        self._pack_counters(now)
+        self._pack_hot(now)
         self._close()
 
     def set_flags(self, flags: int, now: float) -> None:
         self.flags = flags
         self._open()
-        _FLAGS.pack_into(self._map, self._base + OFF_FLAGS, flags)
-        self._pack_counters(now)
+        self._pack_hot(now)
         if flags & READY:
             struct.pack_into("<d", self._map, self._base + OFF_TS_READY, now)
         self._close()
@@ -345,40 +355,32 @@ class SlotWriter:
     def step_begin(self, now: float) -> None:
         self.flags |= IN_STEP | INSTRUMENTED
         self.ts_step_begin = now
-        self._open()
-        _FLAGS.pack_into(self._map, self._base + OFF_FLAGS, self.flags)
-        self._pack_counters(now)
-        self._close()
+        self._update(now)
 
     def step_end(self, now: float) -> None:
         self.flags &= ~IN_STEP
         self.step += 1
         self.last_step_s = now - self.ts_step_begin
-        self._open()
-        _FLAGS.pack_into(self._map, self._base + OFF_FLAGS, self.flags)
-        self._pack_counters(now)
-        self._close()
+        self._update(now)
 
     def collective_begin(self, op: str, desc: str, now: float) -> None:
         self.flags |= IN_COLLECTIVE
         self.coll_seq += 1
         self.ts_coll_begin = now
         self._open()
-        _FLAGS.pack_into(self._map, self._base + OFF_FLAGS, self.flags)
-        _TEXT32.pack_into(self._map, self._base + OFF_COLL_OP, _encode(op, 32))
-        _TEXT96.pack_into(self._map, self._base + OFF_COLL_DESC, _encode(desc, 96))
-        self._pack_counters(now)
+        if self._coll_text != (op, desc):  # the same op and shapes repeat every layer
+            self._coll_text = (op, desc)
+            _TEXT32.pack_into(self._map, self._base + OFF_COLL_OP, _encode(op, 32))
+            _TEXT96.pack_into(self._map, self._base + OFF_COLL_DESC, _encode(desc, 96))
+        self._pack_hot(now)
         self._close()
 
     def collective_end(self, now: float) -> None:
         self.flags &= ~IN_COLLECTIVE
-        self._open()
-        _FLAGS.pack_into(self._map, self._base + OFF_FLAGS, self.flags)
-        self._pack_counters(now)
-        self._close()
+        self._update(now)
 
     def set_phase(self, name: str, now: float) -> None:
         self._open()
         _TEXT32.pack_into(self._map, self._base + OFF_PHASE, _encode(name, 32))
-        self._pack_counters(now)
+        self._pack_hot(now)
         self._close()

@@ -35,10 +35,10 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
-from typing import Iterator
 
 from supervisor import heartbeat as hb
+
+_monotonic = time.monotonic
 
 ENV_RUN_ID = "SUPERVISE_RUN_ID"
 ENV_HEARTBEAT = "SUPERVISE_HEARTBEAT"
@@ -251,45 +251,64 @@ def finished() -> None:
 def begin_step() -> None:
     w = _ensure_spawn_slot()
     if w is not None:
-        w.step_begin(time.monotonic())
+        w.step_begin(_monotonic())
 
 
 def end_step() -> None:
     w = _rt.writer
     if w is not None:
-        w.step_end(time.monotonic())
+        w.step_end(_monotonic())
 
 
-@contextmanager
-def step() -> Iterator[None]:
-    """One engine step: progress is counted when it completes."""
-    begin_step()
-    try:
-        yield
-    finally:
+class _Step:
+    """``with step():`` -- a class, not @contextmanager: this runs every step."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        begin_step()
+
+    def __exit__(self, *_exc) -> None:
         end_step()
+
+
+_STEP = _Step()
+
+
+def step() -> _Step:
+    """One engine step: progress is counted when it completes."""
+    return _STEP
 
 
 def begin_collective(op: str, desc: str = "") -> None:
     w = _rt.writer if _rt.writer is not None else _ensure_spawn_slot()
     if w is not None:
-        w.collective_begin(op, desc, time.monotonic())
+        w.collective_begin(op, desc, _monotonic())
 
 
 def end_collective() -> None:
     w = _rt.writer
     if w is not None:
-        w.collective_end(time.monotonic())
+        w.collective_end(_monotonic())
 
 
-@contextmanager
-def collective(op: str, desc: str = "") -> Iterator[None]:
-    """A collective in progress: the supervisor sees the op and its shapes."""
-    begin_collective(op, desc)
-    try:
-        yield
-    finally:
+class _Collective:
+    __slots__ = ("op", "desc")
+
+    def __init__(self, op: str, desc: str):
+        self.op = op
+        self.desc = desc
+
+    def __enter__(self) -> None:
+        begin_collective(self.op, self.desc)
+
+    def __exit__(self, *_exc) -> None:
         end_collective()
+
+
+def collective(op: str, desc: str = "") -> _Collective:
+    """A collective in progress: the supervisor sees the op and its shapes."""
+    return _Collective(op, desc)
 
 
 def phase(name: str) -> None:
