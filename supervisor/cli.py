@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--master-addr", default="127.0.0.1")
     g.add_argument("--master-port", type=int, help="rendezvous port (default: a free port)")
     g.add_argument("--tree", action="store_true", help="COMMAND is itself a launcher (torchrun, vllm serve --tp N, ...); its ranks are found when they join torch.distributed")
+    g.add_argument("--engine-metrics-url", metavar="URL", help="also read progress from the engine's own Prometheus endpoint (vLLM/SGLang generation-token and running-request counters): for engines whose collectives never reach Python (CUDA graphs)")
+    g.add_argument("--engine-kind", default="auto", choices=("auto", "vllm", "sglang"), help="metric family names of --engine-metrics-url")
     g.add_argument("--no-hook", dest="hook", action="store_false", help="do not put the zero-code torch.distributed hook on the ranks' PYTHONPATH")
     g.add_argument("--max-restarts", type=int, default=0)
     w = serve.add_argument_group("watchdogs (omit timeouts for adaptive ones)")
@@ -134,6 +136,8 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         max_restarts=args.max_restarts,
         log_format=args.log_format,
         zero_code_hook=args.hook,
+        engine_metrics_url=args.engine_metrics_url,
+        engine_kind=args.engine_kind,
         engine=engine,
     )
 

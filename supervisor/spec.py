@@ -140,6 +140,8 @@ class LaunchSpec:
     max_restarts: int = 0
     log_format: str = "console"
     zero_code_hook: bool = True
+    engine_metrics_url: str | None = None  # external progress (engines whose collectives skip Python)
+    engine_kind: str = "auto"
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self) -> None:
@@ -184,6 +186,13 @@ class LaunchSpec:
             raise UsageError(f"--log-format {self.log_format!r}: choose console or json")
         if self.tree and not self.command:
             raise UsageError("--tree needs a COMMAND after '--' (a launcher such as torchrun or vllm serve)")
+        if self.engine_metrics_url is not None and not self.engine_metrics_url.startswith(("http://", "https://")):
+            raise UsageError(
+                f"--engine-metrics-url {self.engine_metrics_url!r}: give the engine's Prometheus endpoint, "
+                "e.g. http://127.0.0.1:8000/metrics"
+            )
+        if self.engine_kind not in ("auto", "vllm", "sglang"):
+            raise UsageError(f"--engine-kind {self.engine_kind!r}: choose auto, vllm or sglang")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise UsageError(f"--master-port {self.master_port}: must be between 1 and 65535")
         for inj in self.engine.injections:

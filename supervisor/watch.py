@@ -26,6 +26,8 @@ log = structlog.get_logger("supervise.watchdog")
 
 TICK_S = 0.1  # one watchdog tick: /healthz follows a fault within this
 CONSENSUS_POLL_S = 0.005
+ADAPTER_INTERVAL_S = 0.5  # engine /metrics scrape period (tree mode adapters)
+ADAPTER_TIMEOUT_S = 2.0
 # A spawned rank that does not report readiness (no slot: not Python or no
 # hook; or a claimed slot without the READY flag and not instrumented) counts
 # as ready after this long.  Instrumented ranks are held back by the policy's
@@ -82,17 +84,21 @@ class WatchdogThread:
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
-        self.adapter = None
+        self.adapter = AdapterThread(spec.engine_metrics_url, spec.engine_kind) if spec.engine_metrics_url else None
         argv0 = os.path.basename(spec.rank_argv()[0])
         self.expect_claim = spec.zero_code_hook and "python" in argv0
         self.last_verdict = None
 
     def start(self) -> None:
         self._thread.start()
+        if self.adapter is not None:
+            self.adapter.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)
+        if self.adapter is not None:
+            self.adapter.stop()
 
     def reset(self, now: float) -> None:
         """A new attempt: forget progress history and claims (keep learned thresholds)."""
@@ -146,7 +152,7 @@ class WatchdogThread:
         snaps = self.snapshots()
         if sup.spec.tree:
             self._discover(snaps)
-        external = self.adapter.sample() if self.adapter is not None else None
+        external = self.adapter.latest if self.adapter is not None else None
         exited = {slot for slot, h in sup.attempt.ranks.items() if not h.alive}
         with self.lock:
             self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited)
@@ -203,6 +209,35 @@ def _descends(pid: int, ancestor: int) -> bool:
         return any(p.pid == ancestor for p in proc.parents())
     except psutil.Error:
         return False
+
+
+class AdapterThread:
+    """Scrapes an engine's own Prometheus endpoint (progress for engines whose
+    collectives never reach Python, e.g. CUDA graphs) on its own named thread,
+    so a slow scrape never delays a watchdog tick; the tick reads ``latest``."""
+
+    def __init__(self, url: str, engine: str):
+        from watchdogs.adapters import PrometheusProgress
+
+        self.scraper = PrometheusProgress(url, engine=engine, timeout=ADAPTER_TIMEOUT_S)
+        self.latest = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-adapter", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * ADAPTER_TIMEOUT_S + 1)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.latest = self.scraper.scrape()
+            except Exception as exc:
+                log.error("engine metrics scrape failed", error=repr(exc))
+            self._stop.wait(ADAPTER_INTERVAL_S)
 
 
 class ConsensusThread:

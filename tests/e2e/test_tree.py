@@ -65,3 +65,35 @@ def test_torchrun_transformers_tp_generate(supervise, tiny_llama):
     assert sorted(line["rank"] for line in run.events("rank joined the group")) == [0, 1]
     hang = run.summary("-hang")
     assert hang["culprit_ranks"] == [1], hang["verdict"]
+
+
+def test_engine_counters_detect_a_hang_without_python_collectives(supervise):
+    from supervisor.spec import free_port
+
+    port = free_port()
+    run = supervise(
+        [
+            "--tree", "--nproc-per-node", "1", "--soft-timeout", "2", "--hard-timeout", "4", "--kill-grace", "1",
+            "--engine-metrics-url", f"http://127.0.0.1:{port}/metrics", "--engine-kind", "vllm",
+        ],
+        [sys.executable, str(FAKES / "fake_vllm.py"), "--port", str(port), "--freeze-after", "3"],
+    )
+    assert run.wait(timeout=60) == 81, run.stderr[-4000:]
+    hang = run.summary("-hang")
+    assert hang["watchdog"]["external"]["running"] >= 1
+    assert any("hang_suspected" in b.name for b in run.bundles())
+
+
+def test_engine_counters_progressing_is_not_a_hang(supervise):
+    from supervisor.spec import free_port
+
+    port = free_port()
+    run = supervise(
+        [
+            "--tree", "--nproc-per-node", "1", "--soft-timeout", "2", "--hard-timeout", "4",
+            "--engine-metrics-url", f"http://127.0.0.1:{port}/metrics", "--engine-kind", "vllm",
+        ],
+        [sys.executable, str(FAKES / "fake_vllm.py"), "--port", str(port), "--run-for", "8"],
+    )
+    assert run.wait(timeout=60) == 0, run.stderr[-4000:]
+    assert run.bundles() == []
