@@ -9,7 +9,9 @@ and then wraps
   the heartbeat slot of its global rank (this is how tree mode finds ranks
   that a launcher such as torchrun, vLLM or SGLang spawned);
 * the collectives: each call marks "in collective <op> <shapes>" in the slot
-  and bumps the collective sequence number.
+  and bumps the collective sequence number;
+* the functional collectives (DTensor, transformers' ``tp_plan``): issuing
+  counts as a collective, blocking in ``wait_tensor`` is "in collective".
 
 In spawn mode the slot is claimed at startup already (its index is in the
 environment), so ranks that never join a group still report liveness.
@@ -103,6 +105,8 @@ def _wrap_init(fn):
             runtime.joined_group(dist.get_rank())
         except Exception as exc:  # never break the user's program
             print(f"supervise: could not claim a heartbeat slot: {exc!r}", file=sys.stderr)
+        if not os.environ.get(runtime.ENV_SLOT):
+            _die_with_parent()
         try:
             # Per-rank debug server (flight-recorder trace, tracebacks) that
             # answers while the main thread is blocked inside a collective.
@@ -154,6 +158,20 @@ def _at_exit() -> None:
         runtime.finished()
 
 
+def _die_with_parent() -> None:
+    """Tree mode: a rank is the launcher's child, not ours, so it has no
+    parent-death signal from us.  Ask for SIGKILL when the launcher dies (the
+    launcher itself dies with the supervisor): SIGKILL also ends a rank that
+    is stopped and could never run its death-watch thread."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
 def patch(dist_module) -> None:
     """Wrap init and the collectives of ``torch.distributed`` (idempotent)."""
     try:
@@ -181,9 +199,74 @@ def patch(dist_module) -> None:
             setattr(module, name, new)
 
 
+# Functional collectives (DTensor, transformers' tp_plan, torch.compile'd
+# code): issuing is asynchronous and the rank blocks in ``wait_tensor``.  Each
+# issue counts as a collective (progress); the wait is marked "in collective"
+# under the name and shapes of the last collective the thread issued.
+FUNCOL_ISSUE = (
+    "all_reduce",
+    "all_gather_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+    "all_reduce_coalesced",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "permute_tensor",
+)
+_last_issued = threading.local()
+
+
+def _wrap_funcol_issue(name: str, fn):
+    op = f"funcol.{name}"
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        desc = describe(args, kwargs)
+        _last_issued.value = (op, desc)
+        runtime.begin_collective(op, desc)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            runtime.end_collective()
+
+    wrapper.__tp_supervise_wrapped__ = True
+    return wrapper
+
+
+def _wrap_funcol_wait(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        op, desc = getattr(_last_issued, "value", ("funcol.wait_tensor", ""))
+        runtime.begin_collective(op + ".wait", desc)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            runtime.end_collective()
+
+    wrapper.__tp_supervise_wrapped__ = True
+    return wrapper
+
+
+def patch_functional(module) -> None:
+    """Wrap ``torch.distributed._functional_collectives`` (idempotent)."""
+    for name in FUNCOL_ISSUE:
+        fn = getattr(module, name, None)
+        if fn is not None and not getattr(fn, "__tp_supervise_wrapped__", False):
+            setattr(module, name, _wrap_funcol_issue(name, fn))
+    wait = getattr(module, "wait_tensor", None)
+    if wait is not None and not getattr(wait, "__tp_supervise_wrapped__", False):
+        module.wait_tensor = _wrap_funcol_wait(wait)
+
+
+FUNCOL_MODULE = "torch.distributed._functional_collectives"
+_PATCHERS = {"torch.distributed": patch, FUNCOL_MODULE: patch_functional}
+
+
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
+    def __init__(self, inner, patcher):
         self.inner = inner
+        self.patcher = patcher
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
@@ -191,16 +274,18 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module):
         self.inner.exec_module(module)
         try:
-            patch(module)
+            self.patcher(module)
         except Exception as exc:
-            print(f"supervise: torch.distributed not instrumented: {exc!r}", file=sys.stderr)
+            print(f"supervise: {module.__name__} not instrumented: {exc!r}", file=sys.stderr)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Wraps the loader of ``torch.distributed`` so we patch it right after it runs."""
+    """Wraps the loaders of ``torch.distributed`` and its functional
+    collectives so we patch each module right after it runs."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "torch.distributed":
+        patcher = _PATCHERS.get(fullname)
+        if patcher is None:
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -210,7 +295,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                 continue
             spec = find(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader)
+                spec.loader = _Loader(spec.loader, patcher)
                 return spec
         return None
 
@@ -223,13 +308,16 @@ def install() -> None:
     _installed = True
     import atexit
 
-    sys.excepthook = _note_crash(sys.excepthook)
-    atexit.register(_at_exit)
+    if not os.environ.get(runtime.ENV_SLOT):
+        # Tree mode only: in spawn mode the supervisor reads the real exit
+        # status, and a rank leaving with code 0 while its peers run is a fault.
+        sys.excepthook = _note_crash(sys.excepthook)
+        atexit.register(_at_exit)
     if os.environ.get(runtime.ENV_SLOT):
         # Spawn mode: the rank's slot is known; claim it now so liveness and
         # the stack signal work even before (or without) a process group.
         runtime.claim(int(os.environ.get("RANK", "0")), instrumented=False)
-    if "torch.distributed" in sys.modules:
-        patch(sys.modules["torch.distributed"])
-    else:
-        sys.meta_path.insert(0, _Finder())
+    for name, patcher in _PATCHERS.items():
+        if name in sys.modules:
+            patcher(sys.modules[name])
+    sys.meta_path.insert(0, _Finder())

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--hard-timeout", type=_seconds, help="no progress while busy: dump, then kill the group (exit 81)")
     w.add_argument("--soft-timeout", type=_seconds, help="no progress while busy: dump only")
     w.add_argument("--startup-timeout", type=_seconds, default=specs.DEFAULT_STARTUP_TIMEOUT_S)
+    w.add_argument("--adaptive-floors", metavar="SOFT,HARD", help="lowest adaptive soft/hard timeouts (default 1.5,3): below them a scheduler hiccup on a loaded host could look like a hang")
+    w.add_argument("--adaptive-ceilings", metavar="SOFT,HARD", help="highest adaptive soft/hard timeouts (default 120,300)")
     w.add_argument("--kill-grace", type=_seconds, default=specs.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL escalation")
     d = serve.add_argument_group("dumps")
     d.add_argument("--dump-dir", type=Path, default=Path("supervise-dumps"))
@@ -136,6 +138,8 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         max_restarts=args.max_restarts,
         log_format=args.log_format,
         zero_code_hook=args.hook,
+        adaptive_floors=specs.parse_pair(args.adaptive_floors, "--adaptive-floors"),
+        adaptive_ceilings=specs.parse_pair(args.adaptive_ceilings, "--adaptive-ceilings"),
         engine_metrics_url=args.engine_metrics_url,
         engine_kind=args.engine_kind,
         engine=engine,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -58,6 +59,49 @@ class JobEntry:
             return False
         except PermissionError:
             return True
+
+
+def sweep_stale() -> list[str]:
+    """Clean up after supervisors that died without a teardown (SIGKILL, OOM).
+
+    Their ranks died with them (parent-death signal), but a stopped rank of a
+    launcher's tree or a setsid escapee can remain, and so do the run's shared
+    memory directory and registry entry.  Returns the run ids swept.
+    """
+    from supervisor import procs
+
+    swept = []
+    root = registry_dir()
+    if not root.is_dir():
+        return swept
+    for path in sorted(root.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+            run_id, pid = data["run_id"], int(data["pid"])
+        except (OSError, ValueError, KeyError):
+            continue
+        entry = JobEntry(run_id, pid, data.get("socket", ""), data.get("metrics"), data.get("dump_dir", ""))
+        if entry.alive():
+            continue
+        orphans = procs.run_processes(run_id, root_pid=os.getpid())
+        orphans -= set(procs.descendants())
+        for orphan in orphans:
+            try:
+                os.kill(orphan, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+        run_dir = data.get("run_dir")
+        if run_dir and os.path.basename(run_dir).startswith("tp-supervise-"):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        for stale in (path, Path(entry.socket) if entry.socket else None):
+            if stale is not None:
+                try:
+                    stale.unlink()
+                except FileNotFoundError:
+                    pass
+        log.warning("swept a run whose supervisor died", stale_run_id=run_id, pid=pid, killed=sorted(orphans))
+        swept.append(run_id)
+    return swept
 
 
 def list_jobs() -> list[JobEntry]:

@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import os
 import queue
-import secrets
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Mapping
 
 import structlog
 
-from supervisor import exits, launch, procs
+from supervisor import exits, launch, logs, procs
 from supervisor.exits import ExitInfo
 from supervisor.heartbeat import HeartbeatSegment
 from supervisor.incidents import IncidentDesk
@@ -39,79 +36,32 @@ from supervisor.monitor import ExitMonitor, ProcessExited
 from supervisor.spec import LaunchSpec, free_port
 from supervisor.state import EngineState, Event, next_state
 from supervisor.teardown import KillPolicy, TeardownResult, teardown
-from supervisor.watch import DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict
+from supervisor.watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict
 
 log = structlog.get_logger("supervise")
 
-EXIT_OK = 0
-EXIT_USAGE = 64
-EXIT_RANK = 80
-EXIT_HANG = 81
-EXIT_DIVERGENCE = 82
-EXIT_STARTUP = 83
-EXIT_PEER_NODE = 84
-EXIT_TEARDOWN = 85
-EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in the supervisor (ranks are still torn down)
-
-# A rank that exits 0 is a fault only if its peers do not follow it within
-# this window (all ranks of a finished job exit within moments of each other).
-EARLY_EXIT_WINDOW_S = 0.5
-RESTART_BACKOFF_BASE_S = 1.0
-RESTART_BACKOFF_MAX_S = 30.0
-# A run that stayed up this long resets the backoff (not a crash loop).
-RESTART_STABLE_S = 300.0
-LAUNCHER_KEY = "launcher"
-TEARDOWN_EXIT = "teardown"  # metrics reason of exits caused by our own teardown
-
-
-@dataclass(frozen=True)
-class SignalReceived:
-    signum: int
-
-
-@dataclass(frozen=True)
-class ControlRequest:
-    request: dict
-    reply: "queue.SimpleQueue[dict]"
-
-
-@dataclass(frozen=True)
-class EarlyExitCheck:
-    slot: int
-
-
-@dataclass(frozen=True)
-class Outcome:
-    code: int
-    reason: str  # bundle reason, or "clean" / "shutdown"
-    culprit: int | None = None
-
-    @property
-    def restartable(self) -> bool:
-        return self.code in (EXIT_RANK, EXIT_HANG, EXIT_DIVERGENCE, EXIT_STARTUP)
-
-
-@dataclass
-class Attempt:
-    """Live state of one launch of the group (reset on restart)."""
-
-    ranks: dict[int, RankHandle] = field(default_factory=dict)  # slot → handle
-    launcher: RankHandle | None = None
-    started_at: float = 0.0
-    first_failure: tuple[RankHandle, ExitInfo] | None = None
-    outcome: Outcome | None = None
-
-
-def new_run_id() -> str:
-    return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
-
-
-def _run_dir(run_id: str) -> Path:
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    root = base or Path(os.environ.get("TMPDIR", "/tmp"))
-    path = root / f"tp-supervise-{run_id}"
-    path.mkdir(mode=0o700)
-    return path
+from supervisor.outcome import (
+    EARLY_EXIT_WINDOW_S,
+    EXIT_DIVERGENCE,
+    EXIT_HANG,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_RANK,
+    EXIT_STARTUP,
+    EXIT_TEARDOWN,
+    LAUNCHER_KEY,
+    RESTART_BACKOFF_BASE_S,
+    RESTART_BACKOFF_MAX_S,
+    RESTART_STABLE_S,
+    TEARDOWN_EXIT,
+    Attempt,
+    ControlRequest,
+    EarlyExitCheck,
+    Outcome,
+    SignalReceived,
+    new_run_id,
+    run_dir_for,
+)
 
 
 class Supervisor:
@@ -135,13 +85,14 @@ class Supervisor:
         self.desk: IncidentDesk | None = None
         self.services = None  # supervisor.services.Services (metrics, control, consensus)
         self.last_teardown: TeardownResult | None = None
+        self.suspicions: set[str] = set()  # why the engine is SUSPECT: "hang", "divergence"
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
         from supervisor.services import Services
 
         procs.make_subreaper()
-        self.run_dir = _run_dir(self.run_id)
+        self.run_dir = run_dir_for(self.run_id)
         nslots = self.spec.nproc_per_node
         self.heartbeat = HeartbeatSegment(self.run_dir / "heartbeat", nslots, self.run_id, time.monotonic())
         self.death_r, self.death_w = os.pipe()
@@ -210,6 +161,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
+        logs.bind_run(self.run_id)
         log.info(
             "supervise starting",
             run_id=self.run_id,
@@ -218,8 +170,8 @@ class Supervisor:
             world_size=self.spec.world_size,
             command=" ".join(self.spec.rank_argv()),
         )
-        self._setup()
         try:
+            self._setup()
             return self._run_attempts()
         except Exception:
             log.exception("supervisor internal error: tearing down every rank")
@@ -271,11 +223,14 @@ class Supervisor:
             if isinstance(ev, SignalReceived):
                 self.stopping = ev
                 return
+            if isinstance(ev, ControlRequest):
+                ev.reply.put({"ok": False, "error": "the group is restarting; no rank to dump right now"})
         self.transition(Event.RESTART)
 
     def _launch(self) -> None:
         assert self.ctx is not None
         self.attempt = Attempt(started_at=time.monotonic())
+        self.suspicions = set()
         self.watchdog.reset(self.attempt.started_at)
         extra_env = self.services.rank_env
         if self.spec.tree:
@@ -317,6 +272,9 @@ class Supervisor:
             self._on_watchdog(ev)
         elif isinstance(ev, DivergenceFound):
             self._on_divergence(ev)
+        elif isinstance(ev, ConsensusAgreed):
+            log.info("ranks agree again after the observed divergence", steps=ev.steps)
+            self._clear_suspicion("divergence")
         elif isinstance(ev, RankClaimed):
             self._on_claimed(ev)
         elif isinstance(ev, EarlyExitCheck):
@@ -326,7 +284,7 @@ class Supervisor:
         elif isinstance(ev, ControlRequest):
             self._on_control(ev)
         else:
-            self.desk.on_event(ev)
+            log.debug("ignored event", kind=type(ev).__name__)
 
     def _finish(self, outcome: Outcome) -> None:
         if self.attempt.outcome is None:
@@ -350,8 +308,8 @@ class Supervisor:
 
     def _on_exit(self, ev: ProcessExited) -> None:
         handle = self._rank_for_key(ev.key)
-        if handle is None or handle.exit is not None:
-            return
+        if handle is None or handle.exit is not None or handle.pid != ev.pid:
+            return  # unknown, already handled, or a late exit of a previous attempt
         if ev.status is not None and handle.popen is not None:
             handle.popen.returncode = ev.status.returncode  # keep Popen from reaping a reused pid
         peers = [h for h in self.live_ranks() if h is not handle]
@@ -361,8 +319,13 @@ class Supervisor:
             if snap is not None and snap.finished:
                 info = ExitInfo(None, exits.CLEAN, "finished (its launcher owns the exit status)")
         else:
+            # A rank that declared it was finishing (runtime.finished) and
+            # exits 0 is done, not an early exit, even while peers still run.
+            said_finished = handle.slot >= 0 and self.heartbeat.read(handle.slot).finished
             info = exits.classify(
-                ev.status, peers_running=bool(peers), oom_kills_rose=ev.status.signal == signal.SIGKILL and self.oom.rose()
+                ev.status,
+                peers_running=bool(peers) and not said_finished,
+                oom_kills_rose=ev.status.signal == signal.SIGKILL and self.oom.rose(),
             )
         handle.exit, handle.exited_at = info, ev.at
         if self.attempt.outcome is not None or self.state is EngineState.TEARING_DOWN:
@@ -459,13 +422,14 @@ class Supervisor:
             self.transition(Event.ALL_READY)
             self.services.on_ready()
         elif kind == "soft":
+            self.suspicions.add("hang")
             self.transition(Event.SOFT_HANG)
             self.services.on_hang("soft")
             log.warning("hang suspected: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)
             self.desk.soft_hang(ev)
         elif kind == "recovered":
-            self.transition(Event.PROGRESS)
             log.info("progress resumed", stalled_s=round(ev.stalled_s, 2))
+            self._clear_suspicion("hang")
         elif kind == "hard":
             if self._divergence_was_first():
                 return
@@ -484,6 +448,8 @@ class Supervisor:
         if self.attempt.outcome is not None:
             return
         enforce = self.spec.consensus == "enforce"
+        if not enforce:
+            self.suspicions.add("divergence")
         self.transition(Event.DIVERGENCE_ENFORCED if enforce else Event.DIVERGENCE_OBSERVED)
         self.services.on_divergence()
         log.error("divergence: " + ev.verdict.verdict, step=ev.verdict.step, culprit_ranks=ev.verdict.culprit_ranks)
@@ -491,6 +457,13 @@ class Supervisor:
         if enforce:
             culprit = ev.verdict.culprit_ranks[0] if ev.verdict.culprit_ranks else None
             self._finish(Outcome(EXIT_DIVERGENCE, "divergence", culprit=culprit))
+
+    def _clear_suspicion(self, reason: str) -> None:
+        """/readyz stays 503 while any suspicion (soft hang, observed
+        divergence) is open; each clears on its own evidence."""
+        self.suspicions.discard(reason)
+        if not self.suspicions:
+            self.transition(Event.PROGRESS)
 
     def _on_control(self, ev: ControlRequest) -> None:
         if ev.request.get("cmd") != "dump":

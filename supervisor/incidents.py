@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import time
+from datetime import datetime, timedelta, timezone
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,13 @@ RANK_EXIT_CAPTURE_S = 0.8
 HANG_CAPTURE_S = 3.0
 
 
+def _wall_clock(monotonic_at: float | None) -> datetime:
+    now = datetime.now(timezone.utc)
+    if monotonic_at is None:
+        return now
+    return now - timedelta(seconds=max(0.0, time.monotonic() - monotonic_at))
+
+
 class IncidentDesk:
     def __init__(self, sup: "Supervisor"):
         self.sup = sup
@@ -47,9 +55,6 @@ class IncidentDesk:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-
-    def on_event(self, ev: object) -> None:
-        log.debug("ignored event", kind=type(ev).__name__)
 
     def wait_idle(self, timeout_s: float = HANG_CAPTURE_S * 2) -> None:
         deadline = time.monotonic() + timeout_s
@@ -93,7 +98,15 @@ class IncidentDesk:
             "command": sup.spec.rank_argv(),
         }
 
-    def _write(self, reason: str, deadline_s: float, extra_summary: dict, extra_files: dict | None = None):
+    def _write(
+        self,
+        reason: str,
+        deadline_s: float,
+        extra_summary: dict,
+        extra_files: dict | None = None,
+        detected_at: float | None = None,
+    ):
+        """``detected_at``: monotonic time the fault was detected (default: now)."""
         sup = self.sup
         summary = dict(self._base_summary(), **extra_summary)
         started = time.monotonic()
@@ -109,18 +122,22 @@ class IncidentDesk:
             extra_summary=summary,
             extra_files=extra_files or {},
             previous_cpu=self.previous_cpu,
+            detected_at=_wall_clock(detected_at),
         )
         self.previous_cpu = result.samples or self.previous_cpu
         duration = time.monotonic() - started
         sup.services.on_dump(reason, result.ok, duration)
         diag = result.diagnosis
+        # Log what the bundle says: the supervisor's own verdict (first
+        # failure, consensus) wins over the stack-based diagnosis.
         log.warning(
             "incident bundle written" if result.path else "incident bundle FAILED",
             reason=reason,
             bundle=str(result.path) if result.path else None,
-            culprit_ranks=getattr(diag, "culprit_ranks", None),
-            verdict=getattr(diag, "verdict", None),
+            culprit_ranks=extra_summary.get("culprit_ranks", getattr(diag, "culprit_ranks", None)),
+            verdict=extra_summary.get("verdict", getattr(diag, "verdict", None)),
             duration_s=round(duration, 3),
+            error=result.error,
         )
         return result
 
@@ -131,10 +148,13 @@ class IncidentDesk:
         extra: dict,
         reply: "queue.SimpleQueue | None" = None,
         files: dict | None = None,
+        detected_at: float | None = None,
     ) -> None:
+        detected_at = time.monotonic() if detected_at is None else detected_at
+
         def job():
             try:
-                result = self._write(reason, deadline_s, extra, files)
+                result = self._write(reason, deadline_s, extra, files, detected_at)
                 if reply is not None:
                     reply.put({"ok": result.path is not None, "bundle": str(result.path) if result.path else None})
             except Exception as exc:
@@ -152,13 +172,14 @@ class IncidentDesk:
         others = [h.rank for h in sup.live_ranks() if h is not first]
         verdict = f"{who} (pid {first.pid}) {info.description}"
         if others:
-            verdict += f"; ranks {','.join(map(str, others))} were still running and are torn down as a consequence"
+            peers = f"rank {others[0]} was" if len(others) == 1 else f"ranks {','.join(map(str, others))} were"
+            verdict += f"; {peers} still running and torn down as a consequence"
         extra = {
             "culprit_ranks": [first.rank] if first.rank >= 0 else [],
             "verdict": verdict,
             "first_failure": {"rank": first.rank, "pid": first.pid, **info.to_dict()},
         }
-        self._write("rank_exit", RANK_EXIT_CAPTURE_S, extra)
+        self._write("rank_exit", RANK_EXIT_CAPTURE_S, extra, detected_at=first.exited_at)
 
     def _watchdog_extra(self, ev: "WatchdogVerdict") -> dict:
         v = ev.verdict
@@ -174,17 +195,22 @@ class IncidentDesk:
         return extra
 
     def soft_hang(self, ev: "WatchdogVerdict") -> None:
-        self._async("hang_suspected", HANG_CAPTURE_S, self._watchdog_extra(ev))
+        self._async("hang_suspected", HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at)
 
     def hard_hang(self, ev: "WatchdogVerdict") -> list[int]:
         self.wait_idle()
-        result = self._write("hang", HANG_CAPTURE_S, self._watchdog_extra(ev))
+        result = self._write("hang", HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at)
         return list(getattr(result.diagnosis, "culprit_ranks", []) or [])
 
     def startup_timeout(self, ev: "WatchdogVerdict") -> None:
         extra = self._watchdog_extra(ev)
-        extra["verdict_hint"] = ev.message
-        self._write("startup_timeout", HANG_CAPTURE_S, extra)
+        pending = list(ev.verdict.pending_ranks)
+        extra["culprit_ranks"] = pending
+        extra["verdict"] = (
+            f"rank{'s' if len(pending) > 1 else ''} {','.join(map(str, pending))} did not become ready within "
+            f"--startup-timeout {self.sup.spec.startup_timeout:g} s: {ev.message}"
+        )
+        self._write("startup_timeout", HANG_CAPTURE_S, extra, detected_at=ev.at)
 
     def divergence(self, ev: "DivergenceFound", blocking: bool) -> None:
         v = ev.verdict
@@ -192,9 +218,9 @@ class IncidentDesk:
         files = v.bundle_files()
         if blocking:
             self.wait_idle()
-            self._write("divergence", HANG_CAPTURE_S, extra, files)
+            self._write("divergence", HANG_CAPTURE_S, extra, files, detected_at=ev.at)
         else:
-            self._async("divergence", HANG_CAPTURE_S, extra, files=files)
+            self._async("divergence", HANG_CAPTURE_S, extra, files=files, detected_at=ev.at)
 
     def on_demand(self, reply: "queue.SimpleQueue") -> None:
         self._async("on_demand", HANG_CAPTURE_S, {}, reply)

@@ -74,7 +74,6 @@ class RankHandle:
     popen: subprocess.Popen | None = None
     exit: ExitInfo | None = None
     exited_at: float | None = None
-    finished_flag: bool = False  # the rank said it was finishing (runtime.finished)
 
     @property
     def slot(self) -> int:

@@ -8,10 +8,22 @@ import sys
 import structlog
 
 
+_run: dict[str, str] = {}
+
+
+def _add_run_id(_logger, _method, event: dict) -> dict:
+    """Every line of every thread carries the run id (contextvars do not
+    cross into the supervisor's threads)."""
+    if _run:
+        event.setdefault("run_id", _run["run_id"])
+    return event
+
+
 def configure(fmt: str = "console", level: int = logging.INFO, stream=None) -> None:
     stream = stream or sys.stderr
     shared = [
         structlog.contextvars.merge_contextvars,
+        _add_run_id,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
@@ -32,6 +44,6 @@ def configure(fmt: str = "console", level: int = logging.INFO, stream=None) -> N
     )
 
 
-def bind(**values) -> None:
-    """Fields every subsequent line carries (run_id, node)."""
-    structlog.contextvars.bind_contextvars(**values)
+def bind_run(run_id: str) -> None:
+    """From now on every log line names this run."""
+    _run["run_id"] = run_id

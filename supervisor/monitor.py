@@ -80,10 +80,6 @@ class ExitMonitor:
         self._wake()
         return True
 
-    def watching(self, key: object) -> bool:
-        with self._lock:
-            return key in self._pending
-
     def wait_all_exited(self, keys: set[object], deadline: float) -> bool:
         """Block until none of ``keys`` is still watched, or the deadline passes."""
         with self._exited:

@@ -97,6 +97,13 @@ def run_processes(run_id: str, root_pid: int | None = None) -> set[int]:
     return found
 
 
+def descendants(pid: int | None = None) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid or os.getpid()).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def direct_children(pid: int | None = None) -> list[int]:
     try:
         return [c.pid for c in psutil.Process(pid or os.getpid()).children(recursive=False)]

@@ -11,7 +11,7 @@ Public API (all calls are no-ops when the process is not supervised)::
             ...
     sv.phase("schedule")            # free-form label of where the rank is
 
-Environment it reads (set by ``supervise serve``; see docs/environment.md):
+Environment it reads (set by ``supervise serve``; see docs/supervisor.md):
 
     SUPERVISE_RUN_ID          run id (also marks every process of the run)
     SUPERVISE_HEARTBEAT       path of the heartbeat segment
@@ -31,7 +31,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import select
-import signal
 import sys
 import threading
 import time
@@ -65,6 +64,7 @@ class _Runtime:
         self.stack_file = None
         self.death_watch_started = False
         self.instrumented = False
+        self.forked = False
 
     def claim(self, slot: int, rank: int, instrumented: bool) -> bool:
         path = os.environ.get(ENV_HEARTBEAT)
@@ -171,13 +171,25 @@ def _watch_death(fds: list[int]) -> None:
 _rt = _Runtime()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child must not write its parent's slot (one writer per slot);
+    it claims its own if it joins a group (zero-code hook) or calls the API."""
+    _rt.writer = None
+    _rt.pid = os.getpid()
+    _rt.death_watch_started = False
+    _rt.forked = True  # SUPERVISE_SLOT names the parent's slot, not ours
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _ensure_spawn_slot() -> hb.SlotWriter | None:
     """Spawn mode: the slot is known from the environment; claim on first use."""
     w = _rt.writer
     if w is not None and _rt.pid == os.getpid():
         return w
     slot_text = os.environ.get(ENV_SLOT)
-    if not slot_text:
+    if not slot_text or _rt.forked:
         return None
     rank = int(os.environ.get("RANK", slot_text))
     _rt.claim(int(slot_text), rank, instrumented=True)
@@ -193,7 +205,7 @@ def claim(rank: int, instrumented: bool = False) -> bool:
     """Claim the slot of global ``rank`` (the zero-code hook calls this at group join)."""
     base = int(os.environ.get(ENV_SLOT_BASE, "0") or 0)
     slot_text = os.environ.get(ENV_SLOT)
-    slot = int(slot_text) if slot_text else rank - base
+    slot = int(slot_text) if slot_text and not _rt.forked else rank - base
     if slot < 0:
         return False
     return _rt.claim(slot, rank, instrumented)
@@ -321,12 +333,3 @@ def phase(name: str) -> None:
 def slot_writer() -> hb.SlotWriter | None:
     """The slot writer of this process, if it claimed one (consensus uses it)."""
     return _rt.writer if _rt.pid == os.getpid() else None
-
-
-def install_signal_exit() -> None:
-    """Make SIGTERM raise SystemExit so ``finally`` blocks and atexit run."""
-
-    def _term(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _term)

@@ -59,12 +59,17 @@ class Services:
         if self.http is not None:
             self.http.start()
             log.info("metrics and health", url=self.http.url, endpoints="/metrics /healthz /readyz")
-        from supervisor.control import ControlServer
+        from supervisor.control import ControlServer, sweep_stale
 
+        sweep_stale()
         self.control = ControlServer(
             self.sup.run_id,
             self._control_request,
-            {"metrics": self.metrics_url, "dump_dir": str(self.sup.spec.dump_dir.resolve())},
+            {
+                "metrics": self.metrics_url,
+                "dump_dir": str(self.sup.spec.dump_dir.resolve()),
+                "run_dir": str(self.sup.run_dir),
+            },
         )
         self.control.start()
         if self.consensus_thread is not None:
@@ -126,7 +131,7 @@ class Services:
             log.info("every rank is ready", ranks=len(self.sup.attempt.ranks), metrics=self.metrics_url)
 
     def on_tick(self, snaps: Sequence[SlotSnapshot], verdict, now: float) -> None:
-        alive = {slot: h.alive for slot, h in self.sup.attempt.ranks.items()}
+        alive = {slot: h.alive for slot, h in list(self.sup.attempt.ranks.items())}
         self.metrics.observe_ranks(snaps, now, alive)
         self.metrics.set_watchdog(
             soft=verdict.soft_timeout,
@@ -135,20 +140,11 @@ class Services:
             stalled_s=verdict.stalled_s,
         )
         if self.consensus_monitor is not None:
-            counts = getattr(self.consensus_monitor, "counts", None)
-            if counts is not None:
-                comparisons, mismatches = counts()
-                self.metrics.set_consensus_counts(comparisons, mismatches)
+            comparisons, mismatches = self.consensus_monitor.counts()
+            self.metrics.set_consensus_counts(comparisons, mismatches)
         if self.gpu.available and now >= self._gpu_next:
             self._gpu_next = now + GPU_SAMPLE_INTERVAL_S
-            for sample in self.gpu.sample():
-                self.metrics.set_gpu(
-                    sample.index,
-                    utilization_pct=sample.utilization_pct,
-                    power_watts=sample.power_watts,
-                    memory_used_bytes=sample.memory_used_bytes,
-                    memory_total_bytes=sample.memory_total_bytes,
-                )
+            self.metrics.observe_gpus(self.gpu.sample())
 
     def on_hang(self, kind: str) -> None:
         self.metrics.record_hang(kind)

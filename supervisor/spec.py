@@ -9,6 +9,7 @@ names the flag and the fix; the CLI turns it into exit code 64.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import shutil
@@ -66,6 +67,19 @@ def parse_injection(text: str) -> Injection:
         raise UsageError(f"--inject {text!r}: unknown kind {kind!r}; choose one of {', '.join(INJECT_KINDS)}")
     step = m.group("step")
     return Injection(kind, int(m.group("rank")), int(step) if step is not None else None)
+
+
+def parse_pair(text: str | None, flag: str) -> tuple[float, float] | None:
+    """``SOFT,HARD`` seconds."""
+    if text is None:
+        return None
+    soft, sep, hard = text.partition(",")
+    try:
+        if not sep:
+            raise ValueError
+        return float(soft), float(hard)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected SOFT,HARD in seconds, e.g. 1.5,3") from None
 
 
 def parse_hostport(text: str, flag: str) -> tuple[str, int] | None:
@@ -140,6 +154,9 @@ class LaunchSpec:
     max_restarts: int = 0
     log_format: str = "console"
     zero_code_hook: bool = True
+    # Adaptive watchdog bounds (soft, hard) in seconds; None keeps watchdogs/adaptive.py's defaults.
+    adaptive_floors: tuple[float, float] | None = None
+    adaptive_ceilings: tuple[float, float] | None = None
     engine_metrics_url: str | None = None  # external progress (engines whose collectives skip Python)
     engine_kind: str = "auto"
     engine: EngineOptions = field(default_factory=EngineOptions)
@@ -159,11 +176,16 @@ class LaunchSpec:
             ("--soft-timeout", self.soft_timeout),
             ("--startup-timeout", self.startup_timeout),
         ):
-            if value is not None and not value > 0:
-                raise UsageError(f"{flag} {value}: must be a positive number of seconds")
+            if value is not None and not 0 < value < math.inf:
+                raise UsageError(f"{flag} {value}: must be a positive, finite number of seconds")
         if self.metrics_linger < 0:
             raise UsageError(f"--metrics-linger {self.metrics_linger}: must be >= 0 seconds")
-        if self.kill_grace < 0:
+        if self.nnodes > 1 and self.master_port is None:
+            raise UsageError(
+                f"--nnodes {self.nnodes} needs --master-port: every node must use the same rendezvous port "
+                "(a free port picked on each node would never meet)"
+            )
+        if not 0 <= self.kill_grace < math.inf:
             raise UsageError(f"--kill-grace {self.kill_grace}: must be >= 0 seconds")
         if self.soft_timeout is not None and self.hard_timeout is not None and self.soft_timeout >= self.hard_timeout:
             raise UsageError(
@@ -186,6 +208,13 @@ class LaunchSpec:
             raise UsageError(f"--log-format {self.log_format!r}: choose console or json")
         if self.tree and not self.command:
             raise UsageError("--tree needs a COMMAND after '--' (a launcher such as torchrun or vllm serve)")
+        for flag, pair in (("--adaptive-floors", self.adaptive_floors), ("--adaptive-ceilings", self.adaptive_ceilings)):
+            if pair is not None and not (0 < pair[0] <= pair[1] < math.inf):
+                raise UsageError(f"{flag} {pair[0]:g},{pair[1]:g}: give SOFT,HARD seconds with 0 < SOFT <= HARD")
+        try:
+            self.adaptive_params()
+        except ValueError as exc:
+            raise UsageError(f"--adaptive-floors/--adaptive-ceilings: {exc}") from None
         if self.engine_metrics_url is not None and not self.engine_metrics_url.startswith(("http://", "https://")):
             raise UsageError(
                 f"--engine-metrics-url {self.engine_metrics_url!r}: give the engine's Prometheus endpoint, "
@@ -200,6 +229,17 @@ class LaunchSpec:
                 raise UsageError(
                     f"--inject {inj}: rank {inj.rank} does not exist in a world of {self.world_size} ranks"
                 )
+
+    def adaptive_params(self):
+        """watchdogs.adaptive.AdaptiveParams with the floors/ceilings given (validated there)."""
+        from watchdogs.adaptive import AdaptiveParams
+
+        bounds = {}
+        if self.adaptive_floors is not None:
+            bounds.update(soft_floor=self.adaptive_floors[0], hard_floor=self.adaptive_floors[1])
+        if self.adaptive_ceilings is not None:
+            bounds.update(soft_ceiling=self.adaptive_ceilings[0], hard_ceiling=self.adaptive_ceilings[1])
+        return AdaptiveParams(**bounds)
 
     @property
     def builtin(self) -> bool:

@@ -26,6 +26,9 @@ log = structlog.get_logger("supervise.watchdog")
 
 TICK_S = 0.1  # one watchdog tick: /healthz follows a fault within this
 CONSENSUS_POLL_S = 0.005
+CONSENSUS_ERROR_BACKOFF_S = 0.5
+# Steps compared without a mismatch before an observed divergence counts as over.
+CONSENSUS_AGREE_STEPS = 20
 ADAPTER_INTERVAL_S = 0.5  # engine /metrics scrape period (tree mode adapters)
 ADAPTER_TIMEOUT_S = 2.0
 # A spawned rank that does not report readiness (no slot: not Python or no
@@ -69,6 +72,14 @@ class DivergenceFound:
     at: float
 
 
+@dataclass(frozen=True)
+class ConsensusAgreed:
+    """Event: after an observed divergence, the ranks agreed again for a while."""
+
+    steps: int
+    at: float
+
+
 class WatchdogThread:
     def __init__(self, sup: "Supervisor"):
         self.sup = sup
@@ -77,6 +88,7 @@ class WatchdogThread:
             soft_timeout=spec.soft_timeout,
             hard_timeout=spec.hard_timeout,
             startup_timeout=spec.startup_timeout,
+            adaptive=spec.adaptive_params(),
         )
         self.state = policy.WatchdogState.initial(time.monotonic())
         self.all_ready_posted = False
@@ -153,12 +165,20 @@ class WatchdogThread:
         if sup.spec.tree:
             self._discover(snaps)
         external = self.adapter.latest if self.adapter is not None else None
-        exited = {slot for slot, h in sup.attempt.ranks.items() if not h.alive}
+        exited = {slot for slot, h in list(sup.attempt.ranks.items()) if not h.alive}
         with self.lock:
             self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited)
         self.last_verdict = verdict
-        if sup.services is not None:
+        self._post(verdict, snaps, now)
+        try:
             sup.services.on_tick(snaps, verdict, now)
+        except Exception as exc:  # metrics must never cost a verdict
+            log.error("metrics update failed", error=repr(exc))
+
+    def _post(self, verdict, snaps: list[SlotSnapshot], now: float) -> None:
+        """Hand the verdicts that need action to the main loop (before anything
+        else of this tick can fail: soft/hard/startup fire only once)."""
+        sup = self.sup
         if verdict.thresholds_changed:
             log.info(
                 "watchdog thresholds",
@@ -257,11 +277,21 @@ class ConsensusThread:
         self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
+        open_at: tuple[int, int] | None = None  # (comparisons, mismatches) at the last divergence
         while not self._stop.wait(CONSENSUS_POLL_S):
             try:
-                for verdict in self.monitor.poll(time.monotonic()):
+                verdicts = self.monitor.poll(time.monotonic())
+                for verdict in verdicts:
                     self.sup.events.put(DivergenceFound(verdict, time.monotonic()))
+                comparisons, mismatches = self.monitor.counts()
+                if verdicts:
+                    open_at = (comparisons, mismatches)
+                elif open_at is not None and mismatches > open_at[1]:
+                    open_at = (comparisons, mismatches)  # still disagreeing
+                elif open_at is not None and comparisons - open_at[0] >= CONSENSUS_AGREE_STEPS:
+                    self.sup.events.put(ConsensusAgreed(comparisons - open_at[0], time.monotonic()))
+                    open_at = None
             except Exception as exc:
                 log.error("consensus pass failed", error=repr(exc))
-                self._stop.wait(0.5)
+                self._stop.wait(CONSENSUS_ERROR_BACKOFF_S)
 

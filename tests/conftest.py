@@ -67,7 +67,13 @@ class Run:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, err = self.proc.communicate()
+            # Orphans of the killed supervisor may hold its pipes open.
+            for pid in marked_pids(self.mark):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            out, err = self.proc.communicate(timeout=30)
             pytest.fail(f"supervise did not exit within {timeout} s\nstderr:\n{err[-4000:]}")
         self.ended = time.monotonic()
         self.stdout, self.stderr = out, err

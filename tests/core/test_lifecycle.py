@@ -52,8 +52,13 @@ def test_supervisor_sigkill_leaves_no_rank(supervise):
     # signal.  Every rank must be gone within a second.
     rank_pids = [p for p in pids if p != run.proc.pid]
     assert not [p for p in left if p in rank_pids], f"ranks survived the supervisor: {left}"
-    for pid in left:  # the orphaned grandchild; cleaned so the fixture passes
-        os.kill(pid, signal.SIGKILL)
+    # The next supervisor on the host sweeps what the dead one left behind:
+    # the setsid grandchild (no parent-death signal) and the registry entry.
+    nxt = supervise(["--nproc-per-node", "1"], fake_rank("--all", "finish", "--steps", "3"))
+    assert nxt.wait(timeout=30) == 0, nxt.stderr[-3000:]
+    swept = nxt.events("swept a run whose supervisor died")
+    assert swept and sorted(swept[0]["killed"]) == sorted(left)
+    assert wait_no_marked(supervise.mark, timeout=2.0) == []
     run.wait(timeout=10)
 
 

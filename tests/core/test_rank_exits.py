@@ -67,3 +67,9 @@ def test_nonzero_exit_code_is_reported(supervise):
     summary = run.summary("rank_exit")
     assert summary["culprit_ranks"] == [0]
     assert summary["ranks"]["0"]["exit"]["code"] == 7
+
+
+def test_ranks_that_said_they_finished_may_exit_at_different_times(supervise):
+    run = supervise(["--nproc-per-node", "2"], fake_rank("--all", "finish", "--on", "0=finish_late", "--steps", "10"))
+    assert run.wait(timeout=30) == 0, run.stderr[-3000:]
+    assert run.bundles() == []

@@ -6,6 +6,7 @@ ACTION (what this rank does after --delay seconds):
   sleep        block forever (a healthy idle rank)
   loop         instrumented steady loop: step + collective through the runtime
   finish       run --steps instrumented steps, then exit 0
+  finish_late  like finish, but linger 2 s after saying so before exiting
   exit0        exit 0 (an early exit while peers run)
   exit:N       exit with code N
   raise        raise a Python exception (exit 1)
@@ -60,6 +61,13 @@ def act(action: str, steps: int) -> None:
         for i in range(steps):
             fake_collective_step(i)
         sv.finished()
+        sys.exit(0)
+    if action == "finish_late":
+        sv.ready()
+        for i in range(steps):
+            fake_collective_step(i)
+        sv.finished()
+        time.sleep(2.0)  # peers exit first; this rank said it was done
         sys.exit(0)
     if action == "exit0":
         sys.exit(0)
