@@ -40,6 +40,7 @@ from consensus import encoding
 from consensus import rank as consensus
 from consensus.channel import rank_env
 from consensus.monitor import ConsensusMonitor
+from bench._docs import replace_section
 
 HEADING = "## Rank consensus"
 NS = 1e9
@@ -351,14 +352,7 @@ compare.
 
 
 def update_docs(path: Path, section: str) -> None:
-    """Replace (or append) only this benchmark's section of the benchmarks document."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text.rstrip("\n") + "\n")
+    replace_section(path, HEADING, section)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.spec import free_port
 from watchdogs.adaptive import AdaptiveParams
+from bench._docs import replace_section
 
 HEADING = "## Hang detection"
 ROOT = Path(__file__).resolve().parent.parent
@@ -433,14 +434,7 @@ Goal (issue 4): adaptive detection <= max({GOAL_FLOOR_S:.0f} s, {GOAL_P99_MULTIP
 
 
 def update_docs(path: Path, section: str) -> None:
-    """Replace (or append) only this benchmark's section of the benchmarks document."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text.rstrip("\n") + "\n")
+    replace_section(path, HEADING, section)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from bench._docs import replace_section
 
 HEADING = "## Engine throughput"
 TP = 2
@@ -202,13 +202,7 @@ def report(ours: dict, hf: dict, shape: ModelShape, new_tokens: int, command: st
 
 
 def update_docs(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text.rstrip("\n") + "\n")
+    replace_section(path, HEADING, section)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from supervisor import heartbeat as hb
 from supervisor import runtime
+from bench._docs import replace_section
 
 HEADING = "## Heartbeat cost"
 NS = 1e9
@@ -317,14 +317,7 @@ there should sit closer to the hot-cache table than on this CPU loop.
 
 
 def update_docs(path: Path, section: str) -> None:
-    """Replace (or append) only the "Heartbeat cost" section of the benchmarks document."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text.rstrip("\n") + "\n")
+    replace_section(path, HEADING, section)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from typing import Callable
 
 import structlog
 
+from supervisor import procs
 from supervisor.exits import ExitStatus
 
 log = structlog.get_logger("supervise.monitor")
@@ -135,7 +136,7 @@ class ExitMonitor:
             if result is None:
                 # Readable but not reapable: someone else reaped it, or a
                 # spurious wake-up; confirm with the process state.
-                if os.path.exists(f"/proc/{w.pid}") and _state(w.pid) not in ("Z", "X", None):
+                if not procs.is_gone(w.pid):
                     return
             else:
                 status = ExitStatus.from_waitid(result)
@@ -146,12 +147,3 @@ class ExitMonitor:
             self._exited.notify_all()
         os.close(fd)
         self._post(ProcessExited(w.key, w.pid, status, at))
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2 :].split(" ", 1)[0]

@@ -19,20 +19,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.inject import KINDS as INJECT_KINDS  # the engine owns its fault kinds
+
 CONSENSUS_MODES = ("off", "observe", "enforce")
 STACK_METHODS = ("auto", "py-spy", "faulthandler", "none")
-INJECT_KINDS = (
-    "hang_collective",
-    "hang_scheduler",
-    "stop",
-    "crash",
-    "exit",
-    "segfault",
-    "abort",
-    "diverge_token",
-    "diverge_batch",
-    "slow",
-)
 DEFAULT_BUILTIN_TP = 2
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_KILL_GRACE_S = 5.0

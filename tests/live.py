@@ -29,7 +29,8 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+def wait_for(predicate, timeout: float, what: str = "condition", interval: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:

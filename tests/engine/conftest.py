@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.live import wait_for  # noqa: F401  (re-exported for the engine tests)
+
 from engine.launch import LaunchSpec, LocalEngine
 from tests.conftest import MARK_VAR, wait_no_marked
 
@@ -177,16 +179,6 @@ def get(url: str, path: str) -> tuple[int, dict]:
 def proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def read_trace(path: Path, partial: bool = False) -> list[dict]:

@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.live import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import heartbeat as hb
@@ -27,16 +29,6 @@ FAKE_RANK = Path(__file__).with_name("fake_rank.py")
 REPO = Path(__file__).resolve().parents[2]
 # Generous bound for things that take milliseconds on an idle machine.
 WAIT_S = 20.0
-
-
-def wait_for(predicate, timeout: float = WAIT_S, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 @pytest.fixture
@@ -167,7 +159,7 @@ def test_port_zero_binds_a_free_port_and_stop_releases_it(http):
         port = a.port
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=WAIT_S).close()
-    wait_for(lambda: not any(t.name == SERVE_THREAD_NAME for t in threading.enumerate()))
+    wait_for(lambda: not any(t.name == SERVE_THREAD_NAME for t in threading.enumerate()), WAIT_S, interval=0.02)
     a.stop()  # idempotent
 
 
@@ -282,7 +274,7 @@ def test_live_rank_metrics_through_http(tmp_path, http):
                 return s.get((name, frozenset({"rank": "0"}.items())))
 
             def tick_until(name, predicate):
-                return wait_for(lambda: (lambda s: s if predicate(rank(s, name)) else None)(tick()))
+                return wait_for(lambda: (lambda s: s if predicate(rank(s, name)) else None)(tick()), WAIT_S, interval=0.02)
 
             first = tick()
             assert rank(first, "supervise_rank_up") == 1

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.live import wait_for
+
 from supervisor import heartbeat as hb
 from supervisor.http import HealthCell, HealthServer, HealthStatus
 from supervisor.metrics import SupervisorMetrics
@@ -63,16 +65,6 @@ class Stack:
 
     def query(self, expr: str) -> list[dict]:
         return self.api("/api/v1/query", query=expr)["result"]
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def free_port() -> int:
