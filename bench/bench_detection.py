@@ -48,6 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from supervisor.spec import free_port
 from watchdogs.adaptive import AdaptiveParams
 from bench._docs import replace_section
+from supervisor.drill import wait_engine_health
 
 HEADING = "## Hang detection"
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,16 +206,7 @@ class Scraper:
 
 
 def _wait_health(port: int, proc: subprocess.Popen, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    return False
+    return wait_engine_health(port, proc, time.monotonic() + timeout)
 
 
 def parse_log(text: str) -> dict:

@@ -35,6 +35,7 @@ SLOW_OBSERVE_S = 15.0
 READY_TIMEOUT_S = 90.0
 LOAD_THREADS = 4
 REQUEST_TIMEOUT_S = 30.0
+HEALTH_POLL_S = 0.2
 
 EXPECT = {
     "crash": (80, "rank_exit"),
@@ -75,7 +76,8 @@ def _load(port: int, stop: threading.Event) -> None:
             stop.wait(0.2)
 
 
-def _wait_ready(port: int, proc: subprocess.Popen, deadline: float) -> bool:
+def wait_engine_health(port: int, proc: subprocess.Popen, deadline: float) -> bool:
+    """Until the engine's /health answers 200, ``proc`` exits, or the monotonic deadline."""
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
@@ -83,7 +85,7 @@ def _wait_ready(port: int, proc: subprocess.Popen, deadline: float) -> bool:
                     return True
         except (urllib.error.URLError, OSError):
             pass
-        time.sleep(0.2)
+        time.sleep(HEALTH_POLL_S)
     return False
 
 
@@ -105,7 +107,7 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
         stop = threading.Event()
         threads = []
         try:
-            if not _wait_ready(port, proc, time.monotonic() + READY_TIMEOUT_S):
+            if not wait_engine_health(port, proc, time.monotonic() + READY_TIMEOUT_S):
                 proc.kill()
                 proc.wait()
                 return DrillResult(kind, False, proc.returncode, expected_exit, None, None, None, "", "engine never became ready")
