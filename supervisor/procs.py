@@ -11,9 +11,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import threading
 from dataclasses import dataclass
 
 import psutil
+import structlog
+
+log = structlog.get_logger("supervise.procs")
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
@@ -75,24 +79,36 @@ def has_run_marker(pid: int, marker: bytes) -> bool:
         return False
 
 
+# Reading /proc/<pid>/environ takes the target's mmap lock: a process stuck in
+# uninterruptible sleep while holding it would block the reader.  The marker
+# scan therefore runs on a worker thread with this deadline.
+MARKER_SCAN_TIMEOUT_S = 2.0
+
+
+def _marked(run_id: str, skip: set[int]) -> set[int]:
+    marker = f"SUPERVISE_RUN_ID={run_id}".encode()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in skip and has_run_marker(int(entry), marker):
+            found.add(int(entry))
+    return found
+
+
 def run_processes(run_id: str, root_pid: int | None = None) -> set[int]:
     """Every live (or zombie) process of the run, excluding the supervisor."""
     me = root_pid or os.getpid()
-    found: set[int] = set()
-    try:
-        for child in psutil.Process(me).children(recursive=True):
-            found.add(child.pid)
-    except psutil.Error:
-        pass
-    marker = f"SUPERVISE_RUN_ID={run_id}".encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        if pid == me or pid in found:
-            continue
-        if has_run_marker(pid, marker):
-            found.add(pid)
+    found = set(descendants(me))
+    result: list[set[int]] = []
+    scan = threading.Thread(
+        target=lambda: result.append(_marked(run_id, found | {me})), name="marker-scan", daemon=True
+    )
+    scan.start()
+    scan.join(MARKER_SCAN_TIMEOUT_S)
+    if result:
+        found |= result[0]
+    else:
+        log.warning("process scan for the run marker timed out; using descendants only",
+                    timeout_s=MARKER_SCAN_TIMEOUT_S)
     found.discard(me)
     return found
 

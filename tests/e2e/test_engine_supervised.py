@@ -327,3 +327,36 @@ def test_sigterm_with_requests_in_flight_answers_them_and_exits_zero(supervise, 
     in_flight = outcomes[: load.threads]
     assert all(o[0] == "http" and o[1] >= 500 or o == ("ok", long_requests) for o in in_flight), in_flight
     assert any(o[0] == "http" for o in in_flight), in_flight
+
+
+def test_ready_line_carries_a_curl_example_that_works(supervise):
+    """Issue 3 acceptance: the ready line's curl example returns a completion."""
+    import shlex
+
+    port = free_port()
+    run = supervise(["--port", str(port)])  # no command, no --tp: the built-in engine at TP=2
+    lines: list[str] = []
+
+    def read_until_ready():
+        for line in run.proc.stdout:
+            lines.append(line)
+            if line.startswith("ready: "):
+                return
+
+    reader = threading.Thread(target=read_until_ready, daemon=True)
+    reader.start()
+    reader.join(READY_TIMEOUT_S)
+    ready = [line for line in lines if line.startswith("ready: ")]
+    assert ready, f"no ready line on stdout: {lines[-5:]}"
+    argv = shlex.split(ready[0][len("ready: "):])
+    assert argv[0] == "curl"
+    url = next(a for a in argv if a.startswith("http://"))
+    body = argv[argv.index("-d") + 1]
+    req = urllib.request.Request(url, data=body.encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        answer = json.loads(resp.read())
+    assert answer["object"] == "text_completion"
+    assert answer["usage"]["completion_tokens"] > 0
+    code, _ = terminate(run)
+    assert code == 0
+    assert len(run.events("rank started")) == 2, "the default is TP=2"
