@@ -173,7 +173,7 @@ def main(args) -> int:
                 f"{r.detect_s:.1f} s" if r.detect_s is not None else "-",
                 r.verdict or r.note,
             )
-        Console().print(table)
+        Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0 if all(r.passed for r in results) else 1
 
 
