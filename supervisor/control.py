@@ -31,6 +31,9 @@ log = structlog.get_logger("supervise.control")
 WIRE_VERSION = 1
 CLIENT_IO_TIMEOUT_S = 5.0
 MAX_REQUEST_BYTES = 4096
+LISTEN_BACKLOG = 8
+ACCEPT_POLL_S = 0.5
+THREAD_JOIN_S = 2.0
 
 
 def registry_dir() -> Path:
@@ -138,8 +141,9 @@ class ControlServer:
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
-        self._sock.listen(8)
-        self._sock.settimeout(0.5)
+        self._sock.listen(LISTEN_BACKLOG)
+        # accept() wakes this often to notice close(); requests never wait on it.
+        self._sock.settimeout(ACCEPT_POLL_S)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="control-socket", daemon=True)
         entry = dict(info, run_id=run_id, pid=os.getpid(), socket=str(self.socket_path))
@@ -153,7 +157,7 @@ class ControlServer:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=THREAD_JOIN_S)
         self._sock.close()
         for path in (self.socket_path, self.entry_path):
             try:

@@ -484,14 +484,18 @@ class Supervisor:
             self.run_id,
             policy,
             wait_ranks_reaped=lambda deadline: self.monitor.wait_all_exited(keys, deadline),
-            gpu_holders=self.services.gpu_holders,
+            gpu_holders=self.services.gpu_holders if self.services.gpu.available else None,
         )
         self.last_teardown = result
         if self.hurry.is_set() and not immediate:
             log.warning("second SIGINT: grace period cut short, remaining processes were killed")
         self.services.on_teardown(result)
         self.desk.wait_idle()
-        fields = {"duration_s": round(result.duration_s, 3), "escalated": result.escalated}
+        fields = {
+            "duration_s": round(result.duration_s, 3),
+            "escalated": result.escalated,
+            "gpu_memory_verified": result.gpu_checked,
+        }
         if result.survivors:
             log.error(
                 "teardown incomplete: processes survived SIGKILL",

@@ -140,7 +140,7 @@ def _child_setup(supervisor_pid: int):
         # Runs in the child after fork (and setsid), before exec.
         procs.set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != supervisor_pid:
-            os._exit(70)  # the supervisor died between fork and prctl
+            os._exit(runtime.EXIT_SUPERVISOR_GONE)  # it died between fork and prctl
 
     return setup
 

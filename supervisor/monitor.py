@@ -23,6 +23,9 @@ from supervisor.exits import ExitStatus
 
 log = structlog.get_logger("supervise.monitor")
 
+THREAD_JOIN_S = 2.0
+ERROR_BACKOFF_S = 0.05  # after a failed pass, before the next (never a busy loop)
+
 
 @dataclass(frozen=True)
 class ProcessExited:
@@ -59,7 +62,7 @@ class ExitMonitor:
     def stop(self) -> None:
         self._stop = True
         self._wake()
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=THREAD_JOIN_S)
         with self._lock:
             for w in self._watches.values():
                 os.close(w.fd)
@@ -103,7 +106,7 @@ class ExitMonitor:
                 self._pass()
             except Exception as exc:  # a monitor never dies of one bad pass
                 log.error("exit monitor pass failed", error=repr(exc))
-                time.sleep(0.05)
+                time.sleep(ERROR_BACKOFF_S)
 
     def _pass(self) -> None:
         poller = select.poll()

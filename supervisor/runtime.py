@@ -47,6 +47,8 @@ ENV_DEATH_FD = "SUPERVISE_DEATH_FD"
 ENV_SUPERVISOR_PID = "SUPERVISE_SUPERVISOR_PID"
 ENV_STACK_SIGNAL = "SUPERVISE_STACK_SIGNAL"
 ENV_RUN_DIR = "SUPERVISE_RUN_DIR"
+# Exit code of a rank that leaves because its supervisor is gone (EX_SOFTWARE).
+EXIT_SUPERVISOR_GONE = 70
 
 
 def stack_file_path(run_dir: str | os.PathLike, slot: int, pid: int) -> str:
@@ -149,7 +151,7 @@ def _death_pipe_fd(value: str) -> int | None:
 
 def _supervisor_gone() -> None:
     print("supervise: supervisor is gone, rank exiting", file=sys.stderr, flush=True)
-    os._exit(70)
+    os._exit(EXIT_SUPERVISOR_GONE)
 
 
 def _watch_death(fds: list[int]) -> None:

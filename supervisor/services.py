@@ -179,8 +179,6 @@ class Services:
         return self.consensus_monitor.settle(now)
 
     def gpu_holders(self, pids: set[int]) -> list[tuple[int, int, int]]:
-        if not self.gpu.available:
-            return []
         return self.gpu.processes_holding_memory(pids)
 
     # ------------------------------------------------------------ control

@@ -38,6 +38,7 @@ log = structlog.get_logger("supervise.teardown")
 KILL_CONFIRM_S = 2.0
 # How long to wait for GPU memory of killed processes to be released.
 GPU_RELEASE_S = 5.0
+GPU_POLL_S = 0.2
 _POLL_SLICE_S = 0.05
 
 
@@ -174,6 +175,6 @@ def teardown(
             result.gpu_holders = gpu_holders(seen | rank_pids)
             if not result.gpu_holders or time.monotonic() >= check_deadline:
                 break
-            time.sleep(_POLL_SLICE_S * 4)
+            time.sleep(GPU_POLL_S)
     result.duration_s = time.monotonic() - start
     return result

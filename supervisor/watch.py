@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("supervise.watchdog")
 
 TICK_S = 0.1  # one watchdog tick: /healthz follows a fault within this
+THREAD_JOIN_S = 2.0
 CONSENSUS_POLL_S = 0.005
 CONSENSUS_ERROR_BACKOFF_S = 0.5
 # Steps compared without a mismatch before an observed divergence counts as over.
@@ -108,7 +109,7 @@ class WatchdogThread:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=THREAD_JOIN_S)
         if self.adapter is not None:
             self.adapter.stop()
 
@@ -249,7 +250,7 @@ class AdapterThread:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2 * ADAPTER_TIMEOUT_S + 1)
+        self._thread.join(timeout=2 * ADAPTER_TIMEOUT_S + THREAD_JOIN_S)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -274,7 +275,7 @@ class ConsensusThread:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=THREAD_JOIN_S)
 
     def _run(self) -> None:
         open_at: tuple[int, int] | None = None  # (comparisons, mismatches) at the last divergence
