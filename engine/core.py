@@ -61,6 +61,39 @@ def _apply(scheduler: Scheduler, msg: ControlMessage) -> list[str]:
     return refused
 
 
+def _next_plan(scheduler: Scheduler, msg: ControlMessage, bridge: EngineBridge | None) -> StepPlan | None:
+    """Apply ``msg``, fail what the scheduler refused, then schedule unless ``msg`` shuts down.
+
+    ``None`` means nothing to run or shutdown; callers test ``msg.shutdown`` first
+    to leave their loop.  Shared so both schedulers admit requests identically.
+    """
+    refused = _apply(scheduler, msg)
+    if bridge is not None and refused:
+        bridge.fail(refused, "request refused by the scheduler")
+    if msg.shutdown:
+        return None
+    instrument.phase("schedule")
+    return scheduler.schedule()
+
+
+def _execute(plan: StepPlan, runner: ModelRunner, injector: FaultInjector,
+             publisher: PlanPublisher | None = None) -> tuple[StepPlan, list[int]]:
+    """Run one step's batch on this rank, inside the caller's ``instrument.step``.
+
+    One sequence for every role so the consensus events and inject hooks stay in
+    the same order everywhere; a broadcast leader publishes the full plan after
+    ``begin_step`` and before it diverges.  Returns the plan this rank ran and its tokens.
+    """
+    injector.begin_step(plan.has_decode)
+    if publisher is not None:
+        publisher.publish(plan)
+    mine = _diverged(plan, injector)
+    instrument.record("batch", mine.describe())
+    tokens = runner.execute(mine)
+    instrument.record("tokens", tokens)
+    return mine, tokens
+
+
 class BroadcastLeader:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, bridge: EngineBridge,
                  publisher: PlanPublisher | None, injector: FaultInjector):
@@ -76,23 +109,13 @@ class BroadcastLeader:
             if not busy:
                 instrument.phase("idle")
             msg = self.bridge.drain(0 if busy else IDLE_WAIT_S)
-            refused = _apply(self.scheduler, msg)
-            if refused:
-                self.bridge.fail(refused, "request refused by the scheduler")
+            plan = _next_plan(self.scheduler, msg, self.bridge)
             if msg.shutdown:
                 break
-            instrument.phase("schedule")
-            plan = self.scheduler.schedule()
             if plan is None:
                 continue
             with instrument.step(plan.index):
-                self.injector.begin_step(plan.has_decode)
-                if self.publisher is not None:
-                    self.publisher.publish(plan)
-                mine = _diverged(plan, self.injector)
-                instrument.record("batch", mine.describe())
-                tokens = self.runner.execute(mine)
-                instrument.record("tokens", tokens)
+                mine, tokens = _execute(plan, self.runner, self.injector, self.publisher)
                 outputs = self.scheduler.complete(mine, tokens)
             self.bridge.deliver(outputs)
         if self.publisher is not None:
@@ -115,11 +138,7 @@ class BroadcastWorker:
             if isinstance(msg, Shutdown):
                 break
             with instrument.step(msg.index):
-                self.injector.begin_step(msg.has_decode)
-                mine = _diverged(msg, self.injector)
-                instrument.record("batch", mine.describe())
-                tokens = self.runner.execute(mine)
-                instrument.record("tokens", tokens)
+                _execute(msg, self.runner, self.injector)
 
 
 class ReplicatedRank:
@@ -150,21 +169,13 @@ class ReplicatedRank:
                     "aborts": list(msg.aborts),
                     "shutdown": msg.shutdown,
                 })
-            refused = _apply(self.scheduler, msg)
-            if self.bridge is not None and refused:
-                self.bridge.fail(refused, "request refused by the scheduler")
+            plan = _next_plan(self.scheduler, msg, self.bridge)
             if msg.shutdown:
                 break
-            instrument.phase("schedule")
-            plan = self.scheduler.schedule()
             if plan is None:
                 continue
             with instrument.step(plan.index):
-                self.injector.begin_step(plan.has_decode)
-                mine = _diverged(plan, self.injector)
-                instrument.record("batch", mine.describe())
-                tokens = self.runner.execute(mine)
-                instrument.record("tokens", tokens)
+                mine, tokens = _execute(plan, self.runner, self.injector)
                 if self.sync_token_ids:
                     tokens = self.comm.min_ids(tokens, self.runner.device)
                 outputs = self.scheduler.complete(mine, tokens)
