@@ -71,3 +71,16 @@ def test_restart_policy_relaunches_then_reports_crash_loop(supervise):
     assert len(run.events("restarting the group")) == 2
     assert run.events("crash loop")
     assert len([b for b in run.bundles() if "rank_exit" in b.name]) == 3
+
+
+def test_startup_timeout_names_the_ranks_that_never_became_ready(supervise):
+    # Rank 1 declares itself instrumented (runtime.starting) and never calls ready().
+    run = supervise(
+        ["--nproc-per-node", "2", "--startup-timeout", "3", "--kill-grace", "1"],
+        fake_rank("--all", "loop", "--on", "1=sleep"),
+    )
+    assert run.wait(timeout=60) == 83, run.stderr[-3000:]
+    summary = run.summary("startup_timeout")
+    assert summary["reason"] == "startup_timeout"
+    assert summary["culprit_ranks"] == [1]
+    assert "--startup-timeout" in summary["verdict"]
