@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from datetime import datetime
+
 from tests.conftest import fake_rank
 
 GRACE = 2.0
@@ -11,6 +13,10 @@ DELAY = 1.0  # ranks run this long before the fault
 # Generous bound for a loaded 2-core CI machine: start-up of the interpreter
 # plus the injected delay plus the kill grace plus slack.
 SLACK = 6.0
+
+def _ts(line: dict) -> datetime:
+    return datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00"))
+
 
 CASES = [
     ("sigkill", "SIGKILL", "signal"),
@@ -41,6 +47,10 @@ def test_rank_death_is_named_and_everything_is_torn_down(supervise, action, sign
     failures = [line for line in run.lines if line.get("level") == "error" and line.get("rank") == 1]
     assert failures, "no error log line names rank 1"
     assert failures[0]["pid"] == summary["ranks"]["1"]["pid"]
+    # Issue 2: exit within --kill-grace + 1 s of the death being noticed.
+    noticed = _ts(failures[0])
+    exited = _ts(run.events("supervise exiting")[-1])
+    assert (exited - noticed).total_seconds() < GRACE + 1.0, (noticed, exited)
 
 
 def test_sigterm_ignoring_ranks_and_setsid_grandchildren_are_killed(supervise):
