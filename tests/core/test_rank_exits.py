@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from datetime import datetime
+
+import pytest
 
 from tests.conftest import fake_rank
 
