@@ -54,8 +54,8 @@ class KVPool:
     Layout ``[layers, slots, kv_heads, max_context, head_dim]`` for keys and
     values.  A fixed slot per sequence lets a decode step gather every
     sequence's keys with one indexing op per layer and run one batched
-    attention call.  ``torch.empty`` leaves untouched pages unallocated, so
-    resident memory grows with the positions actually written.
+    attention call.  ``torch.empty`` leaves untouched pages unallocated until
+    a slot is first used (each allocation zeroes its slot, see ``allocate``).
     """
 
     def __init__(self, layers: int, slots: int, kv_heads: int, max_context: int, head_dim: int,
@@ -68,7 +68,14 @@ class KVPool:
     def allocate(self) -> "SeqKV":
         if not self._free:
             raise RuntimeError(f"KV cache full: all {self.k.shape[1]} sequence slots are in use")
-        return SeqKV(self, self._free.pop())
+        slot = self._free.pop()
+        # A batched decode step reads every sequence's keys/values up to the
+        # longest one and masks the rest; the masked positions must still be
+        # finite (0 x NaN is NaN), so a slot never holds leftovers of freed
+        # memory or of its previous sequence.
+        self.k[:, slot].zero_()
+        self.v[:, slot].zero_()
+        return SeqKV(self, slot)
 
     def release(self, seq: "SeqKV") -> None:
         if seq.slot is not None:
