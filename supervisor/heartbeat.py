@@ -67,7 +67,6 @@ assert _SLOT.size == SLOT_SIZE
 
 # Field groups the writer updates on hot paths (offsets into the slot).
 _IDENT = struct.Struct("<iiIi")  # pid, rank, flags, stack_signal at offset 8
-_FLAGS = struct.Struct("<I")  # at offset 16
 # flags, stack_signal, step, coll_seq, ts_hb, ts_step, ts_coll, last_step: the
 # hot fields are contiguous, so one update is one pack (plus the two seq stores).
 _HOT = struct.Struct("<IiQQdddd")
