@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -143,8 +144,6 @@ class Supervisor:
             if fd >= 0:
                 os.close(fd)
         if self.run_dir is not None:
-            import shutil
-
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ state
@@ -313,15 +312,15 @@ class Supervisor:
         if ev.status is not None and handle.popen is not None:
             handle.popen.returncode = ev.status.returncode  # keep Popen from reaping a reused pid
         peers = [h for h in self.live_ranks() if h is not handle]
+        # A rank that declared it was finishing (runtime.finished, or the hook
+        # seeing it leave the group) is done, not lost or early, even while
+        # its peers still run.
+        said_finished = handle.slot >= 0 and self.heartbeat.read(handle.slot).finished
         if ev.status is None:
             info = exits.lost(ev.pid)
-            snap = self.heartbeat.read(handle.slot) if handle.slot >= 0 else None
-            if snap is not None and snap.finished:
+            if said_finished:
                 info = ExitInfo(None, exits.CLEAN, "finished (its launcher owns the exit status)")
         else:
-            # A rank that declared it was finishing (runtime.finished) and
-            # exits 0 is done, not an early exit, even while peers still run.
-            said_finished = handle.slot >= 0 and self.heartbeat.read(handle.slot).finished
             info = exits.classify(
                 ev.status,
                 peers_running=bool(peers) and not said_finished,
@@ -477,7 +476,8 @@ class Supervisor:
         handles = list(self.attempt.ranks.values())
         if self.attempt.launcher is not None:
             handles.append(self.attempt.launcher)
-        keys = {("rank", h.slot) for h in self.attempt.ranks.values()} | {LAUNCHER_KEY}
+        kind = "tree-rank" if self.spec.tree else "rank"  # the keys _launch/_on_claimed watch under
+        keys = {(kind, h.slot) for h in self.attempt.ranks.values()} | {LAUNCHER_KEY}
         policy = KillPolicy(grace_s=self.spec.kill_grace, immediate=immediate, hurry=self.hurry)
         result = teardown(
             handles,

@@ -109,7 +109,6 @@ class IncidentDesk:
         """``detected_at``: monotonic time the fault was detected (default: now)."""
         sup = self.sup
         summary = dict(self._base_summary(), **extra_summary)
-        started = time.monotonic()
         result = write_incident(
             self.writer,
             reason=reason,
@@ -125,8 +124,7 @@ class IncidentDesk:
             detected_at=_wall_clock(detected_at),
         )
         self.previous_cpu = result.samples or self.previous_cpu
-        duration = time.monotonic() - started
-        sup.services.on_dump(reason, result.ok, duration)
+        sup.services.on_dump(reason, result.ok, result.duration_s)
         diag = result.diagnosis
         # Log what the bundle says: the supervisor's own verdict (first
         # failure, consensus) wins over the stack-based diagnosis.
@@ -136,7 +134,7 @@ class IncidentDesk:
             bundle=str(result.path) if result.path else None,
             culprit_ranks=extra_summary.get("culprit_ranks", getattr(diag, "culprit_ranks", None)),
             verdict=extra_summary.get("verdict", getattr(diag, "verdict", None)),
-            duration_s=round(duration, 3),
+            duration_s=round(result.duration_s, 3),
             error=result.error,
         )
         return result

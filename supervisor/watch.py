@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import psutil
 import structlog
 
 from supervisor.heartbeat import SlotSnapshot, empty_slot
@@ -94,13 +95,15 @@ class WatchdogThread:
         self.state = policy.WatchdogState.initial(time.monotonic())
         self.all_ready_posted = False
         self.known_pids: dict[int, int] = {}
+        # (slot pid, rank pid) -> whether the slot's writer descends from the rank
+        # (a wrapper script's python); the process tree of a pid never changes that.
+        self.descends: dict[tuple[int, int], bool] = {}
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self.adapter = AdapterThread(spec.engine_metrics_url, spec.engine_kind) if spec.engine_metrics_url else None
         argv0 = os.path.basename(spec.rank_argv()[0])
         self.expect_claim = spec.zero_code_hook and "python" in argv0
-        self.last_verdict = None
 
     def start(self) -> None:
         self._thread.start()
@@ -120,6 +123,7 @@ class WatchdogThread:
             self.state = dataclasses.replace(policy.WatchdogState.initial(now), window=self.state.window)
             self.all_ready_posted = False
             self.known_pids = {}
+            self.descends = {}
 
     def _run(self) -> None:
         next_tick = time.monotonic()
@@ -135,12 +139,9 @@ class WatchdogThread:
                 delay = 0
             self._stop.wait(delay)
 
-    def snapshots(self) -> list[SlotSnapshot]:
+    def live_slots(self, raw: list[SlotSnapshot]) -> list[SlotSnapshot]:
         """Slots of live ranks; slots of dead or stale processes read as empty."""
         sup = self.sup
-        if sup.heartbeat is None:
-            return []
-        raw = sup.heartbeat.read_all()
         ranks = sup.attempt.ranks
         out = []
         for snap in raw:
@@ -152,7 +153,7 @@ class WatchdogThread:
                 if handle is not None and (handle.pid != snap.pid or not handle.alive):
                     out.append(empty_slot(snap.slot))
                     continue
-            elif handle is None or handle.pid != snap.pid and not _descends(snap.pid, handle.pid) or not handle.alive:
+            elif handle is None or handle.pid != snap.pid and not self._descends(snap.pid, handle.pid) or not handle.alive:
                 out.append(empty_slot(snap.slot))
                 continue
             out.append(snap)
@@ -162,14 +163,14 @@ class WatchdogThread:
         sup = self.sup
         if sup.attempt.outcome is not None or not sup.attempt.started_at:
             return
-        snaps = self.snapshots()
+        raw = sup.heartbeat.read_all()
         if sup.spec.tree:
-            self._discover(snaps)
+            self._discover(raw)
+        snaps = self.live_slots(raw)
         external = self.adapter.latest if self.adapter is not None else None
         exited = {slot for slot, h in list(sup.attempt.ranks.items()) if not h.alive}
         with self.lock:
             self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited)
-        self.last_verdict = verdict
         self._post(verdict, snaps, now)
         try:
             sup.services.on_tick(snaps, verdict, now)
@@ -214,22 +215,25 @@ class WatchdogThread:
                 return False
         return True
 
-    def _discover(self, snaps: list[SlotSnapshot]) -> None:
-        for snap in self.sup.heartbeat.read_all():
+    def _descends(self, pid: int, ancestor: int) -> bool:
+        """A slot claimed by a child of the rank (e.g. a wrapper script's python)."""
+        key = (pid, ancestor)
+        if key not in self.descends:
+            try:
+                self.descends[key] = any(p.pid == ancestor for p in psutil.Process(pid).parents())
+            except psutil.Error:
+                return False
+        return self.descends[key]
+
+    def _discover(self, raw: list[SlotSnapshot]) -> None:
+        """Claims as written (a restarted rank's new pid must be seen even
+        though its slot still names the old one's handle)."""
+        for snap in raw:
             if snap.claimed and snap.pid and self.known_pids.get(snap.slot) != snap.pid:
                 self.known_pids[snap.slot] = snap.pid
                 self.sup.events.put(RankClaimed(snap.slot, snap.rank, snap.pid))
 
 
-def _descends(pid: int, ancestor: int) -> bool:
-    """A slot claimed by a child of the rank (e.g. a wrapper script's python)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        return any(p.pid == ancestor for p in proc.parents())
-    except psutil.Error:
-        return False
 
 
 class AdapterThread:
