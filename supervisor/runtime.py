@@ -65,7 +65,6 @@ class _Runtime:
         self.pid = os.getpid()
         self.stack_file = None
         self.death_watch_started = False
-        self.instrumented = False
         self.forked = False
 
     def claim(self, slot: int, rank: int, instrumented: bool) -> bool:
@@ -74,8 +73,7 @@ class _Runtime:
             return False
         with self.lock:
             if self.writer is not None and self.pid == os.getpid():
-                if instrumented and not self.instrumented:
-                    self.instrumented = True
+                if instrumented and not self.writer.flags & hb.INSTRUMENTED:
                     self.writer.set_flags(self.writer.flags | hb.INSTRUMENTED, time.monotonic())
                 return True
             self.pid = os.getpid()
@@ -86,7 +84,6 @@ class _Runtime:
                 return False
             stack_signal = self._register_stack_signal(slot)
             flags = hb.INSTRUMENTED if instrumented else 0
-            self.instrumented = instrumented
             writer.claim(self.pid, rank, stack_signal, flags, time.monotonic())
             self.writer = writer
         self.start_death_watch()
