@@ -337,7 +337,10 @@ class Supervisor:
             return
         if info.reason == exits.EARLY_EXIT:
             # Peers of a finishing job exit within moments: check again shortly.
-            threading.Timer(EARLY_EXIT_WINDOW_S, self.events.put, args=(EarlyExitCheck(handle.slot),)).start()
+            timer = threading.Timer(EARLY_EXIT_WINDOW_S, self.events.put, args=(EarlyExitCheck(handle.slot),))
+            timer.name = f"early-exit-check-{handle.slot}"
+            timer.daemon = True
+            timer.start()
             return
         self.services.on_rank_exit(info.reason)
         if not info.failed:
