@@ -135,7 +135,7 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
     from engine.planes import PlanPublisher, PlanSubscriber, RequestExchange, startup_exchange
     from engine.runner import ModelRunner
     from engine.scheduler import Scheduler, SchedulerConfig
-    from engine.server import Frontend
+    from engine.server import Frontend, ServingLimits
     from engine.sharding import plan_shards
     from engine.tokenizer import load_tokenizer
     from engine.weights import load_weights, random_weights
@@ -176,7 +176,9 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
         bridge = EngineBridge()
         tokenizer = load_tokenizer(cfg.model_dir, model_cfg.vocab_size)
         frontend = Frontend(bridge, tokenizer, model_name=cfg.model_name, max_context=cfg.max_context,
-                            vocab_size=model_cfg.vocab_size, host=cfg.host, port=cfg.port, seed=cfg.seed)
+                            vocab_size=model_cfg.vocab_size, host=cfg.host, port=cfg.port, seed=cfg.seed,
+                            limits=ServingLimits(max_waiting=cfg.max_waiting, read_timeout_s=cfg.read_timeout,
+                                                 max_prompt_tokens=cfg.max_prompt_tokens or cfg.max_context - 1))
         status = {"ok": True, "error": "", "plan_port": None}
         try:
             frontend.start()

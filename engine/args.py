@@ -27,6 +27,8 @@ DEFAULT_MAX_BATCH = 32
 DEFAULT_MAX_BATCH_TOKENS = 4096
 DEFAULT_MAX_CONTEXT = 2048
 DEFAULT_SEED = 0
+DEFAULT_MAX_WAITING = 256  # requests queued for a batch slot; more get 429 + Retry-After
+DEFAULT_READ_TIMEOUT_S = 15.0  # headers and body of one request must arrive within this
 DEFAULT_PRESET = "tiny"
 MAX_PORT = 65535
 COLLECTIVE_KINDS = ("hang_collective",)  # meaningless without peers
@@ -95,6 +97,9 @@ class EngineConfig:
     threads: int | None = None
     served_model_name: str | None = None
     trace_events: str | None = None
+    max_waiting: int = DEFAULT_MAX_WAITING
+    read_timeout: float = DEFAULT_READ_TIMEOUT_S
+    max_prompt_tokens: int | None = None  # None: the context less one token
 
     @property
     def model_name(self) -> str:
@@ -133,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: CPUs / ranks on this node)")
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="requests that may wait for a batch slot; beyond it the API answers 429 with Retry-After")
+    p.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
+                   help="a client must send a request's headers, and then its body, within this (else 408/close)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt accepted, in tokens (default: --max-context - 1)")
     p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     p.add_argument("--trace-events", metavar="DIR", default=None,
                    help="write every rank's consensus events to DIR/rank-<r>.jsonl (debugging)")
@@ -180,6 +191,10 @@ def parse_args(
     for name in ("max_batch", "max_batch_tokens"):
         if getattr(ns, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if ns.max_waiting < 0:
+        parser.error("--max-waiting must be >= 0")
+    if not 0.1 <= ns.read_timeout <= 3600:  # also refuses nan
+        parser.error("--read-timeout must be a number of seconds in 0.1..3600")
     if ns.threads is not None and ns.threads < 1:
         parser.error("--threads must be >= 1")
     if ns.sync_token_ids and ns.control_plane != "replicated":
@@ -192,6 +207,8 @@ def parse_args(
     max_context = ns.max_context if ns.max_context is not None else min(DEFAULT_MAX_CONTEXT, model_cfg.max_position)
     if not 2 <= max_context <= model_cfg.max_position:
         parser.error(f"--max-context {max_context}: must be in 2..{model_cfg.max_position} (max_position_embeddings)")
+    if ns.max_prompt_tokens is not None and not 1 <= ns.max_prompt_tokens < max_context:
+        parser.error(f"--max-prompt-tokens {ns.max_prompt_tokens}: must be in 1..{max_context - 1} (below --max-context)")
     cfg = EngineConfig(
         device=ns.device,
         control_plane=ns.control_plane,
@@ -209,5 +226,8 @@ def parse_args(
         threads=ns.threads,
         served_model_name=ns.served_model_name,
         trace_events=ns.trace_events,
+        max_waiting=ns.max_waiting,
+        read_timeout=ns.read_timeout,
+        max_prompt_tokens=ns.max_prompt_tokens,
     )
     return cfg, dist_env, model_cfg

@@ -79,13 +79,21 @@ def _flag(body: dict, name: str) -> bool:
     return value
 
 
+def _text(value: str, param: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(f"'{param}' is not valid Unicode text (it contains a lone surrogate)", param) from None
+    return value
+
+
 def _prompt(value, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
         if not value:
             raise _bad("'prompt' must not be empty", "prompt")
-        return value, None
+        return _text(value, "prompt"), None
     if isinstance(value, list):
         if not value:
             raise _bad("'prompt' must not be empty", "prompt")
@@ -135,11 +143,11 @@ def parse_completion(body, *, model_name: str, vocab_size: int) -> CompletionSpe
     if stop is None:
         stops: tuple[str, ...] = ()
     elif isinstance(stop, str):
-        stops = (stop,) if stop else ()
+        stops = (_text(stop, "stop"),) if stop else ()
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         if len(stop) > MAX_STOP_STRINGS:
             raise _bad(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
-        stops = tuple(s for s in stop if s)
+        stops = tuple(_text(s, "stop") for s in stop if s)
     else:
         raise _bad("'stop' must be a string or a list of strings", "stop")
     options = body.get("stream_options") or {}
@@ -158,6 +166,11 @@ def parse_completion(body, *, model_name: str, vocab_size: int) -> CompletionSpe
         ignore_eos=_flag(body, "ignore_eos"),
         return_token_ids=_flag(body, "return_token_ids"),
     )
+
+
+def check_prompt(prompt_len: int, max_prompt_tokens: int) -> None:
+    if prompt_len > max_prompt_tokens:
+        raise _bad(f"the prompt has {prompt_len} tokens; this server accepts at most {max_prompt_tokens}", "prompt")
 
 
 def check_context(prompt_len: int, max_tokens: int, max_context: int) -> None:

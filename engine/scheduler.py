@@ -11,8 +11,9 @@ split keeps the scheduler a pure function of its inputs, which is what the
 replicated control plane relies on (every rank must decide the same batch
 from the same inputs) and lets a diverging rank run a modified plan.
 
-Stop rules, checked after each sampled token: EOS (unless ``ignore_eos``) ->
-"stop"; ``max_tokens`` generated -> "length"; the context is full -> "length".
+Stop rules, checked after each sampled token: the sampler failed for this
+sequence -> "error"; EOS (unless ``ignore_eos``) -> "stop"; ``max_tokens``
+generated -> "length"; the context is full -> "length".
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 WIRE_VERSION = 1
+MIN_TEMPERATURE = 1e-5  # below this a temperature is greedy (logits / 1e-39 overflow float32)
+SAMPLE_FAILED = -1  # the token the sampler reports for a sequence it could not sample
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,8 @@ class Scheduler:
 
     def _finish_reason(self, seq: _Seq, token: int) -> str | None:
         params = seq.request.params
+        if token == SAMPLE_FAILED:
+            return "error"
         if not params.ignore_eos and token in self.config.eos_ids:
             return "stop"
         if len(seq.output) >= params.max_tokens or seq.length >= self.config.max_context:

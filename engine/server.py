@@ -5,16 +5,28 @@ Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``
 validates, hands requests to the engine loop through :class:`EngineBridge`,
 detokenizes outputs and applies stop strings (a matched stop string aborts
 the sequence in the engine).  A client that disconnects aborts its request.
+
+Hostile input can only fail its own request: every error, including an
+oversized body (413), a slow body (408), a full queue (429 + Retry-After) and
+any bug in a handler (500), is answered in OpenAI's JSON error format and
+logged as one line; aiohttp's protocol errors (oversized or malformed
+headers) are logged as one line with the peer, never a traceback.  A
+connection that has not sent its headers within the read timeout is closed
+(aiohttp's keep-alive timer also covers a request in progress of arriving).
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import ipaddress
 import json
+import logging
 import random
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
@@ -25,23 +37,80 @@ from engine.openai_api import (
     CompletionSpec,
     StopMatcher,
     check_context,
+    check_prompt,
     completion_body,
     parse_completion,
     usage_body,
 )
-from engine.scheduler import Request, SamplingParams
+from engine.scheduler import Request, SamplingParams, SeqOutput
 from engine.tokenizer import IncrementalDecoder
 
 STARTUP_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
 HANDLER_DRAIN_S = 2.0  # in-flight handlers already got their error; give them this long to write it
 SEED_BITS = 63
+MAX_BODY_BYTES = 1 << 20  # a prompt beyond this is far past any context this engine serves
+RETRY_AFTER_S = 1
+LINGER_S = 1.0  # after answering early (408, 413), read and drop the unread body this long, then close
+UTF8_CODECS = frozenset({"utf-8", "ascii"})  # codecs.lookup names JSON bodies may declare (RFC 8259: UTF-8)
 
 log = structlog.get_logger()
 
 
-def _error(exc: ApiError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+@dataclass(frozen=True)
+class ServingLimits:
+    max_waiting: int = 256
+    read_timeout_s: float = 15.0
+    max_prompt_tokens: int = 2047
+
+
+def _error(exc: ApiError, headers: dict | None = None) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class _OneLineLog(logging.LoggerAdapter):
+    """aiohttp's server logger: a protocol error becomes one structured line with the peer, no traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+
+    def exception(self, msg, *args, exc_info=None, **_kw) -> None:
+        peer = args[0] if args else None
+        error = f"{type(exc_info).__name__}: {exc_info}" if isinstance(exc_info, BaseException) else str(msg)
+        log.warning("http protocol error", peer=str(peer), error=" ".join(error.split())[:300])
+
+    def error(self, msg, *args, **kw) -> None:
+        self.exception(msg, *args, **kw)
+
+
+async def _read_json(request: web.Request, timeout_s: float):
+    """The request body as JSON; every way it can be malformed is an :class:`ApiError`."""
+    charset = (request.charset or "utf-8").lower()
+    try:
+        codec = codecs.lookup(charset).name
+    except LookupError:
+        codec = None
+    if codec not in UTF8_CODECS:
+        raise ApiError(415, f"unsupported charset {charset[:40]!r}: send the JSON body as UTF-8")
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: syntax, and ints over 4300 digits
+        raise ApiError(400, "the request body is not valid JSON") from None
 
 
 def _shutting_down(message: str) -> ApiError:
@@ -50,8 +119,10 @@ def _shutting_down(message: str) -> ApiError:
 
 class Frontend:
     def __init__(self, bridge: EngineBridge, tokenizer, *, model_name: str, max_context: int, vocab_size: int,
-                 host: str, port: int, seed: int):
+                 host: str, port: int, seed: int, limits: ServingLimits = ServingLimits()):
         self.bridge = bridge
+        self.limits = limits
+        self._waiting = _WaitingCount()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context = max_context
@@ -92,12 +163,15 @@ class Frontend:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        # keepalive_timeout also closes a connection that has not completed its headers (aiohttp
+        # closes a handler still waiting for a message): the header half of the read timeout
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=HANDLER_DRAIN_S)
+                                     shutdown_timeout=HANDLER_DRAIN_S, logger=_OneLineLog(),
+                                     keepalive_timeout=self.limits.read_timeout_s, lingering_time=LINGER_S)
         try:
             loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, self.host, self.port)
@@ -109,6 +183,9 @@ class Frontend:
             loop.close()
             return
         self._started.set()
+        if not is_loopback(self.host):
+            log.warning("the completions API has no authentication and binds a non-loopback address; "
+                        "put it behind an authenticating proxy or bind 127.0.0.1", host=self.host, port=self.port)
         try:
             loop.run_forever()
         finally:
@@ -120,6 +197,24 @@ class Frontend:
         asyncio.get_running_loop().call_soon(asyncio.get_running_loop().stop)
 
     # -- handlers --------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every error a request can cause, answered as OpenAI JSON and logged as one line."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = exc.reason if exc.status != 413 else f"the request body is larger than {MAX_BODY_BYTES} bytes"
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+            return _error(ApiError(exc.status, message, None, kind), headers)
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as exc:  # a bug: this request fails, the engine goes on
+            log.error("request failed", path=request.path, error=f"{type(exc).__name__}: {exc}"[:300])
+            return _error(ApiError(500, "internal error while handling the request", None, "server_error"))
+
     async def health(self, _request: web.Request) -> web.Response:
         if self.bridge.accepting:
             return web.json_response({"status": "ok"})
@@ -133,15 +228,17 @@ class Frontend:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ApiError(400, "the request body is not valid JSON") from None
+            body = await _read_json(request, self.limits.read_timeout_s)
             spec = parse_completion(body, model_name=self.model_name, vocab_size=self.vocab_size)
             ids = list(spec.prompt_ids) if spec.prompt_ids is not None else self.tokenizer.encode(spec.prompt_text)
+            check_prompt(len(ids), self.limits.max_prompt_tokens)
             check_context(len(ids), spec.max_tokens, self.max_context)
             if not self.bridge.accepting:
                 raise _shutting_down(self.bridge.close_reason or "engine is shutting down")
+            if self._waiting.count >= self.limits.max_waiting:
+                return _error(ApiError(429, f"{self._waiting.count} requests are already waiting for a batch slot; "
+                                       "retry later", None, "rate_limit_error"),
+                              {"Retry-After": str(RETRY_AFTER_S)})
         except ApiError as exc:
             return _error(exc)
         seed = spec.seed if spec.seed is not None else self._seeds.getrandbits(SEED_BITS)
@@ -152,6 +249,7 @@ class Frontend:
             outputs = self.bridge.submit(req, asyncio.get_running_loop())
         except RuntimeError as exc:
             return _error(_shutting_down(str(exc)))
+        outputs = _CountWaiting(outputs, self._waiting)
         done = False
         try:
             if spec.stream:
@@ -160,6 +258,7 @@ class Frontend:
                 response, done = await self._collect(req, spec, outputs)
             return response
         finally:
+            outputs.arrived()
             if not done:
                 self.bridge.abort(req.request_id)
 
@@ -171,6 +270,9 @@ class Frontend:
             item = await outputs.get()
             if isinstance(item, EngineError):
                 raise _shutting_down(item.message)
+            if item.finish_reason == "error":
+                raise ApiError(500, "the engine could not sample a token for this request (non-finite logits); "
+                               "the engine goes on serving", None, "server_error")
             delta = decoder.push([item.token_id], final=item.finished)
             text, stopped = matcher.feed(delta)
             if stopped:
@@ -227,3 +329,29 @@ class Frontend:
         await send("[DONE]")
         await response.write_eof()
         return response, True
+
+
+class _WaitingCount:
+    """Requests submitted whose first output has not arrived: the admission queue (HTTP loop only)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class _CountWaiting:
+    """An output queue that counts its request as waiting until the first output arrives."""
+
+    def __init__(self, outputs: asyncio.Queue, waiting: _WaitingCount):
+        self._outputs = outputs
+        self._counter: _WaitingCount | None = waiting
+        waiting.count += 1
+
+    def arrived(self) -> None:
+        if self._counter is not None:
+            self._counter.count -= 1
+            self._counter = None
+
+    async def get(self) -> SeqOutput | EngineError:
+        item = await self._outputs.get()
+        self.arrived()
+        return item

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--host", default="127.0.0.1", help="engine HTTP host")
     e.add_argument("--port", type=int, default=specs.DEFAULT_ENGINE_PORT, help="engine HTTP port")
     e.add_argument("--sync-token-ids", action="store_true")
+    e.add_argument("--max-waiting", type=int, metavar="N", help="requests that may wait for a batch slot before the API answers 429 with Retry-After (engine default 256)")
+    e.add_argument("--read-timeout", type=_seconds, metavar="SECONDS", help="a client must send a request's headers, then its body, within this (engine default 15)")
     e.add_argument("--inject", action="append", default=[], metavar="KIND@RANK[:STEP]", help=f"fault injection: {', '.join(specs.INJECT_KINDS)}")
     e.add_argument("--engine-arg", action="append", default=[], metavar="ARG", help="extra argument passed to the engine")
     serve.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
@@ -99,8 +101,14 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         command = command[1:]
     builtin = not command
     nproc = specs.resolve_nproc(args.nproc_per_node, args.tp, args.nnodes, builtin)
-    if not builtin and (args.inject or args.model or args.engine_arg):
-        raise UsageError("--inject, --model and --engine-arg apply to the built-in engine only (no COMMAND)")
+    if not builtin and (args.inject or args.model or args.engine_arg or args.max_waiting is not None
+                        or args.read_timeout is not None):
+        raise UsageError("--inject, --model, --max-waiting, --read-timeout and --engine-arg apply to the built-in "
+                         "engine only (no COMMAND)")
+    if args.max_waiting is not None and args.max_waiting < 0:
+        raise UsageError(f"--max-waiting {args.max_waiting}: must be >= 0")
+    if args.read_timeout is not None and not 0.1 <= args.read_timeout <= 3600:
+        raise UsageError(f"--read-timeout {args.read_timeout}: must be a number of seconds in 0.1..3600")
     injections = tuple(specs.parse_injection(text) for text in args.inject)
     engine = EngineOptions(
         device=args.device,
@@ -110,6 +118,8 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         port=args.port,
         sync_token_ids=args.sync_token_ids,
         injections=injections,
+        max_waiting=args.max_waiting,
+        read_timeout=args.read_timeout,
         extra_args=tuple(args.engine_arg),
     )
     if args.model and not Path(args.model, "config.json").is_file():

@@ -95,6 +95,8 @@ class EngineOptions:
     port: int = DEFAULT_ENGINE_PORT
     sync_token_ids: bool = False
     injections: tuple[Injection, ...] = ()
+    max_waiting: int | None = None
+    read_timeout: float | None = None
     extra_args: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
@@ -114,6 +116,10 @@ class EngineOptions:
             args.append("--sync-token-ids")
         for inj in self.injections:
             args += ["--inject", str(inj)]
+        if self.max_waiting is not None:
+            args += ["--max-waiting", str(self.max_waiting)]
+        if self.read_timeout is not None:
+            args += ["--read-timeout", repr(self.read_timeout)]
         return args + list(self.extra_args)
 
 

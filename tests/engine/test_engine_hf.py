@@ -133,3 +133,29 @@ def test_sampling_rules():
     g = make_generator(9, torch.device("cpu"))
     assert [sample(logits[:1], [full], [g])[0] for _ in range(50)] == seq_a  # same seed, same draws
     assert len(set(seq_a)) == 3 and len(set(a)) == 1
+
+
+def test_sampling_is_safe_for_every_accepted_value():
+    from engine.sampling import make_generator, sample
+    from engine.scheduler import SAMPLE_FAILED, SamplingParams
+
+    logits = torch.tensor([[3.0, 1.0, -2.0, float("-inf")]])  # -inf: vocabulary padding
+    gen = make_generator(1, torch.device("cpu"))
+    for temperature, top_p in [(1e-39, 1.0), (1e-320, 0.5), (1e-5, 1.0), (2.0, 1e-300), (1.0, 5e-324)]:
+        p = SamplingParams(temperature=temperature, top_p=top_p)
+        assert sample(logits, [p], [gen]) == [0], (temperature, top_p)
+    broken = torch.tensor([[float("nan"), 1.0, 0.0, 0.0], [0.0, float("inf"), 0.0, 0.0], [0.0, 5.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    assert sample(broken, params, [gen] * 3) == [SAMPLE_FAILED, SAMPLE_FAILED, 1]  # only the broken rows fail
+
+
+def test_a_failed_sample_finishes_only_its_sequence():
+    from engine.scheduler import SAMPLE_FAILED, Request, SamplingParams, Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(max_batch=4, max_batch_tokens=64, max_context=32))
+    sched.add(Request("a", (1, 2), SamplingParams(max_tokens=4)))
+    sched.add(Request("b", (3,), SamplingParams(max_tokens=4)))
+    plan = sched.schedule()
+    out = sched.complete(plan, [SAMPLE_FAILED, 7])
+    assert [(o.seq_id, o.finished, o.finish_reason) for o in out] == [("a", True, "error"), ("b", False, None)]
+    assert [it.seq_id for it in sched.schedule().items] == ["b"]
