@@ -36,10 +36,10 @@ from pathlib import Path
 
 import psutil
 
-from consensus import encoding
-from consensus import rank as consensus
-from consensus.channel import rank_env
-from consensus.monitor import ConsensusMonitor
+from tp_supervise.supervisor.rank import encoding
+from tp_supervise.supervisor.rank import consensus as consensus
+from tp_supervise.supervisor.rank.channel import rank_env
+from tp_supervise.consensus.monitor import ConsensusMonitor
 from bench._docs import replace_section
 
 HEADING = "## Rank consensus"
@@ -166,7 +166,7 @@ def _complete(url: str, i: int, max_tokens: int) -> int:
 
 def run_engine(mode: str, plane: str, preset: str, max_tokens: int, inject: str = "") -> EngineRun:
     """One engine lifetime under load; mode is off | observe | inband."""
-    from engine.launch import LaunchSpec, LocalEngine
+    from tp_supervise.engine.launch import LaunchSpec, LocalEngine
 
     result = EngineRun(mode)
     with tempfile.TemporaryDirectory(prefix="bench-consensus-", dir=RUN_ROOT) as tmp:

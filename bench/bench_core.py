@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from supervisor import launch
-from supervisor.launch import RankSpec, RunContext
-from supervisor.monitor import ExitMonitor
-from supervisor.teardown import KillPolicy, teardown
+from tp_supervise.supervisor import launch
+from tp_supervise.supervisor.launch import RankSpec, RunContext
+from tp_supervise.supervisor.monitor import ExitMonitor
+from tp_supervise.supervisor.teardown import KillPolicy, teardown
 
 SLEEPER = "import time\nwhile True: time.sleep(3600)\n"
 IGNORER = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\nwhile True: time.sleep(3600)\n"

@@ -45,10 +45,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.spec import free_port
-from watchdogs.adaptive import AdaptiveParams
+from tp_supervise.supervisor.spec import free_port
+from tp_supervise.watchdogs.adaptive import AdaptiveParams
 from bench._docs import replace_section
-from supervisor.drill import wait_engine_health
+from tp_supervise.supervisor.drill import wait_engine_health
 
 HEADING = "## Hang detection"
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,7 +244,7 @@ def run_one(kind: str, fault_step: int, work: Path) -> RunResult:
     dump_dir = work / "dumps"
     log_path = work / "supervise.log"
     argv = [
-        sys.executable, "-m", "supervisor.cli", "serve", "--tp", "2", "--port", str(port),
+        sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tp", "2", "--port", str(port),
         "--metrics-addr", f"127.0.0.1:{metrics_port}", "--dump-dir", str(dump_dir), "--log-format", "json",
         "--kill-grace", str(KILL_GRACE_S), "--inject", f"{kind}@{FAULT_RANK}:{fault_step}",
     ]

@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT / "tests" / "dumps"))
 
 import structlog  # noqa: E402
 
-from dumps.bundle import BundleWriter  # noqa: E402
-from dumps.capture import ENV_PYSPY, find_pyspy  # noqa: E402
-from dumps.incident import write_incident  # noqa: E402
+from tp_supervise.dumps.bundle import BundleWriter  # noqa: E402
+from tp_supervise.dumps.capture import ENV_PYSPY, find_pyspy  # noqa: E402
+from tp_supervise.dumps.incident import write_incident  # noqa: E402
 from dumps_fakes import FakeRankSet  # noqa: E402
 
 GOAL_S = 1.0

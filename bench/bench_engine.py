@@ -6,7 +6,7 @@ Same random Llama checkpoint (written once with transformers), TP=2 on CPU
 over gloo, one torch thread per rank on both sides, greedy decoding, every
 request PROMPT_TOKENS in and exactly NEW_TOKENS out (EOS ignored), in one run:
 
-* ours: ``python -m engine`` ranks (broadcast control plane) behind the HTTP
+* ours: ``python -m tp_supervise.engine`` ranks (broadcast control plane) behind the HTTP
   frontend; clients are HTTP requests, so frontend and scheduling costs count.
   batch 1 = requests one after another; 16 concurrent = 16 requests at once.
 * Hugging Face: ``from_pretrained(tp_plan="auto")`` under
@@ -105,7 +105,7 @@ def hf_worker(model_dir: str, out: str, new_tokens: int, seed: int, shape: Model
 
 
 def run_hf(model_dir: Path, work: Path, new_tokens: int, seed: int) -> dict:
-    from engine.launch import free_port
+    from tp_supervise.engine.launch import free_port
 
     out = work / "hf.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP), "--master-port",
@@ -122,7 +122,7 @@ def run_hf(model_dir: Path, work: Path, new_tokens: int, seed: int) -> dict:
 def run_ours(model_dir: Path, work: Path, new_tokens: int, seed: int, shape: ModelShape) -> dict:
     import urllib.request
 
-    from engine.launch import LaunchSpec, LocalEngine
+    from tp_supervise.engine.launch import LaunchSpec, LocalEngine
 
     engine = LocalEngine(LaunchSpec(TP, ("--model", str(model_dir), "--port", "0", "--max-batch",
                                          str(CONCURRENT))), work / "engine-logs")
@@ -176,7 +176,7 @@ def report(ours: dict, hf: dict, shape: ModelShape, new_tokens: int, command: st
         f"{shape.num_hidden_layers} layers, hidden {shape.hidden_size}, {shape.num_attention_heads} heads / "
         f"{shape.num_key_value_heads} KV heads, FFN {shape.intermediate_size}, vocabulary {shape.vocab_size}, "
         "float32), TP=2 on CPU over gloo, one torch thread per rank, greedy, "
-        f"{PROMPT_TOKENS} prompt tokens and exactly {new_tokens} new tokens per request. Ours: `python -m engine` "
+        f"{PROMPT_TOKENS} prompt tokens and exactly {new_tokens} new tokens per request. Ours: `python -m tp_supervise.engine` "
         "(broadcast control plane) measured through its HTTP frontend. Hugging Face: transformers "
         "`from_pretrained(tp_plan=\"auto\")` + `generate` under `torch.distributed.run --nproc-per-node 2`. "
         f"Greedy outputs of the first request identical on both sides: {'yes' if same else 'NO'}.",
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.hf_worker:
         hf_worker(ns.hf_worker, ns.out, ns.new_tokens, ns.seed, shape)
         return 0
-    from engine.checkpoint_gen import CheckpointSpec, write_random_checkpoint
+    from tp_supervise.engine.checkpoint_gen import CheckpointSpec, write_random_checkpoint
 
     new_tokens = QUICK_NEW_TOKENS if ns.quick else ns.new_tokens
     load_before = os.getloadavg()[0]

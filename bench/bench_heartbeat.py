@@ -31,8 +31,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor import heartbeat as hb
-from supervisor import runtime
+from tp_supervise.supervisor.rank import heartbeat as hb
+from tp_supervise.supervisor.rank import runtime
 from bench._docs import replace_section
 
 HEADING = "## Heartbeat cost"
@@ -77,7 +77,7 @@ def _attach(tmp: Path) -> hb.HeartbeatSegment:
 
 
 def _per_call(number: int, repeat: int, dist, tensor) -> dict[str, float]:
-    from supervisor import autohook
+    from tp_supervise.supervisor.rank import autohook
 
     def best(stmt, n: int = number) -> float:
         return min(timeit.repeat(stmt, number=n, repeat=repeat)) / n * NS

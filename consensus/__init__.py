@@ -1,10 +1,11 @@
-"""Rank consensus: catch ranks that disagree at the step they diverge.
+"""Rank consensus, supervisor side: catch ranks that disagree at the step they diverge.
 
-Rank side (imported by ranks, torch-free): ``consensus.rank`` (``record``,
-``end_step``, ``@rank_consensus``).  Transport: ``consensus.ring`` (one
-shared-memory digest ring per rank).  Supervisor side: ``consensus.monitor``
-(``ConsensusMonitor.poll``), over the pure ``consensus.compare`` and
-``consensus.verdict``.  ``consensus.channel.rank_env`` is the environment the
-supervisor gives each rank.  ``consensus.inband`` is the in-band baseline the
-benchmark compares against.  See docs/consensus.md.
+Here: ``consensus.monitor`` (``ConsensusMonitor.poll``, reads the rings),
+over the pure ``consensus.compare`` and ``consensus.verdict``.  What runs in
+the ranks lives in the rank-side package ``tp_supervise.supervisor.rank``:
+the recorder (``consensus``: ``record``, ``end_step``, ``@rank_consensus``),
+the canonical encoding and digests (``encoding``), the shared-memory digest
+ring, one per rank (``ring``), the environment contract (``channel``) and the
+in-band baseline the benchmark compares against (``inband``).  See
+docs/consensus.md.
 """

@@ -57,7 +57,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Collection, Hashable, Mapping, Sequence
 
-from consensus import encoding
+from tp_supervise.supervisor.rank import encoding
 
 MAJORITY = "majority"
 PLURALITY = "plurality"

@@ -3,7 +3,7 @@
 The supervisor calls ``poll(now)`` from its "consensus" thread every few
 milliseconds and decides what to do with the verdicts (observe: bundle +
 metric; enforce: also teardown and exit 82).  ``poll`` never blocks: it reads
-shared mappings only (consensus/ring.py), a bounded number of entries per ring
+shared mappings only (supervisor/rank/ring.py), a bounded number of entries per ring
 per call, so a hung, busy, stopped or dead rank cannot stall it and its event
 logs stay readable.
 
@@ -34,11 +34,11 @@ from typing import Sequence
 
 import structlog
 
-from consensus import encoding
-from consensus.channel import ring_path
-from consensus.compare import Decision, OpenDecision, OpenStepComparer, Outcome, StepTable
-from consensus.ring import NO_STEP, RingEntry, RingLayoutError, RingReader
-from consensus.verdict import DivergenceVerdict, build_verdict
+from tp_supervise.supervisor.rank import encoding
+from tp_supervise.supervisor.rank.channel import ring_path
+from .compare import Decision, OpenDecision, OpenStepComparer, Outcome, StepTable
+from tp_supervise.supervisor.rank.ring import NO_STEP, RingEntry, RingLayoutError, RingReader
+from .verdict import DivergenceVerdict, build_verdict
 
 log = structlog.get_logger()
 

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from consensus import encoding
-from consensus.compare import (
+from tp_supervise.supervisor.rank import encoding
+from .compare import (
     MAJORITY,
     MISSING,
     PLURALITY,

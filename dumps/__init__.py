@@ -2,6 +2,6 @@
 
 Entry points for the supervisor: ``dumps.incident.write_incident`` (one call
 per incident), ``dumps.bundle.BundleWriter``, ``dumps.capture.RankTarget``,
-``dumps.flight.rank_env`` (per-rank environment) and ``dumps.analyze.main``
+``tp_supervise.supervisor.rank.flight.rank_env`` (per-rank environment) and ``dumps.analyze.main``
 (``supervise analyze``).  This package never decides *when* to dump.
 """

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dumps.bundle import BUNDLE_NAME, SUMMARY_JSON, read_stacks
-from dumps.render import render
+from .bundle import BUNDLE_NAME, SUMMARY_JSON, read_stacks
+from .render import render
 
 EXIT_OK = 0
 EXIT_NOT_A_BUNDLE = 2

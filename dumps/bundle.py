@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 
 import structlog
 
-from dumps.render import summary_text
+from .render import summary_text
 
 log = structlog.get_logger()
 

@@ -7,7 +7,7 @@ Methods (``capture_all(method=…)``):
 ``py-spy``        py-spy only;
 ``faulthandler``  the fallback only: the rank-side runtime registered
                   ``faulthandler`` on the signal recorded in its heartbeat
-                  slot, writing to ``supervisor.runtime.stack_file_path``;
+                  slot, writing to ``supervisor.rank.runtime.stack_file_path``;
                   we send that signal and read the bytes it appends;
 ``none``          no stacks: /proc and heartbeat evidence only.
 
@@ -39,10 +39,10 @@ from pathlib import Path
 
 import structlog
 
-from dumps import stacks as st
-from dumps.procinfo import CpuSamples, ProcInfo, cpu_delta, read_proc
-from supervisor.heartbeat import SlotSnapshot
-from supervisor.runtime import stack_file_path
+from . import stacks as st
+from .procinfo import CpuSamples, ProcInfo, cpu_delta, read_proc
+from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
+from tp_supervise.supervisor.rank.runtime import stack_file_path
 
 log = structlog.get_logger()
 

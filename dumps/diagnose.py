@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dumps import stacks as st
-from dumps.capture import Evidence, RankEvidence
-from dumps.fr_analysis import FrFindings
-from dumps.procinfo import STATE_NAMES
-from supervisor.autohook import COLLECTIVES
-from supervisor.heartbeat import SlotSnapshot
+from . import stacks as st
+from .capture import Evidence, RankEvidence
+from .fr_analysis import FrFindings
+from .procinfo import STATE_NAMES
+from tp_supervise.supervisor.rank.autohook import COLLECTIVES
+from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
 
 KLASSES = (
     "dead",

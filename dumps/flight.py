@@ -21,145 +21,29 @@ and by experiment; see docs/bundle.md):
   ``serve_in_rank()`` below, which the rank side (zero-code hook, built-in
   engine) calls once it joined its process group.
 
-Supervisor side: ``rank_env`` gives each rank the variables, ``collect``
-queries every rank's socket in parallel under one timeout, and the pure
-``analyze`` compares the traces across ranks.
+The rank side (``serve_in_rank``, ``socket_path``, ``rank_env``) lives in
+``tp_supervise.supervisor.rank.flight``.  Here, on the supervisor side,
+``collect`` queries every rank's socket in parallel under one timeout, and
+the pure ``analyze`` compares the traces across ranks.
 """
 
 from __future__ import annotations
 
-import atexit
-import hashlib
 import http.client
 import json
 import os
 import socket
-import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
 
-from dumps.fr_analysis import FrEntry, FrFindings, Mismatch, MissingCollective, analyze
-from supervisor import runtime
-from supervisor.runtime import ENV_RUN_DIR
+from .fr_analysis import FrEntry, FrFindings, Mismatch, MissingCollective, analyze
+from tp_supervise.supervisor.rank.flight import HANDLER_FR, socket_path
 
 log = structlog.get_logger()
-
-ENV_FR_BUFFER = "TORCH_FR_BUFFER_SIZE"
-ENV_WORKER_SOCKET = "TORCH_WORKER_SERVER_SOCKET"
-# Entries kept per process (a ring buffer): ~12 decode steps of an 80-layer model.
-DEFAULT_FR_BUFFER = 2000
-# sun_path holds 108 bytes including the terminating NUL.
-UNIX_PATH_MAX = 107
-HANDLER_FR = "fr_trace_json"
-
-
-# -- paths and environment ------------------------------------------------------
-
-
-def socket_path(run_dir: str | os.PathLike, slot: int) -> str:
-    """Unix socket of a rank's worker server; both sides compute it the same way.
-
-    ``<run_dir>/fr/slot-<slot>.sock``, or, when that exceeds the 107-byte
-    limit of a unix socket path, a name in the temp dir derived from a hash
-    of the run dir.
-    """
-    run = os.path.abspath(os.fspath(run_dir))
-    path = os.path.join(run, "fr", f"slot-{slot}.sock")
-    if len(path.encode()) <= UNIX_PATH_MAX:
-        return path
-    digest = hashlib.sha1(run.encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"tpsv-fr-{digest}-{slot}.sock")
-
-
-def rank_env(run_dir: Path, slot: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Variables the supervisor adds for one rank; keys already in ``environ`` are left out.
-
-    The user's values win: a ``TORCH_FR_BUFFER_SIZE=0`` in the user's
-    environment turns the recorder off, and a user-chosen worker socket is
-    kept (``collect`` then cannot find it, which it reports).
-    """
-    env = os.environ if environ is None else environ
-    ours = {
-        ENV_FR_BUFFER: str(DEFAULT_FR_BUFFER),
-        ENV_WORKER_SOCKET: socket_path(run_dir, slot),
-    }
-    return {k: v for k, v in ours.items() if k not in env}
-
-
-# -- rank side ------------------------------------------------------------------
-
-_server = None
-_server_lock = threading.Lock()
-
-
-def _listening(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def serve_in_rank(slot: int | None = None, environ: Mapping[str, str] | None = None) -> bool:
-    """Start torch's worker server for this rank (idempotent, never raises).
-
-    Call it once the rank joined its process group.  The path is
-    ``socket_path($SUPERVISE_RUN_DIR, slot)`` for ``slot`` (default: the
-    heartbeat slot this process claimed through ``supervisor.runtime``), so
-    the supervisor finds it in spawn and tree mode alike; without a slot or
-    run dir, ``$TORCH_WORKER_SERVER_SOCKET``.  A stale socket file of a dead
-    process is replaced; a live server there (the program runs torch's
-    ``worker_main`` itself) is left serving.
-    """
-    global _server
-    env = os.environ if environ is None else environ
-    run_dir = env.get(ENV_RUN_DIR)
-    if slot is None:
-        writer = runtime.slot_writer()
-        slot = writer.slot if writer is not None else None
-    path = socket_path(run_dir, slot) if (slot is not None and run_dir) else env.get(ENV_WORKER_SOCKET)
-    if not path:
-        return False
-    with _server_lock:
-        if _server is not None:
-            return True
-        try:
-            if os.path.exists(path):
-                if _listening(path):
-                    return True
-                os.unlink(path)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            from torch._C._distributed_c10d import _WorkerServer
-
-            _server = _WorkerServer(path)
-        except Exception as exc:  # never break the rank
-            log.warning("flight.serve_failed", path=path, error=repr(exc))
-            return False
-        atexit.register(_stop_server, path)
-    return True
-
-
-def _stop_server(path: str) -> None:
-    global _server
-    with _server_lock:
-        server, _server = _server, None
-    if server is not None:
-        try:
-            server.shutdown()
-        except Exception:
-            pass
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
 
 # -- supervisor side: collection --------------------------------------------------
 

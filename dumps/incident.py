@@ -20,12 +20,12 @@ from pathlib import Path
 
 import structlog
 
-from dumps import flight
-from dumps.bundle import BundleWriter, fr_file, iso_utc, stack_file
-from dumps.capture import Evidence, RankEvidence, RankTarget, capture_all
-from dumps.diagnose import Diagnosis, diagnose
-from dumps.fr_analysis import FrFindings
-from dumps.procinfo import STATE_NAMES, CpuSamples
+from . import flight
+from .bundle import BundleWriter, fr_file, iso_utc, stack_file
+from .capture import Evidence, RankEvidence, RankTarget, capture_all
+from .diagnose import Diagnosis, diagnose
+from .fr_analysis import FrFindings
+from .procinfo import STATE_NAMES, CpuSamples
 
 log = structlog.get_logger()
 

@@ -1,4 +1,4 @@
-"""``python -m engine [ENGINE ARGS]``: one rank of the reference tensor-parallel engine.
+"""``python -m tp_supervise.engine [ENGINE ARGS]``: one rank of the reference tensor-parallel engine.
 
 Runs under ``supervise serve`` (which sets the torchrun environment and the
 SUPERVISE_* variables) or standalone; see docs/engine.md.
@@ -19,13 +19,13 @@ CRASH_EXIT_CODE = 1
 
 def main(argv: list[str] | None = None) -> int:
     # Report "starting" before anything slow (argument checks are fast; torch is not).
-    from engine import instrument
+    from . import instrument
 
     instrument.starting()
-    from engine.args import parse_args
+    from .args import parse_args
 
     cfg, dist_env, model_cfg = parse_args(argv)
-    from engine.app import run
+    from .app import run
 
     try:
         return run(cfg, dist_env, model_cfg)

@@ -23,9 +23,9 @@ import threading
 
 import structlog
 
-from engine import instrument
-from engine.args import DistEnv, EngineConfig
-from engine.model_config import ModelConfig
+from . import instrument
+from .args import DistEnv, EngineConfig
+from .model_config import ModelConfig
 
 READY_PREFIX = "engine ready: "
 SUBSCRIBE_TIMEOUT_S = 60.0
@@ -127,18 +127,18 @@ def run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig) -> int:
 def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: ShutdownGuard) -> int:
     import torch
 
-    from engine.bridge import EngineBridge
-    from engine.comm import TPComm, destroy_groups, init_groups
-    from engine.core import BroadcastLeader, BroadcastWorker, ReplicatedRank
-    from engine.inject import FaultInjector
-    from engine.model import LlamaShard
-    from engine.planes import PlanPublisher, PlanSubscriber, RequestExchange, startup_exchange
-    from engine.runner import ModelRunner
-    from engine.scheduler import Scheduler, SchedulerConfig
-    from engine.server import Frontend, ServingLimits
-    from engine.sharding import plan_shards
-    from engine.tokenizer import load_tokenizer
-    from engine.weights import load_weights, random_weights
+    from .bridge import EngineBridge
+    from .comm import TPComm, destroy_groups, init_groups
+    from .core import BroadcastLeader, BroadcastWorker, ReplicatedRank
+    from .inject import FaultInjector
+    from .model import LlamaShard
+    from .planes import PlanPublisher, PlanSubscriber, RequestExchange, startup_exchange
+    from .runner import ModelRunner
+    from .scheduler import Scheduler, SchedulerConfig
+    from .server import Frontend, ServingLimits
+    from .sharding import plan_shards
+    from .tokenizer import load_tokenizer
+    from .weights import load_weights, random_weights
 
     rank, world = dist_env.rank, dist_env.world_size
     threads = cfg.threads or max(1, _cpu_count() // dist_env.local_world_size)

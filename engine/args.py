@@ -1,6 +1,6 @@
 """Engine command line and launch environment (torch-free: bad input exits 2 in milliseconds).
 
-``python -m engine [ENGINE ARGS]`` runs one rank.  The supervisor (``supervise
+``python -m tp_supervise.engine [ENGINE ARGS]`` runs one rank.  The supervisor (``supervise
 serve`` with no command) passes ENGINE ARGS through verbatim and sets the
 torchrun environment (RANK, WORLD_SIZE, ...); without it the engine runs as a
 single rank (TP=1).
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from engine.inject import KINDS, Injection
-from engine.model_config import PRESETS, ModelConfig, ModelConfigError
-from engine.sharding import ShardingError, check_shardable
+from .inject import KINDS, Injection
+from .model_config import PRESETS, ModelConfig, ModelConfigError
+from .sharding import ShardingError, check_shardable
 
 DEVICES = ("cpu", "cuda")
 CONTROL_PLANES = ("broadcast", "replicated")
@@ -112,7 +112,7 @@ class EngineConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m engine",
+        prog="python -m tp_supervise.engine",
         description="Reference tensor-parallel Llama engine (one rank per process, torchrun environment).",
     )
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (gloo) or cuda (NCCL)")

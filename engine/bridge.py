@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.scheduler import Request, SeqOutput
+from .scheduler import Request, SeqOutput
 
 
 @dataclass(frozen=True)

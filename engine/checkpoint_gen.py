@@ -3,7 +3,7 @@
 Used by the HF-parity tests and the benchmark, and handy for trying
 ``--model DIR`` offline::
 
-    python -m engine.checkpoint_gen /tmp/llama-tiny --vocab-size 251 --kv-heads 1
+    python -m tp_supervise.engine.checkpoint_gen /tmp/llama-tiny --vocab-size 251 --kv-heads 1
 
 The directory gets ``config.json`` + ``model.safetensors`` (``save_pretrained``)
 and a ``tokenizer.json``: a word-level tokenizer whose words are ``w<id>``
@@ -80,7 +80,7 @@ def write_random_checkpoint(directory: str | Path, spec: CheckpointSpec = Checkp
 
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = CheckpointSpec()
-    p = argparse.ArgumentParser(prog="python -m engine.checkpoint_gen", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tp_supervise.engine.checkpoint_gen", description=__doc__.splitlines()[0])
     p.add_argument("directory")
     p.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     p.add_argument("--hidden-size", type=int, default=defaults.hidden_size)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.args import DistEnv
-from engine.inject import FaultInjector
+from .args import DistEnv
+from .inject import FaultInjector
 
 
 def init_groups(dist_env: DistEnv, device: str):

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import structlog
 
-from engine import instrument
-from engine.bridge import ControlMessage, EngineBridge
-from engine.comm import TPComm
-from engine.inject import FaultInjector
-from engine.planes import PlanPublisher, PlanSubscriber, RequestExchange, Shutdown
-from engine.runner import ModelRunner
-from engine.scheduler import Scheduler, StepPlan
+from . import instrument
+from .bridge import ControlMessage, EngineBridge
+from .comm import TPComm
+from .inject import FaultInjector
+from .planes import PlanPublisher, PlanSubscriber, RequestExchange, Shutdown
+from .runner import ModelRunner
+from .scheduler import Scheduler, StepPlan
 
 IDLE_WAIT_S = 0.5  # how long an idle rank 0 / worker blocks before looking again
 REPLICATED_IDLE_TICK_S = 0.25  # idle period between request broadcasts (replicated plane)

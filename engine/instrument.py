@@ -15,47 +15,27 @@ Collectives are NOT reported here: the supervisor's zero-code hook wraps
 ``torch.distributed`` and reports them (reporting them twice would double the
 collective count).
 
-``record``/``end_step`` go to ``consensus.rank`` when that module exists and
-has both functions (looked up once, lazily); otherwise they cost one
-attribute test.  ``configure_trace(dir, rank)`` additionally writes every
+``record``/``end_step`` go to the rank-side consensus recorder
+(``tp_supervise.supervisor.rank.consensus``; a cheap no-op when the rank is
+not supervised).  ``configure_trace(dir, rank)`` additionally writes every
 event as a JSON line to ``dir/rank-<rank>.jsonl`` (``--trace-events``), to
 compare ranks' decisions without a supervisor.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-from supervisor import runtime as _sv
+from tp_supervise.supervisor.rank import consensus as _consensus
+from tp_supervise.supervisor.rank import runtime as _sv
 
-_UNRESOLVED = object()
 
 
 class _Sinks:
-    """Where consensus events go; resolved on first use."""
-
-    def __init__(self) -> None:
-        self.consensus_record: Callable[[str, Any], None] | None | object = _UNRESOLVED
-        self.consensus_end: Callable[[int], None] | None = None
-        self.trace = None  # open text file or None
-
-    def resolve(self) -> None:
-        record = end = None
-        try:
-            module = importlib.import_module("consensus.rank")
-        except ImportError:
-            module = None
-        if module is not None:
-            record = getattr(module, "record", None)
-            end = getattr(module, "end_step", None)
-            if not (callable(record) and callable(end)):
-                record = end = None
-        self.consensus_record = record
-        self.consensus_end = end
+    trace = None  # open text file or None (--trace-events)
 
 
 _sinks = _Sinks()
@@ -87,20 +67,14 @@ def configure_trace(directory: str | None, rank: int) -> None:
 
 def record(kind: str, payload: Any) -> None:
     """A consensus event of the current step (cheap no-op when nobody listens)."""
-    if _sinks.consensus_record is _UNRESOLVED:
-        _sinks.resolve()
-    if _sinks.consensus_record is not None:
-        _sinks.consensus_record(kind, payload)
+    _consensus.record(kind, payload)
     if _sinks.trace is not None:
         _sinks.trace.write(json.dumps({"kind": kind, "payload": payload}) + "\n")
 
 
 def end_step(index: int) -> None:
     """Close the consensus record of engine step ``index`` (same index on every rank)."""
-    if _sinks.consensus_record is _UNRESOLVED:
-        _sinks.resolve()
-    if _sinks.consensus_end is not None:
-        _sinks.consensus_end(index)
+    _consensus.end_step(index)
     if _sinks.trace is not None:
         _sinks.trace.write(json.dumps({"end_step": index}) + "\n")
 

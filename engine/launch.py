@@ -3,7 +3,7 @@
 For development, tests and benchmarks (``supervise serve`` is the supervised
 way)::
 
-    python -m engine.launch --nproc 2 -- --port 8000 --control-plane replicated
+    python -m tp_supervise.engine.launch --nproc 2 -- --port 8000 --control-plane replicated
 
 Each rank is its own session (process group), logs to ``<log_dir>/rank-<r>.
 {out,err}``, and is SIGTERMed then SIGKILLed on ``stop()``; the rank-0 ready
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from engine.app import READY_PREFIX
+from .app import READY_PREFIX
 
 READY_POLL_S = 0.05
 DEFAULT_READY_TIMEOUT_S = 120.0
@@ -82,7 +82,7 @@ class LocalEngine:
         for rank in range(self.spec.nproc):
             with open(self.out_path(rank), "wb") as out, open(self.err_path(rank), "wb") as err:
                 self.procs.append(subprocess.Popen(
-                    [self.spec.python, "-m", "engine", *self.spec.engine_args],
+                    [self.spec.python, "-m", "tp_supervise.engine", *self.spec.engine_args],
                     env=self.rank_environ(rank), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 ))
@@ -155,7 +155,7 @@ class LocalEngine:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tp_supervise.engine.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("engine_args", nargs=argparse.REMAINDER)

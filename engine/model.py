@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.comm import TPComm
-from engine.model_config import ModelConfig, RopeConfig
-from engine.sharding import ShardPlan
+from .comm import TPComm
+from .model_config import ModelConfig, RopeConfig
+from .sharding import ShardPlan
 
 
 @dataclass

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import zmq
 
-from engine.bridge import ControlMessage
-from engine.scheduler import WIRE_VERSION, StepPlan
+from .bridge import ControlMessage
+from .scheduler import WIRE_VERSION, StepPlan
 
 SUBSCRIBE_MSG = 1  # first byte of an XPUB subscription notice
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import structlog
 import torch
 
-from engine import instrument
-from engine.inject import FaultInjector
-from engine.model import LlamaShard, SeqKV, Span
-from engine.sampling import make_generator, sample
-from engine.scheduler import SamplingParams, StepPlan
+from . import instrument
+from .inject import FaultInjector
+from .model import LlamaShard, SeqKV, Span
+from .sampling import make_generator, sample
+from .scheduler import SamplingParams, StepPlan
 
 log = structlog.get_logger()
 

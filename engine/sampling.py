@@ -19,7 +19,7 @@ from __future__ import annotations
 import structlog
 import torch
 
-from engine.scheduler import SAMPLE_FAILED, SamplingParams
+from .scheduler import SAMPLE_FAILED, SamplingParams
 
 SEED_MASK = (1 << 64) - 1
 

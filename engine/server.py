@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
-from engine.bridge import EngineBridge, EngineError
-from engine.openai_api import (
+from .bridge import EngineBridge, EngineError
+from .openai_api import (
     ApiError,
     CompletionSpec,
     StopMatcher,
@@ -42,8 +42,8 @@ from engine.openai_api import (
     parse_completion,
     usage_body,
 )
-from engine.scheduler import Request, SamplingParams, SeqOutput
-from engine.tokenizer import IncrementalDecoder
+from .scheduler import Request, SamplingParams, SeqOutput
+from .tokenizer import IncrementalDecoder
 
 STARTUP_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.model_config import ModelConfig
+from .model_config import ModelConfig
 
 
 class ShardingError(ValueError):

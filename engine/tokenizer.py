@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.model_config import BYTE_BOS, BYTE_EOS, BYTE_VOCAB
+from .model_config import BYTE_BOS, BYTE_EOS, BYTE_VOCAB
 
 REPLACEMENT_CHAR = "\ufffd"
 

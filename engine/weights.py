@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from engine.model import LayerWeights, ShardWeights
-from engine.model_config import ModelConfig
-from engine.sharding import ShardPlan
+from .model import LayerWeights, ShardWeights
+from .model_config import ModelConfig
+from .sharding import ShardPlan
 
 RANDOM_INIT_STD = 0.02
 

@@ -10,8 +10,8 @@ import os
 import sys
 from pathlib import Path
 
-from supervisor import spec as specs
-from supervisor.spec import EngineOptions, LaunchSpec, UsageError
+from . import spec as specs
+from .spec import EngineOptions, LaunchSpec, UsageError
 
 EXIT_USAGE = 64
 
@@ -157,7 +157,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from supervisor import logs
+    from . import logs
 
     logs.configure(args.log_format)
     try:
@@ -166,14 +166,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"supervise: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from supervisor.core import Supervisor
+    from .core import Supervisor
 
     base_env = dict(os.environ)
     return Supervisor(spec, base_env).run()
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    from supervisor import control
+    from . import control
 
     jobs = control.list_jobs()
     if args.run_id:
@@ -202,14 +202,14 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from dumps import analyze
+    from tp_supervise.dumps import analyze
 
     argv = [str(args.bundle)] + (["--json"] if args.json else [])
     return analyze.main(argv)
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
-    from supervisor import drill
+    from . import drill
 
     return drill.main(args)
 

@@ -71,7 +71,7 @@ def sweep_stale() -> list[str]:
     launcher's tree or a setsid escapee can remain, and so do the run's shared
     memory directory and registry entry.  Returns the run ids swept.
     """
-    from supervisor import procs
+    from . import procs
 
     swept = []
     root = registry_dir()

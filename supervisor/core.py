@@ -28,20 +28,20 @@ from typing import Mapping
 
 import structlog
 
-from supervisor import exits, launch, logs, procs
-from supervisor.exits import ExitInfo
-from supervisor.heartbeat import HeartbeatSegment
-from supervisor.incidents import IncidentDesk
-from supervisor.launch import RankHandle, RankSpec, RunContext
-from supervisor.monitor import ExitMonitor, ProcessExited
-from supervisor.spec import LaunchSpec, free_port
-from supervisor.state import EngineState, Event, next_state
-from supervisor.teardown import KillPolicy, TeardownResult, teardown
-from supervisor.watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict
+from . import exits, launch, logs, procs
+from .exits import ExitInfo
+from .rank.heartbeat import HeartbeatSegment
+from .incidents import IncidentDesk
+from .launch import RankHandle, RankSpec, RunContext
+from .monitor import ExitMonitor, ProcessExited
+from .spec import LaunchSpec, free_port
+from .state import EngineState, Event, next_state
+from .teardown import KillPolicy, TeardownResult, teardown
+from .watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict
 
 log = structlog.get_logger("supervise")
 
-from supervisor.outcome import (
+from .outcome import (
     EARLY_EXIT_WINDOW_S,
     EXIT_DIVERGENCE,
     EXIT_HANG,
@@ -90,7 +90,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
-        from supervisor.services import Services
+        from .services import Services
 
         procs.make_subreaper()
         self.run_dir = run_dir_for(self.run_id)

@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from supervisor.spec import INJECT_KINDS, free_port
+from .spec import INJECT_KINDS, free_port
 
 FAULT_RANK = 1
 FAULT_STEP = 20
@@ -95,7 +95,7 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
     port = free_port()
     plane = "replicated" if kind.startswith("diverge") else "broadcast"
     argv = [
-        sys.executable, "-m", "supervisor.cli", "serve", "--tp", str(tp), "--port", str(port),
+        sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tp", str(tp), "--port", str(port),
         "--metrics-addr", "127.0.0.1:0", "--dump-dir", str(dump_dir), "--log-format", "json",
         "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "3",
         "--control-plane", plane, "--consensus", "enforce",

@@ -36,8 +36,8 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from supervisor import state as engine_state
-from supervisor.metrics import SupervisorMetrics
+from . import state as engine_state
+from .metrics import SupervisorMetrics
 
 log = structlog.get_logger()
 

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from dumps.bundle import BundleWriter
-from dumps.capture import RankTarget
-from dumps.incident import write_incident
-from supervisor.exits import ExitInfo
-from supervisor.launch import RankHandle
-from watchdogs.gpu import gpus_busy_without_progress
+from tp_supervise.dumps.bundle import BundleWriter
+from tp_supervise.dumps.capture import RankTarget
+from tp_supervise.dumps.incident import write_incident
+from .exits import ExitInfo
+from .launch import RankHandle
+from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
 
 if TYPE_CHECKING:
-    from supervisor.core import Supervisor
-    from supervisor.watch import DivergenceFound, WatchdogVerdict
+    from .core import Supervisor
+    from .watch import DivergenceFound, WatchdogVerdict
 
 log = structlog.get_logger("supervise.incident")
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from supervisor import procs, runtime
-from supervisor.exits import ExitInfo
+from . import procs
+from .rank import runtime
+from .exits import ExitInfo
 
-HOOK_DIR = Path(__file__).resolve().parent / "_hook"
-PKG_ROOT = Path(__file__).resolve().parent.parent
+HOOK_DIR = Path(__file__).resolve().parent / "rank" / "_hook"  # holds sitecustomize.py and nothing else
 STACK_SIGNAL = signal.SIGRTMIN + 3
 FR_BUFFER_DEFAULT = "2000"
 
@@ -121,7 +121,6 @@ def rank_env(
             runtime.ENV_SUPERVISOR_PID: str(ctx.supervisor_pid),
             runtime.ENV_STACK_SIGNAL: str(int(STACK_SIGNAL)),
             runtime.ENV_SLOT_BASE: str(ctx.node_rank * ctx.nproc_per_node),
-            "SUPERVISE_PKG_ROOT": str(PKG_ROOT),
         }
     )
     env.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER_DEFAULT)

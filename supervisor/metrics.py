@@ -37,9 +37,9 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
-from supervisor import exits
-from supervisor.heartbeat import SlotSnapshot
-from supervisor.state import EngineState
+from . import exits
+from .rank.heartbeat import SlotSnapshot
+from .state import EngineState
 
 log = structlog.get_logger()
 

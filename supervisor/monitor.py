@@ -18,8 +18,8 @@ from typing import Callable
 
 import structlog
 
-from supervisor import procs
-from supervisor.exits import ExitStatus
+from . import procs
+from .exits import ExitStatus
 
 log = structlog.get_logger("supervise.monitor")
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from supervisor.exits import ExitInfo
-from supervisor.launch import RankHandle
+from .exits import ExitInfo
+from .launch import RankHandle
 
 EXIT_OK = 0
 EXIT_RANK = 80

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Sequence
 
 import structlog
 
-from supervisor import state as engine_state
-from supervisor.heartbeat import SlotSnapshot
-from supervisor.http import HealthCell, HealthServer, HealthStatus
-from supervisor.metrics import SupervisorMetrics
-from watchdogs.gpu import GpuTelemetry
+from . import state as engine_state
+from .rank.heartbeat import SlotSnapshot
+from .http import HealthCell, HealthServer, HealthStatus
+from .metrics import SupervisorMetrics
+from tp_supervise.watchdogs.gpu import GpuTelemetry
 
 if TYPE_CHECKING:
-    from supervisor.core import Supervisor
-    from supervisor.teardown import TeardownResult
+    from .core import Supervisor
+    from .teardown import TeardownResult
 
 log = structlog.get_logger("supervise")
 
@@ -48,8 +48,8 @@ class Services:
         self.metrics.set_engine_state(engine_state.EngineState.STARTING)
 
     def _init_consensus(self) -> None:
-        from consensus.monitor import ConsensusMonitor
-        from supervisor.watch import ConsensusThread
+        from tp_supervise.consensus.monitor import ConsensusMonitor
+        from .watch import ConsensusThread
 
         self.consensus_monitor = ConsensusMonitor(self.sup.run_dir, self.sup.spec.nproc_per_node)
         self.consensus_thread = ConsensusThread(self.sup, self.consensus_monitor)
@@ -59,7 +59,7 @@ class Services:
         if self.http is not None:
             self.http.start()
             log.info("metrics and health", url=self.http.url, endpoints="/metrics /healthz /readyz")
-        from supervisor.control import ControlServer, sweep_stale
+        from .control import ControlServer, sweep_stale
 
         sweep_stale()
         self.control = ControlServer(
@@ -93,13 +93,13 @@ class Services:
         env: dict[str, str] = {}
         run_dir = self.sup.run_dir
         try:
-            from dumps import flight
+            from .rank import flight
 
             env.update(flight.rank_env(run_dir, slot if slot is not None else -1))
         except ImportError:
             pass
         if self.sup.spec.consensus != "off" or self.sup.spec.consensus_inband:
-            from consensus.channel import rank_env as consensus_env
+            from .rank.channel import rank_env as consensus_env
 
             env.update(
                 consensus_env(
@@ -184,7 +184,7 @@ class Services:
     # ------------------------------------------------------------ control
     def _control_request(self, request: dict) -> dict:
         """Runs on a control-socket thread: hand to the main loop, wait for its reply."""
-        from supervisor.core import ControlRequest
+        from .core import ControlRequest
 
         box: queue.SimpleQueue = queue.SimpleQueue()
         self.sup.events.put(ControlRequest(request, box))

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.inject import KINDS as INJECT_KINDS  # the engine owns its fault kinds
+from tp_supervise.engine.inject import KINDS as INJECT_KINDS  # the engine owns its fault kinds
 
 CONSENSUS_MODES = ("off", "observe", "enforce")
 STACK_METHODS = ("auto", "py-spy", "faulthandler", "none")
@@ -228,7 +228,7 @@ class LaunchSpec:
 
     def adaptive_params(self):
         """watchdogs.adaptive.AdaptiveParams with the floors/ceilings given (validated there)."""
-        from watchdogs.adaptive import AdaptiveParams
+        from tp_supervise.watchdogs.adaptive import AdaptiveParams
 
         bounds = {}
         if self.adaptive_floors is not None:
@@ -251,7 +251,7 @@ class LaunchSpec:
 
     def rank_argv(self) -> list[str]:
         if self.builtin:
-            return [sys.executable, "-m", "engine", *self.engine.argv()]
+            return [sys.executable, "-m", "tp_supervise.engine", *self.engine.argv()]
         return list(self.command)
 
 

@@ -27,8 +27,8 @@ from typing import Callable, Iterable
 
 import structlog
 
-from supervisor import procs
-from supervisor.launch import RankHandle, signal_group
+from . import procs
+from .launch import RankHandle, signal_group
 
 log = structlog.get_logger("supervise.teardown")
 

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import psutil
 import structlog
 
-from supervisor.heartbeat import SlotSnapshot, empty_slot
-from watchdogs import policy
+from .rank.heartbeat import SlotSnapshot, empty_slot
+from tp_supervise.watchdogs import policy
 
 if TYPE_CHECKING:
-    from supervisor.core import Supervisor
+    from .core import Supervisor
 
 log = structlog.get_logger("supervise.watchdog")
 
@@ -242,7 +242,7 @@ class AdapterThread:
     so a slow scrape never delays a watchdog tick; the tick reads ``latest``."""
 
     def __init__(self, url: str, engine: str):
-        from watchdogs.adapters import PrometheusProgress
+        from tp_supervise.watchdogs.adapters import PrometheusProgress
 
         self.scraper = PrometheusProgress(url, engine=engine, timeout=ADAPTER_TIMEOUT_S)
         self.latest = None

@@ -126,7 +126,7 @@ def supervise(tmp_path):
         argv = [
             sys.executable,
             "-m",
-            "supervisor.cli",
+            "tp_supervise.supervisor.cli",
             "serve",
             "--log-format",
             "json",

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import structlog
 
-from watchdogs.policy import Verdict
+from .policy import Verdict
 
 log = structlog.get_logger()
 

@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import AbstractSet, Sequence
 
-from supervisor.heartbeat import SlotSnapshot
-from watchdogs import adaptive
-from watchdogs.adapters import ExternalProgress
+from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
+from . import adaptive
+from .adapters import ExternalProgress
 
 RENDEZVOUS_PHASE = "rendezvous"
 DEFAULT_STARTUP_TIMEOUT = 600.0

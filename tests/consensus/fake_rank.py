@@ -3,7 +3,7 @@
     python fake_rank.py --steps 40 [--diverge-at 20 --diverge-kind token]
                         [--then stop|hang|continue] [--step-sleep 0.002]
 
-Consensus configuration comes from the environment (consensus.channel.rank_env).
+Consensus configuration comes from the environment (supervisor.rank.channel.rank_env).
 Rank ``RANK`` diverges when ``--diverge-at`` is given and ``RANK`` is in
 ``--culprits``.  After the diverging step: ``stop`` SIGSTOPs itself, ``hang``
 blocks forever (as a rank stuck in a collective would), ``continue`` goes on.
@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from consensus import rank as consensus
+from tp_supervise.supervisor.rank import consensus as consensus
 
 
 @consensus.rank_consensus(args=("step",))

@@ -10,9 +10,9 @@ import sys
 
 import torch.distributed as dist
 
-from consensus import encoding
-from consensus import rank as consensus
-from consensus.inband import InbandChecker, world_cpu_group
+from tp_supervise.supervisor.rank import encoding
+from tp_supervise.supervisor.rank import consensus as consensus
+from tp_supervise.supervisor.rank.inband import InbandChecker, world_cpu_group
 
 
 def main() -> int:

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from consensus import encoding
-from consensus.compare import (
+from tp_supervise.supervisor.rank import encoding
+from tp_supervise.consensus.compare import (
     MAJORITY,
     MISSING,
     PLURALITY,

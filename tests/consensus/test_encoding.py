@@ -6,8 +6,8 @@ import os
 import subprocess
 import sys
 
-from consensus import encoding
-from consensus.encoding import decode_event, digest, encode_event
+from tp_supervise.supervisor.rank import encoding
+from tp_supervise.supervisor.rank.encoding import decode_event, digest, encode_event
 
 SAMPLE = {
     "ids": ("req-2", "req-1"),
@@ -20,7 +20,7 @@ SAMPLE = {
 
 PROBE = """
 import sys
-from consensus.encoding import encode_event
+from tp_supervise.supervisor.rank.encoding import encode_event
 sys.stdout.write(encode_event("k", {"ids": ("req-2", "req-1"), "set": {"b", "a", "c", "d", "e"},
     "nested": {"a": [1.5, None, True, b"\\x00\\xff"], "z": 1}, "neg_zero": -0.0, "nan": float("nan"),
     "unicode": "tok\\u00e9n"}))

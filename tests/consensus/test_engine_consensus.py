@@ -1,6 +1,6 @@
 """The built-in engine under load, out-of-band consensus on: caught at the step it diverges.
 
-Real engine ranks (gloo, TP=2) record their decisions through consensus.rank;
+Real engine ranks (gloo, TP=2) record their decisions through supervisor.rank.consensus;
 the monitor reads the rings as the supervisor does.  The step the engine
 diverged at is read from its own injection log line.
 """
@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 
-from consensus.channel import rank_env
-from consensus.monitor import ConsensusMonitor
-from engine.launch import LaunchSpec, LocalEngine
+from tp_supervise.supervisor.rank.channel import rank_env
+from tp_supervise.consensus.monitor import ConsensusMonitor
+from tp_supervise.engine.launch import LaunchSpec, LocalEngine
 from tests.conftest import MARK_VAR, wait_no_marked
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from consensus.channel import rank_env
+from tp_supervise.supervisor.rank.channel import rank_env
 
 SCRIPT = Path(__file__).with_name("inband_rank.py")
 ROOT = Path(__file__).resolve().parents[2]

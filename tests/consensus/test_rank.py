@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from consensus import channel, encoding
-from consensus import rank as consensus
-from consensus.ring import RingReader
+from tp_supervise.supervisor.rank import channel, encoding
+from tp_supervise.supervisor.rank import consensus as consensus
+from tp_supervise.supervisor.rank.ring import RingReader
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from consensus import encoding
-from consensus.ring import ENTRY_SIZE, HEADER_SIZE, NO_STEP, RingLayoutError, RingReader, RingWriter, ring_size
+from tp_supervise.supervisor.rank import encoding
+from tp_supervise.supervisor.rank.ring import ENTRY_SIZE, HEADER_SIZE, NO_STEP, RingLayoutError, RingReader, RingWriter, ring_size
 
 
 def events(step: int, n: int = 1) -> list[bytes]:
@@ -120,8 +120,8 @@ def test_replacement_gets_a_new_inode(tmp_path):
 
 def test_torn_entry_is_retried_not_lost(tmp_path):
     """A writer stopped inside an entry (seq odd) makes the reader wait, not skip it."""
-    from consensus.monitor import ConsensusMonitor
-    from consensus.ring import _U64
+    from tp_supervise.consensus.monitor import ConsensusMonitor
+    from tp_supervise.supervisor.rank.ring import _U64
 
     path = tmp_path / "consensus" / "slot-0.ring"
     w = RingWriter(path, slot=0, rank=0, depth=4, log_bytes=4096)

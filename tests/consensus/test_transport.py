@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from consensus.channel import rank_env
-from consensus.monitor import ConsensusMonitor, MonitorConfig
+from tp_supervise.supervisor.rank.channel import rank_env
+from tp_supervise.consensus.monitor import ConsensusMonitor, MonitorConfig
 
 FAKE = Path(__file__).with_name("fake_rank.py")
 ROOT = Path(__file__).resolve().parents[2]

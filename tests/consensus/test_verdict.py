@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from consensus import encoding
-from consensus.compare import MAJORITY, PLURALITY, TIE
-from consensus.verdict import build_verdict, decode_log, render_path
+from tp_supervise.supervisor.rank import encoding
+from tp_supervise.consensus.compare import MAJORITY, PLURALITY, TIE
+from tp_supervise.consensus.verdict import build_verdict, decode_log, render_path
 
 
 def enc(*events):

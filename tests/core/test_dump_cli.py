@@ -16,7 +16,7 @@ from tests.live import wait_registry
 def _cli(*args: str, registry, timeout: float = 60) -> subprocess.CompletedProcess:
     env = dict(os.environ, SUPERVISE_REGISTRY_DIR=str(registry))
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "tp_supervise.supervisor.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

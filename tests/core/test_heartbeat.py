@@ -5,7 +5,7 @@ import sys
 import textwrap
 import time
 
-from supervisor import heartbeat as hb
+from tp_supervise.supervisor.rank import heartbeat as hb
 
 
 def test_writer_updates_are_seen_by_reader(tmp_path):
@@ -60,7 +60,7 @@ def test_runtime_in_another_process(tmp_path):
     seg = hb.HeartbeatSegment(tmp_path / "hb", 2, "run-x", time.monotonic())
     code = textwrap.dedent(
         """
-        from supervisor import runtime as sv
+        from tp_supervise.supervisor.rank import runtime as sv
         sv.starting(); sv.ready()
         for _ in range(5):
             with sv.step():

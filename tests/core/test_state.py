@@ -2,9 +2,9 @@
 
 import itertools
 
-from supervisor.state import EngineState as S
-from supervisor.state import Event as E
-from supervisor.state import healthy, is_fault, next_state, ready
+from tp_supervise.supervisor.state import EngineState as S
+from tp_supervise.supervisor.state import Event as E
+from tp_supervise.supervisor.state import healthy, is_fault, next_state, ready
 
 EXPECTED = {
     (S.STARTING, E.ALL_READY): S.READY,

@@ -17,9 +17,9 @@ import time
 import uuid
 from pathlib import Path
 
-from dumps.capture import RankTarget
-from supervisor.heartbeat import HeartbeatSegment
-from supervisor import runtime
+from tp_supervise.dumps.capture import RankTarget
+from tp_supervise.supervisor.rank.heartbeat import HeartbeatSegment
+from tp_supervise.supervisor.rank import runtime
 
 FAKE_RANK = Path(__file__).with_name("fake_rank.py")
 STACK_SIGNAL = signal.SIGUSR2

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from supervisor import runtime as sv
+from tp_supervise.supervisor.rank import runtime as sv
 
 PARK_S = 3600.0
 

@@ -8,7 +8,7 @@ rank but 1 enters a fourth, which rank 1 skips (it sleeps in
 also SIGSTOP rank 1 there.
 
 The test passes the SUPERVISE_* environment (the zero-code hook is on
-PYTHONPATH) and the flight-recorder variables from ``dumps.flight.rank_env``.
+PYTHONPATH) and the flight-recorder variables from ``tp_supervise.supervisor.rank.flight.rank_env``.
 Prints "parked <pid>" when in place.
 """
 
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dumps import flight
+from tp_supervise.supervisor.rank import flight
 
 PARK_S = 3600.0
 GLOO_TIMEOUT = datetime.timedelta(seconds=120)

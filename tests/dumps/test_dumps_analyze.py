@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from dumps.analyze import EXIT_NOT_A_BUNDLE, EXIT_OK, main
-from dumps.bundle import SUMMARY_JSON, BundleWriter
-from dumps.capture import ENV_PYSPY
-from dumps.incident import write_incident
+from tp_supervise.dumps.analyze import EXIT_NOT_A_BUNDLE, EXIT_OK, main
+from tp_supervise.dumps.bundle import SUMMARY_JSON, BundleWriter
+from tp_supervise.dumps.capture import ENV_PYSPY
+from tp_supervise.dumps.incident import write_incident
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_dump_dir_hint_names_newest_bundle(bundle, capsys):
 
 
 def test_cli_process_exit_codes(bundle, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "dumps.analyze", str(bundle), "--json"], capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(bundle), "--json"], capture_output=True, text=True)
     assert ok.returncode == 0 and json.loads(ok.stdout)["reason"] == "hang"
-    bad = subprocess.run([sys.executable, "-m", "dumps.analyze", str(tmp_path)], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and "supervise analyze:" in bad.stderr

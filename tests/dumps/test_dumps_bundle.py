@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dumps.bundle import SUMMARY_JSON, SUMMARY_TXT, BundleWriter, bundle_name
+from tp_supervise.dumps.bundle import SUMMARY_JSON, SUMMARY_TXT, BundleWriter, bundle_name
 
 AT = datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
 SUMMARY = {
@@ -73,7 +73,7 @@ WRITER_SCRIPT = """
 import sys, json
 from datetime import datetime, timezone
 from pathlib import Path
-from dumps.bundle import BundleWriter
+from tp_supervise.dumps.bundle import BundleWriter
 w = BundleWriter(Path(sys.argv[1]), keep=100, max_bytes=0)
 at = datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
 for i in range(5):

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dumps.capture import ENV_PYSPY, RankTarget, capture_all, find_pyspy
-from supervisor.runtime import stack_file_path
+from tp_supervise.dumps.capture import ENV_PYSPY, RankTarget, capture_all, find_pyspy
+from tp_supervise.supervisor.rank.runtime import stack_file_path
 
 # Generous bounds: the machine is shared; timing goals live in bench/.
 PER_RANK_S = 5.0
@@ -163,7 +163,7 @@ def test_unknown_method_rejected(fake_ranks):
 
 @needs_pyspy
 def test_native_frames_do_not_change_the_signature(fake_ranks):
-    from dumps.stacks import stack_signature
+    from tp_supervise.dumps.stacks import stack_signature
 
     ranks = fake_ranks(1)
     ranks.start({0: "python"})

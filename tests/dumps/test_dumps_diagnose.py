@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from dumps import stacks as st
-from dumps.capture import Evidence, RankEvidence
-from dumps.diagnose import KLASSES, diagnose
-from dumps.flight import analyze
-from dumps.procinfo import ProcInfo
-from supervisor import heartbeat as hb
+from tp_supervise.dumps import stacks as st
+from tp_supervise.dumps.capture import Evidence, RankEvidence
+from tp_supervise.dumps.diagnose import KLASSES, diagnose
+from tp_supervise.dumps.flight import analyze
+from tp_supervise.dumps.procinfo import ProcInfo
+from tp_supervise.supervisor.rank import heartbeat as hb
 
 NOW = 1000.0
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"

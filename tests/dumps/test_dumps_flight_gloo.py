@@ -18,15 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from dumps import flight
-from dumps.bundle import SUMMARY_JSON, BundleWriter
-from dumps.capture import find_pyspy
-from dumps.incident import write_incident
+from tp_supervise.dumps import flight
+from tp_supervise.supervisor.rank import flight as rank_flight
+from tp_supervise.dumps.bundle import SUMMARY_JSON, BundleWriter
+from tp_supervise.dumps.capture import find_pyspy
+from tp_supervise.dumps.incident import write_incident
 
 pytestmark = pytest.mark.e2e
 
 GLOO_RANK = Path(__file__).with_name("gloo_rank.py")
-HOOK_DIR = Path(__file__).resolve().parents[2] / "supervisor" / "_hook"
+from tp_supervise.supervisor.launch import HOOK_DIR  # noqa: E402
 START_TIMEOUT_S = 90.0
 FR_WAIT_S = 20.0
 
@@ -48,11 +49,11 @@ def stale_socket(path: str) -> None:
 def test_flight_recorder_names_rank_missing_from_collective(fake_ranks, tmp_path):
     ranks = fake_ranks(2)
     port = free_port()
-    stale_socket(flight.socket_path(ranks.run_dir, 0))
+    stale_socket(rank_flight.socket_path(ranks.run_dir, 0))
     for r in range(2):
         env = ranks.env(r)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HOOK_DIR), env.get("PYTHONPATH", "")) if p)
-        env.update(flight.rank_env(ranks.run_dir, r, environ=env))
+        env.update(rank_flight.rank_env(ranks.run_dir, r, environ=env))
         ranks.procs[r] = subprocess.Popen(
             [sys.executable, str(GLOO_RANK), str(r), "2", str(port)],
             env=env,

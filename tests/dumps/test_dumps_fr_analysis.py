@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-from dumps import flight
-from dumps.fr_analysis import analyze
+from tp_supervise.dumps import flight
+from tp_supervise.supervisor.rank import flight as rank_flight
+from tp_supervise.dumps.fr_analysis import analyze
 
 
 def entry(seq, *, pg="0", op="gloo:all_reduce", sizes=((64, 256),), dtype="Float", retired=True, p2p=False):
@@ -115,24 +116,24 @@ def test_to_dict_is_json_ready():
 
 
 def test_rank_env_user_values_win(tmp_path):
-    env = flight.rank_env(tmp_path, 3, environ={})
-    assert env[flight.ENV_FR_BUFFER] == str(flight.DEFAULT_FR_BUFFER)
-    assert env[flight.ENV_WORKER_SOCKET] == flight.socket_path(tmp_path, 3)
-    assert env[flight.ENV_WORKER_SOCKET].endswith("slot-3.sock")
-    kept = flight.rank_env(tmp_path, 3, environ={flight.ENV_FR_BUFFER: "0"})
-    assert flight.ENV_FR_BUFFER not in kept and flight.ENV_WORKER_SOCKET in kept
+    env = rank_flight.rank_env(tmp_path, 3, environ={})
+    assert env[rank_flight.ENV_FR_BUFFER] == str(rank_flight.DEFAULT_FR_BUFFER)
+    assert env[rank_flight.ENV_WORKER_SOCKET] == rank_flight.socket_path(tmp_path, 3)
+    assert env[rank_flight.ENV_WORKER_SOCKET].endswith("slot-3.sock")
+    kept = rank_flight.rank_env(tmp_path, 3, environ={rank_flight.ENV_FR_BUFFER: "0"})
+    assert rank_flight.ENV_FR_BUFFER not in kept and rank_flight.ENV_WORKER_SOCKET in kept
 
 
 def test_socket_path_fits_unix_limit(tmp_path):
     deep = tmp_path / ("d" * 120)
-    path = flight.socket_path(deep, 7)
-    assert len(path.encode()) <= flight.UNIX_PATH_MAX
-    assert path == flight.socket_path(str(deep), 7)  # both sides agree
-    assert path != flight.socket_path(deep, 8)
+    path = rank_flight.socket_path(deep, 7)
+    assert len(path.encode()) <= rank_flight.UNIX_PATH_MAX
+    assert path == rank_flight.socket_path(str(deep), 7)  # both sides agree
+    assert path != rank_flight.socket_path(deep, 8)
 
 
 def test_collect_reports_missing_socket_and_dead_rank(tmp_path):
-    from dumps.capture import RankTarget
+    from tp_supervise.dumps.capture import RankTarget
 
     targets = [
         RankTarget(rank=0, slot=0, pid=os.getpid(), alive=True),
@@ -148,9 +149,9 @@ def test_collect_times_out_on_a_server_that_never_answers(tmp_path):
     import socket
     import time
 
-    from dumps.capture import RankTarget
+    from tp_supervise.dumps.capture import RankTarget
 
-    path = flight.socket_path(tmp_path, 0)
+    path = rank_flight.socket_path(tmp_path, 0)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from dumps.bundle import SUMMARY_JSON, BundleWriter
-from dumps.capture import ENV_PYSPY, find_pyspy
-from dumps.incident import write_incident
+from tp_supervise.dumps.bundle import SUMMARY_JSON, BundleWriter
+from tp_supervise.dumps.capture import ENV_PYSPY, find_pyspy
+from tp_supervise.dumps.incident import write_incident
 
 DEADLINE_S = 8.0  # generous; bench/bench_dumps.py measures the real figure
 needs_pyspy = pytest.mark.skipif(find_pyspy() is None, reason="py-spy not installed")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dumps import stacks as st
+from tp_supervise.dumps import stacks as st
 
 PYSPY = json.dumps(
     [

@@ -18,7 +18,7 @@ def test_drill_crash_kind_passes_and_reports_json(tmp_path):
     mark = "drill-" + os.urandom(4).hex()
     env = dict(os.environ, SUPERVISE_REGISTRY_DIR=str(tmp_path / "registry"), **{MARK_VAR: mark})
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "drill", "--kinds", "crash", "--dump-dir", str(tmp_path), "--json"],
+        [sys.executable, "-m", "tp_supervise.supervisor.cli", "drill", "--kinds", "crash", "--dump-dir", str(tmp_path), "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -30,7 +30,7 @@ def test_drill_crash_kind_passes_and_reports_json(tmp_path):
 
 def test_drill_rejects_unknown_kinds(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "drill", "--kinds", "meteor", "--dump-dir", str(tmp_path)],
+        [sys.executable, "-m", "tp_supervise.supervisor.cli", "drill", "--kinds", "meteor", "--dump-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 64 and "meteor" in done.stderr

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.inject import SLOW_STEP_DELAY_S as SLOW_STEP_S
-from supervisor.spec import free_port
+from tp_supervise.engine.inject import SLOW_STEP_DELAY_S as SLOW_STEP_S
+from tp_supervise.supervisor.spec import free_port
 from tests.live import http_get, metric_value, wait_for, wait_registry
 
 pytestmark = pytest.mark.e2e

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.spec import free_port
+from tp_supervise.supervisor.spec import free_port
 from tests.conftest import MARK_VAR, ROOT, marked_pids, wait_no_marked
 from tests.live import wait_for
 
@@ -48,7 +48,7 @@ class Served:
         self.mark = uuid.uuid4().hex
         self.port = free_port()
         env = {**os.environ, MARK_VAR: self.mark, "SUPERVISE_REGISTRY_DIR": str(tmp / "registry")}
-        argv = [sys.executable, "-m", "supervisor.cli", "serve", "--tp", "2", "--port", str(self.port),
+        argv = [sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tp", "2", "--port", str(self.port),
                 "--metrics-addr", "none", "--log-format", "json", "--dump-dir", str(tmp / "dumps"),
                 "--max-waiting", str(MAX_WAITING), "--read-timeout", str(READ_TIMEOUT_S),
                 "--engine-arg=--max-batch", f"--engine-arg={MAX_BATCH}"]

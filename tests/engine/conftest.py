@@ -1,6 +1,6 @@
 """Fixtures for the engine tier: launch real engine ranks, real checkpoints, a real heartbeat segment.
 
-``launch_engine(*engine_args, nproc=2, ...)`` starts N ``python -m engine``
+``launch_engine(*engine_args, nproc=2, ...)`` starts N ``python -m tp_supervise.engine``
 ranks with the torchrun environment on a free MASTER_PORT (``--port 0``: the
 frontend picks its own port, read from the ready line) and kills every
 rank's process group after the test; nothing may survive.
@@ -21,11 +21,11 @@ import pytest
 
 from tests.live import wait_for  # noqa: F401  (re-exported for the engine tests)
 
-from engine.launch import LaunchSpec, LocalEngine
+from tp_supervise.engine.launch import LaunchSpec, LocalEngine
 from tests.conftest import MARK_VAR, wait_no_marked
 
 ROOT = Path(__file__).resolve().parents[2]
-HOOK_DIR = ROOT / "supervisor" / "_hook"
+from tp_supervise.supervisor.launch import HOOK_DIR  # noqa: E402
 STACK_SIGNAL = signal.SIGUSR1
 HTTP_TIMEOUT_S = 60.0
 
@@ -74,7 +74,7 @@ def module_launcher(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ckpt_a(tmp_path_factory) -> Path:
     """Odd vocabulary (251) and a single KV head: both need the uneven paths at TP=2."""
-    from engine.checkpoint_gen import CheckpointSpec, write_random_checkpoint
+    from tp_supervise.engine.checkpoint_gen import CheckpointSpec, write_random_checkpoint
 
     spec = CheckpointSpec(vocab_size=251, num_key_value_heads=1, initializer_range=0.1, seed=1)
     return write_random_checkpoint(tmp_path_factory.mktemp("ckpt-a"), spec)
@@ -83,7 +83,7 @@ def ckpt_a(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def ckpt_b(tmp_path_factory) -> Path:
     """Tied embeddings, 2 KV heads, odd intermediate size, Llama-3 RoPE scaling."""
-    from engine.checkpoint_gen import CheckpointSpec, write_random_checkpoint
+    from tp_supervise.engine.checkpoint_gen import CheckpointSpec, write_random_checkpoint
 
     spec = CheckpointSpec(vocab_size=256, num_key_value_heads=2, intermediate_size=175, tie_word_embeddings=True,
                           rope_theta=500000.0, llama3_rope_factor=8.0, llama3_original_max_position=16,
@@ -94,7 +94,7 @@ def ckpt_b(tmp_path_factory) -> Path:
 # -- heartbeat segment (what the supervisor would give the ranks) --------------------
 class Heartbeat:
     def __init__(self, base: Path, nslots: int):
-        from supervisor.heartbeat import HeartbeatSegment
+        from tp_supervise.supervisor.rank.heartbeat import HeartbeatSegment
 
         self.run_dir = base / "run"
         self.run_dir.mkdir()
@@ -115,7 +115,7 @@ class Heartbeat:
 
     def stacks(self, slot: int, pid: int, timeout_s: float = 10.0) -> str:
         """All threads' Python stacks of a rank, via the faulthandler the rank-side runtime registered."""
-        from supervisor.runtime import stack_file_path
+        from tp_supervise.supervisor.rank.runtime import stack_file_path
 
         path = Path(stack_file_path(self.run_dir, slot, pid))
         before = path.stat().st_size if path.exists() else 0

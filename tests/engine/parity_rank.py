@@ -23,12 +23,12 @@ import sys
 
 import torch
 
-from engine.args import DistEnv
-from engine.comm import TPComm, destroy_groups, init_groups
-from engine.model import LlamaShard, Span
-from engine.model_config import ModelConfig
-from engine.sharding import plan_shards
-from engine.weights import load_weights
+from tp_supervise.engine.args import DistEnv
+from tp_supervise.engine.comm import TPComm, destroy_groups, init_groups
+from tp_supervise.engine.model import LlamaShard, Span
+from tp_supervise.engine.model_config import ModelConfig
+from tp_supervise.engine.sharding import plan_shards
+from tp_supervise.engine.weights import load_weights
 
 MAX_CONTEXT = 128
 MAX_SEQS = 8

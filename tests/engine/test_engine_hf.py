@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.launch import free_port
+from tp_supervise.engine.launch import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,7 @@ def hf_logits(model_dir: Path) -> list[torch.Tensor]:
 
 
 def ours_tp1(model_dir: Path) -> dict:
-    from engine.args import DistEnv
+    from tp_supervise.engine.args import DistEnv
     from tests.engine.parity_rank import build, compute
 
     return compute(build(str(model_dir), DistEnv()), PROMPTS)
@@ -91,9 +91,9 @@ def test_logits_match_hf_tp2(checkpoint, tp2_results):
 
 def test_loading_reads_only_the_shard(ckpt_a):
     """Each rank's tensors are its slice: vocabulary padded to 126 rows, one replicated KV head."""
-    from engine.model_config import ModelConfig
-    from engine.sharding import plan_shards
-    from engine.weights import load_weights
+    from tp_supervise.engine.model_config import ModelConfig
+    from tp_supervise.engine.sharding import plan_shards
+    from tp_supervise.engine.weights import load_weights
     from safetensors.torch import load_file
 
     cfg = ModelConfig.from_dir(ckpt_a)
@@ -114,8 +114,8 @@ def test_loading_reads_only_the_shard(ckpt_a):
 
 
 def test_sampling_rules():
-    from engine.sampling import make_generator, sample
-    from engine.scheduler import SamplingParams
+    from tp_supervise.engine.sampling import make_generator, sample
+    from tp_supervise.engine.scheduler import SamplingParams
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.2, 0.7]]))
     greedy = SamplingParams(temperature=0.0)
@@ -136,8 +136,8 @@ def test_sampling_rules():
 
 
 def test_sampling_is_safe_for_every_accepted_value():
-    from engine.sampling import make_generator, sample
-    from engine.scheduler import SAMPLE_FAILED, SamplingParams
+    from tp_supervise.engine.sampling import make_generator, sample
+    from tp_supervise.engine.scheduler import SAMPLE_FAILED, SamplingParams
 
     logits = torch.tensor([[3.0, 1.0, -2.0, float("-inf")]])  # -inf: vocabulary padding
     gen = make_generator(1, torch.device("cpu"))
@@ -150,7 +150,7 @@ def test_sampling_is_safe_for_every_accepted_value():
 
 
 def test_a_failed_sample_finishes_only_its_sequence():
-    from engine.scheduler import SAMPLE_FAILED, Request, SamplingParams, Scheduler, SchedulerConfig
+    from tp_supervise.engine.scheduler import SAMPLE_FAILED, Request, SamplingParams, Scheduler, SchedulerConfig
 
     sched = Scheduler(SchedulerConfig(max_batch=4, max_batch_tokens=64, max_context=32))
     sched.add(Request("a", (1, 2), SamplingParams(max_tokens=4)))

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from engine.bridge import EngineBridge, EngineError
-from engine.openai_api import ApiError, StopMatcher, check_context, parse_completion
-from engine.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig, SeqOutput
-from engine.tokenizer import ByteTokenizer, IncrementalDecoder
+from tp_supervise.engine.bridge import EngineBridge, EngineError
+from tp_supervise.engine.openai_api import ApiError, StopMatcher, check_context, parse_completion
+from tp_supervise.engine.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig, SeqOutput
+from tp_supervise.engine.tokenizer import ByteTokenizer, IncrementalDecoder
 
 EOS = 99
 

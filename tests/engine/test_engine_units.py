@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from engine.args import DistEnv, parse_args
-from engine.inject import KINDS, FaultInjector, Injection
-from engine.model_config import PRESETS, ModelConfig, ModelConfigError
-from engine.sharding import ShardingError, check_shardable, plan_shards, split_range
+from tp_supervise.engine.args import DistEnv, parse_args
+from tp_supervise.engine.inject import KINDS, FaultInjector, Injection
+from tp_supervise.engine.model_config import PRESETS, ModelConfig, ModelConfigError
+from tp_supervise.engine.sharding import ShardingError, check_shardable, plan_shards, split_range
 
 TINY = PRESETS["tiny"]
 
@@ -204,7 +204,7 @@ def test_injector_collective_skip_fires_once():
 
 
 def test_injector_crash_raises_at_its_step():
-    from engine.inject import InjectedFault
+    from tp_supervise.engine.inject import InjectedFault
 
     inj = FaultInjector((Injection("crash", 0, 2),), rank=0)
     inj.begin_step(True)

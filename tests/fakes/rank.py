@@ -28,7 +28,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from supervisor import runtime as sv  # noqa: E402
+from tp_supervise.supervisor.rank import runtime as sv  # noqa: E402
 
 
 def block_forever():

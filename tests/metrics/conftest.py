@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from supervisor import heartbeat as hb
-from supervisor.metrics import SupervisorMetrics
-from supervisor.state import EngineState
+from tp_supervise.supervisor.rank import heartbeat as hb
+from tp_supervise.supervisor.metrics import SupervisorMetrics
+from tp_supervise.supervisor.state import EngineState
 
 HTTP_TIMEOUT_S = 10.0
 

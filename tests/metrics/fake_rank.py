@@ -7,7 +7,7 @@ SUPERVISE_* environment of a supervised rank; exits when the test process
 
 import time
 
-from supervisor import runtime as sv
+from tp_supervise.supervisor.rank import runtime as sv
 
 STEP_S = 0.01
 

@@ -19,11 +19,11 @@ import pytest
 from tests.live import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor import heartbeat as hb
-from supervisor import runtime
-from supervisor.http import SERVE_THREAD_NAME, HealthCell, HealthServer, HealthStatus, is_loopback
-from supervisor.metrics import SupervisorMetrics
-from supervisor.state import EngineState
+from tp_supervise.supervisor.rank import heartbeat as hb
+from tp_supervise.supervisor.rank import runtime
+from tp_supervise.supervisor.http import SERVE_THREAD_NAME, HealthCell, HealthServer, HealthStatus, is_loopback
+from tp_supervise.supervisor.metrics import SupervisorMetrics
+from tp_supervise.supervisor.state import EngineState
 
 FAKE_RANK = Path(__file__).with_name("fake_rank.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor import exits
-from supervisor import heartbeat as hb
-from supervisor.metrics import (
+from tp_supervise.supervisor import exits
+from tp_supervise.supervisor.rank import heartbeat as hb
+from tp_supervise.supervisor.metrics import (
     DUMP_REASONS,
     DUMP_RESULTS,
     ENGINE_STATES,
@@ -20,7 +20,7 @@ from supervisor.metrics import (
     TEARDOWN_EXIT,
     SupervisorMetrics,
 )
-from supervisor.state import EngineState
+from tp_supervise.supervisor.state import EngineState
 
 
 def samples(m: SupervisorMetrics) -> dict[tuple[str, frozenset], float]:
@@ -181,7 +181,7 @@ def test_gpu_gauges_convert_percent_and_skip_refused_readings():
 
 
 def test_observe_gpus_reads_telemetry_samples():
-    from watchdogs.gpu import GpuSample
+    from tp_supervise.watchdogs.gpu import GpuSample
 
     m = SupervisorMetrics("run")
     m.observe_gpus(

@@ -23,10 +23,10 @@ import pytest
 
 from tests.live import wait_for
 
-from supervisor import heartbeat as hb
-from supervisor.http import HealthCell, HealthServer, HealthStatus
-from supervisor.metrics import SupervisorMetrics
-from supervisor.state import EngineState
+from tp_supervise.supervisor.rank import heartbeat as hb
+from tp_supervise.supervisor.http import HealthCell, HealthServer, HealthStatus
+from tp_supervise.supervisor.metrics import SupervisorMetrics
+from tp_supervise.supervisor.state import EngineState
 
 REPO = Path(__file__).resolve().parents[2]
 ALERTS = REPO / "docs" / "prometheus" / "alerts.yml"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from supervisor.http import HealthCell, HealthServer, HealthStatus
-from supervisor.state import EngineState
+from tp_supervise.supervisor.http import HealthCell, HealthServer, HealthStatus
+from tp_supervise.supervisor.state import EngineState
 
 REPO = Path(__file__).resolve().parents[2]
 PROM_DIR = REPO / "docs" / "prometheus"

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 import prometheus_client as pc
 import pytest
 
-from watchdogs.adapters import SGLANG, VLLM, ExternalProgress, PrometheusProgress, parse_progress
-from watchdogs.policy import VerdictKind, WatchdogConfig, WatchdogState, observe
+from tp_supervise.watchdogs.adapters import SGLANG, VLLM, ExternalProgress, PrometheusProgress, parse_progress
+from tp_supervise.watchdogs.policy import VerdictKind, WatchdogConfig, WatchdogState, observe
 
 SCRAPE_TIMEOUT = 0.5
 # Generous: a scrape is bounded by about twice its timeout; the machine is shared.

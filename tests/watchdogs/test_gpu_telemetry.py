@@ -11,7 +11,7 @@ import pytest
 import structlog
 from wdfakes import Driver, SteadyGroup
 
-from watchdogs.gpu import (
+from tp_supervise.watchdogs.gpu import (
     BUSY_UTILIZATION_PCT,
     GpuProcess,
     GpuSample,
@@ -19,7 +19,7 @@ from watchdogs.gpu import (
     gpus_busy_without_progress,
     holding_memory,
 )
-from watchdogs.policy import VerdictKind, WatchdogConfig
+from tp_supervise.watchdogs.policy import VerdictKind, WatchdogConfig
 
 
 def _nvml_present() -> bool:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from watchdogs import adaptive
-from watchdogs.adaptive import AdaptiveParams
+from tp_supervise.watchdogs import adaptive
+from tp_supervise.watchdogs.adaptive import AdaptiveParams
 
 P = AdaptiveParams()
 

@@ -11,9 +11,9 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from supervisor import heartbeat as hb
-from supervisor import runtime
-from watchdogs.policy import VerdictKind as K, WatchdogConfig, WatchdogState, observe
+from tp_supervise.supervisor.rank import heartbeat as hb
+from tp_supervise.supervisor.rank import runtime
+from tp_supervise.watchdogs.policy import VerdictKind as K, WatchdogConfig, WatchdogState, observe
 
 HERE = Path(__file__).resolve().parent
 RANK_SCRIPT = HERE / "wd_fake_rank.py"

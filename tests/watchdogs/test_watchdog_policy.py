@@ -8,9 +8,9 @@ import math
 import pytest
 from wdfakes import TICK, Driver, SteadyGroup, snap
 
-from watchdogs.adapters import ExternalProgress
-from watchdogs.adaptive import AdaptiveParams
-from watchdogs.policy import (
+from tp_supervise.watchdogs.adapters import ExternalProgress
+from tp_supervise.watchdogs.adaptive import AdaptiveParams
+from tp_supervise.watchdogs.policy import (
     RENDEZVOUS_PHASE,
     VerdictKind as K,
     WatchdogConfig,
@@ -370,7 +370,7 @@ def test_only_hard_given_soft_stays_adaptive_but_not_above_hard():
 
 
 def test_effective_thresholds_pass_explicit_values_through():
-    from watchdogs.adaptive import Thresholds
+    from tp_supervise.watchdogs.adaptive import Thresholds
 
     learned = Thresholds(soft=2.0, hard=4.0, learned=True, basis_s=0.3, window_max_s=0.5, samples=500)
     assert effective_thresholds(EXPLICIT, learned) == (3.0, 6.0, "explicit", "explicit")

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from supervisor import runtime as sv
+from tp_supervise.supervisor.rank import runtime as sv
 
 
 def exchange(send_fd: int, recv_fd: int) -> None:

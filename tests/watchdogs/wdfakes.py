@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
-from supervisor import heartbeat as hb
-from watchdogs.adapters import ExternalProgress
-from watchdogs.policy import Verdict, VerdictKind, WatchdogConfig, WatchdogState, observe
+from tp_supervise.supervisor.rank import heartbeat as hb
+from tp_supervise.watchdogs.adapters import ExternalProgress
+from tp_supervise.watchdogs.policy import Verdict, VerdictKind, WatchdogConfig, WatchdogState, observe
 
 TICK = 0.1
 BASE_PID = 1000

@@ -31,7 +31,7 @@ ENV_LOG_BYTES = "SUPERVISE_CONSENSUS_LOG_BYTES"
 ENV_INBAND = "SUPERVISE_CONSENSUS_INBAND"
 ENV_SLOT = "SUPERVISE_CONSENSUS_SLOT"
 ENV_DIR = "SUPERVISE_CONSENSUS_DIR"
-# Set by the supervisor for the runtime (supervisor/runtime.py); read here, not imported,
+# Set by the supervisor for the runtime (supervisor/rank/runtime.py); read here, not imported,
 # to keep this module free of supervisor imports.
 ENV_RUNTIME_SLOT = "SUPERVISE_SLOT"
 ENV_RUNTIME_SLOT_BASE = "SUPERVISE_SLOT_BASE"

@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 
-from supervisor import runtime
+from . import runtime
 
 COLLECTIVES = (
     "all_reduce",
@@ -110,7 +110,7 @@ def _wrap_init(fn):
         try:
             # Per-rank debug server (flight-recorder trace, tracebacks) that
             # answers while the main thread is blocked inside a collective.
-            from dumps import flight
+            from . import flight
 
             flight.serve_in_rank()
         except Exception as exc:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from consensus.encoding import DIGEST_SIZE
+from .encoding import DIGEST_SIZE
 
 _WORDS = struct.Struct(f"<{DIGEST_SIZE // 4}I")  # digest as u32 words: no overflow when negated in int64
 

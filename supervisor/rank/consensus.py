@@ -3,14 +3,14 @@
 The engine calls two functions, on every rank, from the thread that runs
 steps::
 
-    from consensus import rank as consensus
+    from tp_supervise.supervisor.rank import consensus
     consensus.record("sample", {"seq": ids, "tokens": tokens})   # any number per step
     consensus.end_step(step_index)                                # once per engine step
 
 Events recorded since the previous ``end_step`` belong to step
 ``step_index``.  ``record`` encodes the event canonically
-(consensus/encoding.py), folds it into the step's running digest and stores it
-in this rank's digest ring (consensus/ring.py) at once, so the supervisor can
+(supervisor/rank/encoding.py), folds it into the step's running digest and stores it
+in this rank's digest ring (supervisor/rank/ring.py) at once, so the supervisor can
 read the events of a step that never ends (a hang or an abort one collective
 later).  ``end_step`` publishes step, digest and event count.  Both are a few
 memory copies into a shared mapping: no system call, no lock, no collective,
@@ -20,7 +20,7 @@ which is what the supervisor diffs when digests differ.
 Both functions are no-ops (one global load and a compare) when the process is
 not supervised or ``SUPERVISE_CONSENSUS`` is off.  With
 ``SUPERVISE_CONSENSUS_INBAND=N`` the rank also compares its digest with its
-peers every N steps through a gloo group (consensus/inband.py): that mode adds
+peers every N steps through a gloo group (supervisor/rank/inband.py): that mode adds
 collectives and exists only so the benchmark can compare both designs.
 
 ``@rank_consensus`` records a function's result and chosen arguments::
@@ -39,9 +39,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from consensus import encoding
-from consensus.channel import RankConsensusSpec
-from consensus.ring import RingWriter
+from . import encoding
+from .channel import RankConsensusSpec
+from .ring import RingWriter
 
 # A step's stored log may use at most this share of the ring's log area, so
 # one huge step cannot evict every earlier step's log (the digest still
@@ -50,9 +50,9 @@ STEP_LOG_SHARE = 4
 
 
 def _warn(event: str, **fields: Any) -> None:
-    import structlog  # only on the rare paths: keeps the import of this module light
-
-    structlog.get_logger().warning(event, **fields)
+    """One line on stderr (a guest in the rank: no logging library of ours)."""
+    detail = " ".join(f"{k}={v!r}" for k, v in fields.items())
+    print(f"supervise: consensus: {event} {detail}".rstrip(), file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class Recorder:
 
     # -- in-band comparison (benchmark mode) ---------------------------------
     def attach_inband(self, group: Any) -> None:
-        from consensus.inband import InbandChecker
+        from .inband import InbandChecker
 
         self._inband = InbandChecker(group, self.spec.inband_every)
 
@@ -142,7 +142,7 @@ class Recorder:
             if dist is None or not dist.is_initialized():
                 return
             try:
-                from consensus.inband import InbandChecker, world_cpu_group
+                from .inband import InbandChecker, world_cpu_group
 
                 self._inband = InbandChecker(world_cpu_group(), self.spec.inband_every)
             except Exception as exc:  # never break the engine for a benchmark mode

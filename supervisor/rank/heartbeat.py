@@ -1,6 +1,6 @@
 """Heartbeat channel: one shared-memory segment per run, one slot per rank.
 
-Each slot has exactly one writer (its rank, through ``supervisor.runtime``)
+Each slot has exactly one writer (its rank, through ``supervisor.rank.runtime``)
 and one reader (the supervisor).  The supervisor never writes a claimed slot,
 so reading never waits on a rank, hung, stopped or dead.
 
@@ -275,7 +275,7 @@ class SlotWriter:
 
     Not thread safe by design: a rank updates its slot from the thread that
     runs steps and collectives.  Calls from other threads must be serialised
-    by the caller (``supervisor.runtime`` holds a lock only on the rare paths).
+    by the caller (``supervisor.rank.runtime`` holds a lock only on the rare paths).
     """
 
     def __init__(self, path: str | os.PathLike, slot: int):

@@ -2,7 +2,7 @@
 
 Public API (all calls are no-ops when the process is not supervised)::
 
-    from supervisor import runtime as sv
+    from tp_supervise.supervisor.rank import runtime as sv
 
     sv.starting()                   # first thing: "I will report ready"
     sv.ready()                      # model loaded, serving
@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-from supervisor import heartbeat as hb
+from . import heartbeat as hb
 
 _monotonic = time.monotonic
 
