@@ -6,7 +6,9 @@ Runs ``supervise serve --nproc-per-node 2 -- python bench/hook_rank.py`` with
 the hook and with ``--no-hook``, alternating, ``--rounds`` times each.  Each
 rank reports the seconds from its exec to ``init_process_group`` returning
 (its start time read from /proc, 10 ms resolution), its resident memory after
-one all_reduce, and which supervisor-side libraries it loaded.  The figures
+one all_reduce, and which supervisor-side libraries it loaded (torch.cuda
+itself imports pynvml whenever it is installed, hook or not: the no-hook
+column shows what is torch's doing).  The figures
 are medians over every rank of every round; the hook's cost is the
 difference of the medians, in the same run.
 """
@@ -74,8 +76,8 @@ def render(s: dict, label: str) -> str:
     return (f"{label}: exec to init_process_group {s['hook']['init_s'] * 1000:.0f} ms with the hook vs "
             f"{s['no_hook']['init_s'] * 1000:.0f} ms without (+{s['extra_init_ms']:.0f} ms), resident memory "
             f"{s['hook']['rss_mib']:.1f} vs {s['no_hook']['rss_mib']:.1f} MiB (+{s['extra_rss_mib']:.1f} MiB); "
-            f"supervisor libraries loaded in a hooked rank: {', '.join(s['hook']['loaded']) or 'none'} "
-            f"({s['hook']['samples']} ranks each)")
+            f"libraries of the supervisor's set loaded in a hooked rank: {', '.join(s['hook']['loaded']) or 'none'}, "
+            f"without the hook: {', '.join(s['no_hook']['loaded']) or 'none'} ({s['hook']['samples']} ranks each)")
 
 
 def main() -> int:
