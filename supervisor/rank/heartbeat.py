@@ -35,12 +35,10 @@ Layout (version 1, little endian)::
     240  local_slot     i32  (echo of the slot index, sanity check)
     244  reserved       12 bytes
 
-Ordering rules (single writer, seqlock):
-  1. writer stores ``seq + 1`` (odd), then the fields, then ``seq + 2`` (even);
-  2. reader loads ``seq``; if odd, retries; copies the slot; loads ``seq``
-     again and retries when it changed.  The reader gives up after a bounded
-     number of tries and reports the slot as ``torn`` rather than spinning
-     on a rank that was stopped in the middle of an update.
+Each slot is guarded by the seqlock at its offset 0 (``seqlock.py``: the
+protocol and its memory-ordering assumption); a read that stays torn after
+the bounded retries is reported with ``torn=True`` rather than spinning on a
+rank that was stopped in the middle of an update.
 
 Timestamps are ``time.monotonic()`` (CLOCK_MONOTONIC is system wide on Linux,
 so rank and supervisor clocks agree).
@@ -54,13 +52,14 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from .seqlock import SeqWriter, read_consistent
+
 MAGIC = b"TPSV"
 VERSION = 1
 HEADER_SIZE = 64
 SLOT_SIZE = 256
 
 _HEADER = struct.Struct("<4sIIIId36s")
-_SEQ = struct.Struct("<Q")
 _SLOT = struct.Struct("<QiiIiQQddddd32s32s96si12x")
 assert _HEADER.size <= HEADER_SIZE
 assert _SLOT.size == SLOT_SIZE
@@ -89,7 +88,6 @@ IN_COLLECTIVE = 1 << 3
 FINISHED = 1 << 4
 INSTRUMENTED = 1 << 5  # the rank reports steps itself (not only collectives)
 
-READ_RETRIES = 64
 
 
 class HeartbeatLayoutError(RuntimeError):
@@ -202,19 +200,11 @@ class HeartbeatSegment:
 
     def read(self, slot: int) -> SlotSnapshot:
         base = HEADER_SIZE + slot * SLOT_SIZE
-        last = None
-        for _ in range(READ_RETRIES):
-            (seq1,) = _SEQ.unpack_from(self._map, base)
-            if seq1 & 1:
-                continue
-            raw = bytes(self._map[base : base + SLOT_SIZE])
-            (seq2,) = _SEQ.unpack_from(self._map, base)
-            last = raw
-            if seq1 == seq2:
-                return _decode(slot, raw, torn=False)
-        if last is None:
-            last = bytes(self._map[base : base + SLOT_SIZE])
-        return _decode(slot, last, torn=True)
+        mm = self._map
+        raw, ok = read_consistent(mm, base, lambda: mm[base : base + SLOT_SIZE])
+        if raw is None:
+            raw = mm[base : base + SLOT_SIZE]
+        return _decode(slot, raw, torn=not ok)
 
     def read_all(self) -> list[SlotSnapshot]:
         return [self.read(i) for i in range(self.nslots)]
@@ -293,9 +283,8 @@ class SlotWriter:
         self.slot = slot
         self.nslots = nslots
         self._base = HEADER_SIZE + slot * SLOT_SIZE
-        (self._seq,) = _SEQ.unpack_from(self._map, self._base)
-        if self._seq & 1:
-            self._seq += 1
+        lock = SeqWriter(self._map, self._base)
+        self._open, self._close = lock.begin, lock.end
         self.flags = 0
         self.stack_signal = 0
         self.step = 0
@@ -304,15 +293,6 @@ class SlotWriter:
         self.ts_coll_begin = 0.0
         self.last_step_s = 0.0
         self._coll_text = ("", "")
-
-    # -- seqlock ------------------------------------------------------------
-    def _open(self) -> None:
-        self._seq += 1
-        _SEQ.pack_into(self._map, self._base, self._seq)
-
-    def _close(self) -> None:
-        self._seq += 1
-        _SEQ.pack_into(self._map, self._base, self._seq)
 
     def _pack_hot(self, now: float) -> None:
         _HOT.pack_into(

@@ -58,8 +58,8 @@ Ordering rules (one writer):
 A reader copies state and entries under their seqlocks (``index`` must match
 too); it copies log bytes and then re-reads ``log_head``: the copy is intact
 iff ``log_head <= pos + log_bytes`` (none of its bytes was reserved again).
-These rules rely on stores becoming visible in program order (x86-TSO), as
-the heartbeat segment does.
+The seqlocks are ``seqlock.py``'s, with its memory-ordering assumption
+(stores visible in program order: x86-TSO), as in the heartbeat segment.
 """
 
 from __future__ import annotations
@@ -71,12 +71,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .seqlock import SeqWriter, read_consistent
+
 MAGIC = b"TPCR"
 VERSION = 1
 HEADER_SIZE = 128
 ENTRY_SIZE = 80
 TRUNCATED = 1 << 0
-READ_RETRIES = 64
 NO_STEP = -1
 
 _IDENT = struct.Struct("<4sIIIIiiid")  # magic .. created, at 0
@@ -85,6 +86,7 @@ _STATE = struct.Struct("<QqQIIq")  # head, last_step, open_pos, open_len, open_c
 _OPEN = struct.Struct("<II")  # open_len, open_count
 _OPEN_STEP = struct.Struct("<q")
 _ENTRY = struct.Struct("<QQQ16sIIQI4xd8x")
+_ENTRY_BODY = struct.Struct("<QQ16sIIQI4xd8x")  # the entry after its seqlock counter
 OFF_LOG_HEAD = 40
 OFF_STATE_SEQ = 48
 OFF_STATE = 56
@@ -92,7 +94,7 @@ OFF_OPEN = 80
 OFF_OPEN_STEP = 88
 assert _IDENT.size == OFF_LOG_HEAD
 assert OFF_STATE + _STATE.size <= HEADER_SIZE
-assert _ENTRY.size == ENTRY_SIZE
+assert _ENTRY.size == ENTRY_SIZE == _U64.size + _ENTRY_BODY.size
 
 
 class RingLayoutError(RuntimeError):
@@ -161,20 +163,13 @@ class RingWriter:
         )
         _STATE.pack_into(self._map, OFF_STATE, 0, NO_STEP, 0, 0, 0, NO_STEP)
         os.replace(tmp, self.path)
-        self._state_seq = 0
+        state = SeqWriter(self._map, OFF_STATE_SEQ)
+        self._state_open, self._state_close = state.begin, state.end
         self.head = 0
         self.log_head = 0
         self.open_pos = 0
         self.open_len = 0
         self.open_count = 0
-
-    def _state_open(self) -> None:
-        self._state_seq += 1
-        _U64.pack_into(self._map, OFF_STATE_SEQ, self._state_seq)
-
-    def _state_close(self) -> None:
-        self._state_seq += 1
-        _U64.pack_into(self._map, OFF_STATE_SEQ, self._state_seq)
 
     def append(self, data: bytes) -> None:
         """Store one event of the open step (``data`` must fit the log area)."""
@@ -215,12 +210,12 @@ class RingWriter:
         mm = self._map
         n = self.head
         off = HEADER_SIZE + (n % self.depth) * ENTRY_SIZE
-        (seq,) = _U64.unpack_from(mm, off)
-        seq |= 1
-        _U64.pack_into(mm, off, seq)
+        entry = SeqWriter(mm, off)
+        entry.begin()
         flags = TRUNCATED if truncated else 0
-        _ENTRY.pack_into(mm, off, seq, n, step, digest, self.open_count, flags, self.open_pos, self.open_len, now)
-        _U64.pack_into(mm, off, seq + 1)
+        _ENTRY_BODY.pack_into(mm, off + _U64.size, n, step, digest, self.open_count, flags, self.open_pos,
+                              self.open_len, now)
+        entry.end()
         self.head = n + 1
         self.open_pos = self.log_head
         self.open_len = 0
@@ -269,15 +264,8 @@ class RingReader:
     def read_state(self) -> RingState | None:
         """Published count and the open step, consistently; None if it stayed torn."""
         mm = self._map
-        for _ in range(READ_RETRIES):
-            (seq1,) = _U64.unpack_from(mm, OFF_STATE_SEQ)
-            if seq1 & 1:
-                continue
-            fields = _STATE.unpack_from(mm, OFF_STATE)
-            (seq2,) = _U64.unpack_from(mm, OFF_STATE_SEQ)
-            if seq1 == seq2:
-                return RingState(*fields)
-        return None
+        fields, ok = read_consistent(mm, OFF_STATE_SEQ, lambda: _STATE.unpack_from(mm, OFF_STATE))
+        return RingState(*fields) if ok else None
 
     def lapped(self, index: int) -> bool:
         """True when entry ``index`` was overwritten by a newer one (lost for good)."""
@@ -295,19 +283,13 @@ class RingReader:
             return None
         off = HEADER_SIZE + (index % depth) * ENTRY_SIZE
         mm = self._map
-        for _ in range(READ_RETRIES):
-            (seq1,) = _U64.unpack_from(mm, off)
-            if seq1 & 1:
-                continue
-            raw = mm[off : off + ENTRY_SIZE]
-            (seq2,) = _U64.unpack_from(mm, off)
-            if seq1 != seq2:
-                continue
-            _seq, idx, step, dig, count, flags, pos, size, ts = _ENTRY.unpack(raw)
-            if idx != index:
-                return None
-            return RingEntry(idx, step, dig, count, bool(flags & TRUNCATED), pos, size, ts)
-        return None
+        fields, ok = read_consistent(mm, off, lambda: _ENTRY.unpack_from(mm, off))
+        if not ok:
+            return None
+        _seq, idx, step, dig, count, flags, pos, size, ts = fields
+        if idx != index:
+            return None
+        return RingEntry(idx, step, dig, count, bool(flags & TRUNCATED), pos, size, ts)
 
     def read_range(self, pos: int, size: int) -> bytes | None:
         """Log bytes ``[pos, pos + size)``, or None when they were overwritten since."""
