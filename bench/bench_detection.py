@@ -45,7 +45,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tp_supervise.supervisor.spec import free_port
+from tp_supervise.supervisor.rank.net import free_port
 from tp_supervise.watchdogs.adaptive import AdaptiveParams
 from bench._docs import replace_section
 from tp_supervise.supervisor.drill import wait_engine_health

@@ -105,7 +105,7 @@ def hf_worker(model_dir: str, out: str, new_tokens: int, seed: int, shape: Model
 
 
 def run_hf(model_dir: Path, work: Path, new_tokens: int, seed: int) -> dict:
-    from tp_supervise.engine.launch import free_port
+    from tp_supervise.supervisor.rank.net import free_port
 
     out = work / "hf.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP), "--master-port",

@@ -16,7 +16,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,18 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from tp_supervise.supervisor.rank.net import free_port
+
 from .app import READY_PREFIX
 
 READY_POLL_S = 0.05
 DEFAULT_READY_TIMEOUT_S = 120.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 _URL = re.compile(re.escape(READY_PREFIX) + r"(http://\S+)")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EngineStartError(RuntimeError):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import ipaddress
 import json
 import logging
 import random
@@ -30,6 +29,8 @@ from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
+
+from tp_supervise.supervisor.rank.net import is_loopback
 
 from .bridge import EngineBridge, EngineError
 from .openai_api import (
@@ -66,16 +67,6 @@ class ServingLimits:
 
 def _error(exc: ApiError, headers: dict | None = None) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=headers)
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class _OneLineLog(logging.LoggerAdapter):

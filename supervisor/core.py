@@ -34,7 +34,8 @@ from .rank.heartbeat import HeartbeatSegment
 from .incidents import IncidentDesk
 from .launch import RankHandle, RankSpec, RunContext
 from .monitor import ExitMonitor, ProcessExited
-from .spec import LaunchSpec, free_port
+from .rank.net import free_port
+from .spec import LaunchSpec
 from .state import EngineState, Event, next_state
 from .teardown import KillPolicy, TeardownResult, teardown
 from .watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict

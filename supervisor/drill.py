@@ -26,7 +26,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .spec import INJECT_KINDS, free_port
+from .rank.net import free_port
+from .spec import INJECT_KINDS
 
 FAULT_RANK = 1
 FAULT_STEP = 20

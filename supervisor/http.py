@@ -22,7 +22,6 @@ docs/metrics.md for what exposing it reveals).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import socket
 import socketserver
@@ -38,6 +37,7 @@ import structlog
 
 from . import state as engine_state
 from .metrics import SupervisorMetrics
+from .rank.net import is_loopback
 
 log = structlog.get_logger()
 
@@ -88,16 +88,6 @@ class HealthCell:
 
     def __call__(self) -> HealthStatus:
         return self._status
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class _Server(ThreadingHTTPServer):

@@ -374,8 +374,3 @@ def _check_port_free(host: str, port: int, flag: str) -> None:
                 ) from None
             raise UsageError(f"{flag}: cannot bind {host}:{port} ({exc.strerror or exc})") from None
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -28,14 +28,9 @@ pytestmark = pytest.mark.e2e
 
 GLOO_RANK = Path(__file__).with_name("gloo_rank.py")
 from tp_supervise.supervisor.launch import HOOK_DIR  # noqa: E402
+from tp_supervise.supervisor.rank.net import free_port
 START_TIMEOUT_S = 90.0
 FR_WAIT_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stale_socket(path: str) -> None:

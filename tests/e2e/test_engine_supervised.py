@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tp_supervise.engine.inject import SLOW_STEP_DELAY_S as SLOW_STEP_S
-from tp_supervise.supervisor.spec import free_port
+from tp_supervise.supervisor.rank.net import free_port
 from tests.live import http_get, metric_value, wait_for, wait_registry
 
 pytestmark = pytest.mark.e2e

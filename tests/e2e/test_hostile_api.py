@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tp_supervise.supervisor.spec import free_port
+from tp_supervise.supervisor.rank.net import free_port
 from tests.conftest import MARK_VAR, ROOT, marked_pids, wait_no_marked
 from tests.live import wait_for
 

@@ -68,7 +68,7 @@ def test_torchrun_transformers_tp_generate(supervise, tiny_llama):
 
 
 def test_engine_counters_detect_a_hang_without_python_collectives(supervise):
-    from tp_supervise.supervisor.spec import free_port
+    from tp_supervise.supervisor.rank.net import free_port
 
     port = free_port()
     run = supervise(
@@ -85,7 +85,7 @@ def test_engine_counters_detect_a_hang_without_python_collectives(supervise):
 
 
 def test_engine_counters_progressing_is_not_a_hang(supervise):
-    from tp_supervise.supervisor.spec import free_port
+    from tp_supervise.supervisor.rank.net import free_port
 
     port = free_port()
     run = supervise(

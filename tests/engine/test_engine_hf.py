@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tp_supervise.engine.launch import free_port
+from tp_supervise.supervisor.rank.net import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tp_supervise.supervisor.rank import heartbeat as hb
 from tp_supervise.supervisor.rank import runtime
-from tp_supervise.supervisor.http import SERVE_THREAD_NAME, HealthCell, HealthServer, HealthStatus, is_loopback
+from tp_supervise.supervisor.http import SERVE_THREAD_NAME, HealthCell, HealthServer, HealthStatus
+from tp_supervise.supervisor.rank.net import is_loopback
 from tp_supervise.supervisor.metrics import SupervisorMetrics
 from tp_supervise.supervisor.state import EngineState
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -27,6 +26,7 @@ from tp_supervise.supervisor.rank import heartbeat as hb
 from tp_supervise.supervisor.http import HealthCell, HealthServer, HealthStatus
 from tp_supervise.supervisor.metrics import SupervisorMetrics
 from tp_supervise.supervisor.state import EngineState
+from tp_supervise.supervisor.rank.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ALERTS = REPO / "docs" / "prometheus" / "alerts.yml"
@@ -65,12 +65,6 @@ class Stack:
 
     def query(self, expr: str) -> list[dict]:
         return self.api("/api/v1/query", query=expr)["result"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(path: Path, hang_port: int, down_port: int) -> None:
