@@ -81,10 +81,6 @@ def read_stacks(bundle: Path) -> dict[int, str]:
     return stacks_from_files(files)
 
 
-def is_bundle(path: Path) -> bool:
-    return Path(path, SUMMARY_JSON).is_file()
-
-
 @dataclass(frozen=True)
 class _Existing:
     path: Path

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import threading
 import time
@@ -137,20 +136,12 @@ def collect_detailed(targets: Sequence, run_dir: Path, timeout_s: float) -> tupl
         return dict(traces), dict(errors)
 
 
-def collect(targets: Sequence, run_dir: Path, timeout_s: float) -> dict[int, dict]:
-    """Per-rank flight-recorder trace; ranks without one are absent."""
-    return collect_detailed(targets, run_dir, timeout_s)[0]
-
-
 __all__ = [
     "FrEntry",
     "FrFindings",
     "Mismatch",
     "MissingCollective",
     "analyze",
-    "collect",
     "collect_detailed",
-    "rank_env",
-    "serve_in_rank",
     "socket_path",
 ]
