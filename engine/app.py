@@ -21,10 +21,10 @@ import signal
 import sys
 import threading
 
-import structlog
-
 from . import instrument
 from .args import DistEnv, EngineConfig
+from .log import configure as configure_logging
+from .log import get_logger
 from .model_config import ModelConfig
 
 READY_PREFIX = "engine ready: "
@@ -35,20 +35,7 @@ STARTUP_FAILED_EXIT_CODE = 1
 DEVICE_EXIT_CODE = 2
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-log = structlog.get_logger()
-
-
-def configure_logging(rank: int) -> None:
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.dev.ConsoleRenderer(colors=False),
-        ],
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
-    structlog.contextvars.bind_contextvars(rank=rank)
+log = get_logger()
 
 
 def _cpu_count() -> int:

@@ -21,12 +21,11 @@ sends every ``REPLICATED_IDLE_TICK_S``); none of them spins.
 
 from __future__ import annotations
 
-import structlog
-
 from . import instrument
 from .bridge import ControlMessage, EngineBridge
 from .comm import TPComm
 from .inject import FaultInjector
+from .log import get_logger
 from .planes import PlanPublisher, PlanSubscriber, RequestExchange, Shutdown
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepPlan
@@ -35,7 +34,7 @@ IDLE_WAIT_S = 0.5  # how long an idle rank 0 / worker blocks before looking agai
 REPLICATED_IDLE_TICK_S = 0.25  # idle period between request broadcasts (replicated plane)
 SHUTDOWN_MESSAGE = "engine is shutting down"
 
-log = structlog.get_logger()
+log = get_logger()
 
 
 def _diverged(plan: StepPlan, injector: FaultInjector) -> StepPlan:

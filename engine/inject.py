@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-import structlog
+from .log import get_logger
 
 KINDS = (
     "hang_collective",
@@ -48,7 +48,7 @@ PROCESS_KINDS = ("hang_scheduler", "stop", "crash", "exit", "segfault", "abort")
 SLOW_STEP_DELAY_S = 0.2
 INJECTED_EXIT_CODE = 1
 
-log = structlog.get_logger()
+log = get_logger()
 
 
 class InjectedFault(RuntimeError):

@@ -8,16 +8,16 @@ sampling parameters and generator) and frees it when a plan releases it.
 
 from __future__ import annotations
 
-import structlog
 import torch
 
 from . import instrument
 from .inject import FaultInjector
+from .log import get_logger
 from .model import LlamaShard, SeqKV, Span
 from .sampling import make_generator, sample
 from .scheduler import SamplingParams, StepPlan
 
-log = structlog.get_logger()
+log = get_logger()
 
 
 class PlanMismatch(RuntimeError):

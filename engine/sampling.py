@@ -16,14 +16,14 @@ way and the request is answered with an error while the engine keeps serving.
 
 from __future__ import annotations
 
-import structlog
 import torch
 
+from .log import get_logger
 from .scheduler import SAMPLE_FAILED, SamplingParams
 
 SEED_MASK = (1 << 64) - 1
 
-log = structlog.get_logger()
+log = get_logger()
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

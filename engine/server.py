@@ -27,12 +27,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import structlog
 from aiohttp import web
 
 from tp_supervise.supervisor.rank.net import is_loopback
 
 from .bridge import EngineBridge, EngineError
+from .log import get_logger
 from .openai_api import (
     ApiError,
     CompletionSpec,
@@ -55,7 +55,7 @@ RETRY_AFTER_S = 1
 LINGER_S = 1.0  # after answering early (408, 413), read and drop the unread body this long, then close
 UTF8_CODECS = frozenset({"utf-8", "ascii"})  # codecs.lookup names JSON bodies may declare (RFC 8259: UTF-8)
 
-log = structlog.get_logger()
+log = get_logger()
 
 
 @dataclass(frozen=True)
