@@ -23,6 +23,10 @@ for a SIGSTOPped rank, which plain py-spy cannot attach to, and as a retry
 after a timeout), then the signal fallback.  A stopped rank cannot run its
 signal handler, so the fallback says so instead of waiting.  Nothing here
 raises for one rank: every failure becomes that rank's ``error`` text.
+
+What comes back (``Evidence`` of ``RankEvidence``) is plain data defined in
+``dumps.evidence``, so ``dumps.diagnose`` judges it without importing this
+module's subprocess, signal and thread machinery.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from . import stacks as st
-from .procinfo import CpuSamples, ProcInfo, cpu_delta, read_proc
+from .evidence import CpuSamples, Evidence, ProcInfo, RankEvidence
+from .procinfo import cpu_delta, read_proc
 from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
 from tp_supervise.supervisor.rank.runtime import stack_file_path
 
@@ -74,54 +79,6 @@ class RankTarget:
     alive: bool
     exit: dict | None = None  # {"code", "signal", "core_dumped", "description"}
     heartbeat: SlotSnapshot | None = None
-
-
-@dataclass(frozen=True)
-class RankEvidence:
-    """Everything captured about one rank; pure data for ``diagnose``."""
-
-    rank: int
-    slot: int
-    pid: int | None
-    alive: bool
-    exit: dict | None
-    heartbeat: SlotSnapshot | None
-    proc: ProcInfo | None = None
-    cpu_used_s: float | None = None
-    cpu_window_s: float | None = None
-    prev_progress: tuple[int, int] | None = None  # (step, coll_seq) at the previous sample
-    threads: tuple[st.ThreadStack, ...] = ()
-    stack_text: str = ""  # readable rendering of ``threads``
-    method: str = "none"  # how the stacks were obtained
-    error: str | None = None  # why there are no (or partial) stacks
-    attempts: tuple[str, ...] = ()
-    capture_s: float = 0.0
-
-    @property
-    def has_stacks(self) -> bool:
-        return bool(self.threads)
-
-    @property
-    def state(self) -> str | None:
-        return self.proc.state if self.proc is not None else None
-
-    @property
-    def cpu_fraction(self) -> float | None:
-        if self.cpu_used_s is None or not self.cpu_window_s:
-            return None
-        return self.cpu_used_s / self.cpu_window_s
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """One capture pass over all ranks."""
-
-    ranks: Mapping[int, RankEvidence]
-    started_at: float  # time.monotonic()
-    duration_s: float
-    method: str
-    pyspy: str | None
-    samples: CpuSamples = field(default_factory=lambda: CpuSamples(at=0.0))
 
 
 def find_pyspy(environ: Mapping[str, str] | None = None) -> str | None:

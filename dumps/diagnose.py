@@ -22,6 +22,10 @@ or zero-code ranks), the flight recorder's in-flight entry, and the stack
 (a torch.distributed collective frame).  Stack grouping follows ByteRobust:
 ranks with the same normalised signature form a group; when one group is a
 strict majority the others are suspects.
+
+Pure: the inputs are plain data (``dumps.evidence``, ``dumps.stacks``,
+``dumps.fr_analysis``, heartbeat snapshots) and this module imports none of
+the capture side (py-spy, ``/proc``, signals, sockets).
 """
 
 from __future__ import annotations
@@ -30,10 +34,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from . import stacks as st
-from .capture import Evidence, RankEvidence
+from .evidence import STATE_NAMES, Evidence, RankEvidence
 from .fr_analysis import FrFindings
-from .procinfo import STATE_NAMES
-from tp_supervise.supervisor.rank.autohook import COLLECTIVES
+from tp_supervise.supervisor.rank.collectives import COLLECTIVES
 from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
 
 KLASSES = (

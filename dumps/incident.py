@@ -22,10 +22,10 @@ import structlog
 
 from . import flight
 from .bundle import BundleWriter, fr_file, iso_utc, stack_file
-from .capture import Evidence, RankEvidence, RankTarget, capture_all
+from .capture import RankTarget, capture_all
 from .diagnose import Diagnosis, diagnose
+from .evidence import STATE_NAMES, CpuSamples, Evidence, RankEvidence
 from .fr_analysis import FrFindings
-from .procinfo import STATE_NAMES, CpuSamples
 
 log = structlog.get_logger()
 

@@ -7,70 +7,22 @@ real ``T`` (SIGSTOP) or ``D`` (uninterruptible I/O).
 CPU time is the sum of every thread's on-CPU nanoseconds
 (``/proc/<pid>/task/*/schedstat``), falling back to ``utime + stime`` of
 ``/proc/<pid>/stat`` (clock ticks) where schedstat is absent or zero.
+
+The values read here (``ProcInfo``, ``CpuSamples``) and the state letters'
+names (``STATE_NAMES``) are plain data in ``dumps.evidence``, which the pure
+diagnosis reads without importing this reader.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+
+from .evidence import CpuSamples, ProcInfo
 
 NS_PER_S = 1e9
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # Fields of /proc/<pid>/stat after the ")" that ends comm (0-based): state, utime, stime, num_threads.
 _STAT_STATE, _STAT_UTIME, _STAT_STIME, _STAT_THREADS = 0, 11, 12, 17
-
-STATE_NAMES = {
-    "R": "running",
-    "S": "sleeping",
-    "D": "uninterruptible I/O",
-    "T": "stopped",
-    "t": "tracing stop",
-    "Z": "zombie",
-    "X": "dead",
-    "I": "idle",
-}
-
-
-@dataclass(frozen=True)
-class ProcInfo:
-    """One read of a process; ``state`` is the leader thread's letter."""
-
-    pid: int
-    state: str
-    wchan: str
-    cpu_s: float
-    num_threads: int
-    thread_states: Mapping[str, int] = field(default_factory=dict)
-
-    @property
-    def stopped(self) -> bool:
-        return self.state == "T"
-
-    def to_dict(self) -> dict:
-        return {
-            "pid": self.pid,
-            "state": self.state,
-            "state_name": STATE_NAMES.get(self.state, "unknown"),
-            "wchan": self.wchan,
-            "cpu_seconds": round(self.cpu_s, 6),
-            "num_threads": self.num_threads,
-            "thread_states": dict(self.thread_states),
-        }
-
-
-@dataclass(frozen=True)
-class CpuSamples:
-    """CPU seconds per pid and progress per rank at one monotonic instant.
-
-    ``capture_all`` returns one; pass it back as ``previous`` next time so
-    the CPU delta covers the whole interval between two dumps (or two
-    watchdog ticks), not only the capture window.
-    """
-
-    at: float
-    cpu_s: Mapping[int, float] = field(default_factory=dict)
-    progress: Mapping[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (step, coll_seq)
 
 
 def _read(path: str) -> str:

@@ -21,7 +21,9 @@ when any member is, which is all the policy asks.  Only the exact sample name
 is used (``_created`` samples are ignored).
 
 ``PrometheusProgress.scrape()`` never raises: failures come back as
-``ExternalProgress(ok=False, error=...)``.
+``ExternalProgress(ok=False, error=...)``.  ``ExternalProgress`` itself lives
+in ``watchdogs.progress`` (pure data the policy reads without importing this
+module's HTTP client and parser).
 """
 
 from __future__ import annotations
@@ -35,23 +37,12 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .progress import ExternalProgress
+
 DEFAULT_SCRAPE_TIMEOUT = 2.0
 MAX_BODY_BYTES = 32 * 1024 * 1024
 READ_CHUNK = 64 * 1024
 ERROR_TEXT_LIMIT = 200
-
-
-@dataclass(frozen=True)
-class ExternalProgress:
-    """One scrape: ``ok`` False means the numbers are unknown (``error`` says why)."""
-
-    tokens_total: float
-    running: float
-    ok: bool
-    error: str = ""
-
-    def to_dict(self) -> dict:
-        return {"tokens_total": self.tokens_total, "running": self.running, "ok": self.ok, "error": self.error}
 
 
 @dataclass(frozen=True)

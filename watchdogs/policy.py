@@ -48,7 +48,7 @@ from typing import AbstractSet, Sequence
 
 from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
 from . import adaptive
-from .adapters import ExternalProgress
+from .progress import ExternalProgress
 
 RENDEZVOUS_PHASE = "rendezvous"
 DEFAULT_STARTUP_TIMEOUT = 600.0

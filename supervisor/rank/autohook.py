@@ -27,32 +27,7 @@ import sys
 import threading
 
 from . import runtime
-
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "reduce",
-    "barrier",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "broadcast_object_list",
-    "all_gather_object",
-    "gather_object",
-    "scatter_object_list",
-    "send_object_list",
-    "recv_object_list",
-    "monitored_barrier",
-)
+from .collectives import COLLECTIVES
 
 _installed = False
 _depth = threading.local()

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tp_supervise.dumps import stacks as st
-from tp_supervise.dumps.capture import Evidence, RankEvidence
 from tp_supervise.dumps.diagnose import KLASSES, diagnose
-from tp_supervise.dumps.flight import analyze
-from tp_supervise.dumps.procinfo import ProcInfo
+from tp_supervise.dumps.evidence import Evidence, ProcInfo, RankEvidence
+from tp_supervise.dumps.fr_analysis import analyze
 from tp_supervise.supervisor.rank import heartbeat as hb
 
 NOW = 1000.0

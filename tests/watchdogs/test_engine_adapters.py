@@ -17,8 +17,9 @@ from contextlib import contextmanager
 import prometheus_client as pc
 import pytest
 
-from tp_supervise.watchdogs.adapters import SGLANG, VLLM, ExternalProgress, PrometheusProgress, parse_progress
+from tp_supervise.watchdogs.adapters import SGLANG, VLLM, PrometheusProgress, parse_progress
 from tp_supervise.watchdogs.policy import VerdictKind, WatchdogConfig, WatchdogState, observe
+from tp_supervise.watchdogs.progress import ExternalProgress
 
 SCRAPE_TIMEOUT = 0.5
 # Generous: a scrape is bounded by about twice its timeout; the machine is shared.

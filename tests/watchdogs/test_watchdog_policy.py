@@ -8,7 +8,6 @@ import math
 import pytest
 from wdfakes import TICK, Driver, SteadyGroup, snap
 
-from tp_supervise.watchdogs.adapters import ExternalProgress
 from tp_supervise.watchdogs.adaptive import AdaptiveParams
 from tp_supervise.watchdogs.policy import (
     RENDEZVOUS_PHASE,
@@ -18,6 +17,7 @@ from tp_supervise.watchdogs.policy import (
     effective_thresholds,
     observe,
 )
+from tp_supervise.watchdogs.progress import ExternalProgress
 
 EXPLICIT = WatchdogConfig(soft_timeout=3.0, hard_timeout=6.0, startup_timeout=30.0)
 

@@ -6,8 +6,8 @@ import dataclasses
 from typing import Iterable, Sequence
 
 from tp_supervise.supervisor.rank import heartbeat as hb
-from tp_supervise.watchdogs.adapters import ExternalProgress
 from tp_supervise.watchdogs.policy import Verdict, VerdictKind, WatchdogConfig, WatchdogState, observe
+from tp_supervise.watchdogs.progress import ExternalProgress
 
 TICK = 0.1
 BASE_PID = 1000
