@@ -157,13 +157,14 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from . import logs
+    from . import control, logs
 
     logs.configure(args.log_format)
     try:
         spec = spec_from_args(args)
         specs.preflight(spec)
-    except UsageError as exc:
+        control.registry_dir()  # a registry another user controls is refused before anything starts
+    except (UsageError, control.RegistryError) as exc:
         print(f"supervise: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     from .core import Supervisor
@@ -175,7 +176,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_dump(args: argparse.Namespace) -> int:
     from . import control
 
-    jobs = control.list_jobs()
+    try:
+        jobs = control.list_jobs()
+    except control.RegistryError as exc:
+        print(f"supervise dump: {exc}", file=sys.stderr)
+        return 2
     if args.run_id:
         jobs = [j for j in jobs if j.run_id == args.run_id]
         if not jobs:

@@ -1,8 +1,11 @@
 """Local control socket (``supervise dump``) and the registry of running jobs.
 
-Each supervisor writes ``<registry>/<run_id>.json`` (pid, socket path,
-metrics address, dump dir) and listens on a Unix socket with owner-only
-permissions inside an owner-only directory.  The wire format is one JSON
+Each supervisor writes ``<registry>/<run_id>.json`` (pid and its start
+time, socket path, metrics address, dump dir) and listens on a Unix socket
+with owner-only permissions inside an owner-only directory.  The registry is
+ours alone: created 0700, checked for owner, type and mode before every use
+(a directory another user planted is skipped with a warning), entries read
+with O_NOFOLLOW and validated, written atomically without following links.  The wire format is one JSON
 object per line, versioned::
 
     → {"v": 1, "cmd": "dump"}
@@ -14,16 +17,21 @@ does the work itself and every socket operation has a timeout.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import socket
+import stat
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import structlog
 
 log = structlog.get_logger("supervise.control")
@@ -36,14 +44,101 @@ ACCEPT_POLL_S = 0.5
 THREAD_JOIN_S = 2.0
 
 
-def registry_dir() -> Path:
+class RegistryError(RuntimeError):
+    """The registry cannot be used safely (and no safe fallback exists)."""
+
+
+RUN_ID_PATTERN = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,63}$")
+MAX_ENTRY_BYTES = 64 * 1024
+PRIVATE_MODE = 0o700
+UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+SOCKET_NAME_ROOM = 1 + 16 + len(".sock")  # "/<16 hex digits of the run id's hash>.sock"
+
+
+def _candidates() -> list[tuple[Path, bool]]:
+    """Registry locations, best first, with whether the user chose it explicitly."""
     base = os.environ.get("SUPERVISE_REGISTRY_DIR")
     if base:
-        return Path(base)
+        return [(Path(base), True)]
+    out = []
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isdir(xdg):
-        return Path(xdg) / "tp-supervise"
-    return Path(tempfile.gettempdir()) / f"tp-supervise-{os.getuid()}"
+        out.append((Path(xdg) / "tp-supervise", False))
+    out.append((Path(tempfile.gettempdir()) / f"tp-supervise-{os.geteuid()}", False))
+    out.append((Path.home() / ".cache" / "tp-supervise" / "registry", False))
+    return out
+
+
+def private_dir_problem(path: Path) -> str | None:
+    """Why ``path`` is not a directory that only we control, or None when it is (created 0700 if missing)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_MODE)
+        os.mkdir(path, PRIVATE_MODE)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot create it ({exc.strerror or exc})"
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot inspect it ({exc.strerror or exc})"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}, not by us (uid {os.geteuid()})"
+    if st.st_mode & 0o077:
+        os.chmod(path, PRIVATE_MODE)  # ours: close it
+    if len(os.fsencode(path)) + SOCKET_NAME_ROOM > UNIX_PATH_MAX:
+        return f"its path is too long for a unix socket in it ({UNIX_PATH_MAX} bytes at most)"
+    return None
+
+
+_chosen: dict[tuple, Path] = {}
+
+
+def registry_dir() -> Path:
+    """The job registry: a directory only this user controls (refused or skipped otherwise, with a reason).
+
+    Another user can pre-create ``/tmp/tp-supervise-<uid>`` with crafted
+    entries; such a directory is never used: the next candidate
+    (``~/.cache/tp-supervise/registry``) is, with a warning that says why.
+    An explicit ``SUPERVISE_REGISTRY_DIR`` that is not ours is an error.
+    """
+    candidates = _candidates()
+    key = tuple(candidates)
+    if key in _chosen:
+        return _chosen[key]
+    for path, explicit in candidates:
+        problem = private_dir_problem(path)
+        if problem is None:
+            _chosen[key] = path
+            return path
+        if explicit:
+            raise RegistryError(f"SUPERVISE_REGISTRY_DIR={path} cannot be used: {problem}; point it at a "
+                                "directory only this user can write")
+        log.warning("job registry skipped: not ours alone", path=str(path), reason=problem,
+                    fix=f"remove {path} (another user may have planted it) or set SUPERVISE_REGISTRY_DIR")
+    raise RegistryError("no private directory for the job registry: set SUPERVISE_REGISTRY_DIR")
+
+
+def socket_path(root: Path, run_id: str) -> Path:
+    """The job's control socket: named by a hash of the run id, so any run id fits sun_path."""
+    return root / f"{hashlib.sha256(run_id.encode()).hexdigest()[:16]}.sock"
+
+
+def run_dir_candidates(run_id: str) -> list[Path]:
+    """Where a run's shared-memory directory can be (supervisor.outcome.run_dir_for makes it)."""
+    roots = [Path("/dev/shm"), Path(os.environ.get("TMPDIR", "/tmp"))]
+    return [root / f"tp-supervise-{run_id}" for root in roots]
+
+
+def process_start(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 @dataclass(frozen=True)
@@ -53,15 +148,75 @@ class JobEntry:
     socket: str
     metrics: str | None
     dump_dir: str
+    pid_start: float | None = None
 
     def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-            return True
-        except ProcessLookupError:
+        """The supervisor that wrote the entry still runs (same pid and start time: not a reused pid)."""
+        started = process_start(self.pid)
+        if started is None:
             return False
-        except PermissionError:
-            return True
+        return self.pid_start is None or abs(started - self.pid_start) < 1.0
+
+
+def _read_entry(root: Path, path: Path) -> JobEntry | None:
+    """A registry entry, read without following links and checked field by field; None if not valid."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > MAX_ENTRY_BYTES:
+            return None
+        data = json.loads(os.read(fd, MAX_ENTRY_BYTES))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict):
+        return None
+    run_id, pid, start = data.get("run_id"), data.get("pid"), data.get("pid_start")
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id) or path.name != f"{run_id}.json":
+        return None
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
+        return None
+    if start is not None and not isinstance(start, (int, float)):
+        return None
+    metrics, dump_dir = data.get("metrics"), data.get("dump_dir", "")
+    return JobEntry(run_id, pid, str(socket_path(root, run_id)), metrics if isinstance(metrics, str) else None,
+                    dump_dir if isinstance(dump_dir, str) else "", start)
+
+
+def _own_dir(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _unlink_own(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+        if st.st_uid == os.geteuid() and not stat.S_ISDIR(st.st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _run_orphans(run_id: str) -> set[int]:
+    """Processes left by a dead run: they carry its marker AND run as this user (never anyone else's)."""
+    from . import procs
+
+    found = procs.run_processes(run_id, root_pid=os.getpid()) - set(procs.descendants())
+    mine = set()
+    for pid in found:
+        try:
+            if psutil.Process(pid).uids().real == os.getuid():
+                mine.add(pid)
+        except psutil.Error:
+            continue
+    return mine
 
 
 def sweep_stale() -> list[str]:
@@ -69,58 +224,55 @@ def sweep_stale() -> list[str]:
 
     Their ranks died with them (parent-death signal), but a stopped rank of a
     launcher's tree or a setsid escapee can remain, and so do the run's shared
-    memory directory and registry entry.  Returns the run ids swept.
+    memory directory and registry entry.  Only what an entry provably owns is
+    touched: entries are our own regular files with valid fields, the socket
+    and run directory are derived from the run id (never taken from the
+    entry), and only processes of this user carrying the run's marker are
+    killed.  Returns the run ids swept.
     """
-    from . import procs
-
     swept = []
     root = registry_dir()
-    if not root.is_dir():
-        return swept
     for path in sorted(root.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-            run_id, pid = data["run_id"], int(data["pid"])
-        except (OSError, ValueError, KeyError):
+        entry = _read_entry(root, path)
+        if entry is None:
+            log.warning("registry entry ignored: not a valid entry of ours", path=str(path))
             continue
-        entry = JobEntry(run_id, pid, data.get("socket", ""), data.get("metrics"), data.get("dump_dir", ""))
         if entry.alive():
             continue
-        orphans = procs.run_processes(run_id, root_pid=os.getpid())
-        orphans -= set(procs.descendants())
+        orphans = _run_orphans(entry.run_id)
         for orphan in orphans:
             try:
-                os.kill(orphan, 9)
+                os.kill(orphan, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        run_dir = data.get("run_dir")
-        if run_dir and os.path.basename(run_dir).startswith("tp-supervise-"):
-            shutil.rmtree(run_dir, ignore_errors=True)
-        for stale in (path, Path(entry.socket) if entry.socket else None):
-            if stale is not None:
-                try:
-                    stale.unlink()
-                except FileNotFoundError:
-                    pass
-        log.warning("swept a run whose supervisor died", stale_run_id=run_id, pid=pid, killed=sorted(orphans))
-        swept.append(run_id)
+        for run_dir in run_dir_candidates(entry.run_id):
+            if _own_dir(run_dir):
+                shutil.rmtree(run_dir, ignore_errors=True)
+        _unlink_own(Path(entry.socket))
+        _unlink_own(path)
+        log.warning("swept a run whose supervisor died", stale_run_id=entry.run_id, pid=entry.pid,
+                    killed=sorted(orphans))
+        swept.append(entry.run_id)
     return swept
 
 
 def list_jobs() -> list[JobEntry]:
-    jobs = []
     root = registry_dir()
-    if not root.is_dir():
-        return jobs
-    for path in sorted(root.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-            entry = JobEntry(data["run_id"], int(data["pid"]), data["socket"], data.get("metrics"), data["dump_dir"])
-        except (OSError, ValueError, KeyError):
-            continue
-        if entry.alive():
-            jobs.append(entry)
-    return jobs
+    jobs = [entry for entry in (_read_entry(root, p) for p in sorted(root.glob("*.json"))) if entry is not None]
+    return [job for job in jobs if job.alive()]
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """Atomically replace ``path`` with ``text`` (0600), never following a planted link."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_own(tmp)
+        raise
 
 
 class ControlServer:
@@ -129,9 +281,7 @@ class ControlServer:
     def __init__(self, run_id: str, handler: Callable[[dict], dict], info: dict):
         self.run_id = run_id
         self.dir = registry_dir()
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.dir, 0o700)
-        self.socket_path = self.dir / f"{run_id}.sock"
+        self.socket_path = socket_path(self.dir, run_id)
         self.entry_path = self.dir / f"{run_id}.json"
         self._handler = handler
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -146,11 +296,9 @@ class ControlServer:
         self._sock.settimeout(ACCEPT_POLL_S)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="control-socket", daemon=True)
-        entry = dict(info, run_id=run_id, pid=os.getpid(), socket=str(self.socket_path))
-        tmp = self.entry_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(entry))
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, self.entry_path)
+        entry = dict(info, run_id=run_id, pid=os.getpid(), pid_start=process_start(os.getpid()),
+                     socket=str(self.socket_path))
+        write_private_file(self.entry_path, json.dumps(entry))
 
     def start(self) -> None:
         self._thread.start()
