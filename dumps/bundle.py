@@ -73,12 +73,13 @@ def stacks_from_files(files: Mapping[str, bytes | str]) -> dict[int, str]:
     return out
 
 
-def read_stacks(bundle: Path) -> dict[int, str]:
-    """Rank -> stack text of a published bundle."""
-    files = {}
-    for path in sorted(Path(bundle, "stacks").glob("rank-*.txt")):
-        files[f"stacks/{path.name}"] = path.read_text(encoding="utf-8", errors="replace")
-    return stacks_from_files(files)
+def _summary_text(summary: dict, files: Mapping[str, bytes | str]) -> str:
+    """summary.txt; what a rank wrote can never fail the bundle (the JSON is then the text)."""
+    try:
+        return summary_text(summary, stacks_from_files(files))
+    except Exception as exc:  # a rendering bug must not lose the evidence
+        log.warning("dump.summary_text_failed", error=repr(exc))
+        return json.dumps(summary, indent=2, default=str) + "\n"
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class BundleWriter:
                 else:
                     raise TypeError(f"bundle file {name!r}: content must be str or bytes, not {type(content).__name__}")
                 target.write_bytes(data)
-            (tmp / SUMMARY_TXT).write_text(summary_text(full, stacks_from_files(files)), encoding="utf-8")
+            (tmp / SUMMARY_TXT).write_text(_summary_text(full, files), encoding="utf-8")
             # summary.json last: a directory with it is complete.
             (tmp / SUMMARY_JSON).write_text(json.dumps(full, indent=2, default=str) + "\n", encoding="utf-8")
             os.chmod(tmp, 0o755)

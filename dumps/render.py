@@ -2,11 +2,19 @@
 
 Works from the ``summary.json`` dict alone (plus optional stack texts), so
 a bundle written by an older version still renders what it has.
+
+Every string here comes from a rank, a bundle or a command line: it is data,
+never markup.  It reaches rich only as ``Text`` (so ``[/x]`` in a collective
+description is shown verbatim and cannot make a bundle write fail), and
+``plain()`` makes control characters other than newline and tab visible
+(``\x1b``), so a bundle cannot clear the screen, retitle the window or plant
+a hyperlink in the terminal of whoever analyzes it.
 """
 
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Mapping
 
 from rich import box
@@ -18,6 +26,18 @@ from rich.text import Text
 TEXT_WIDTH = 110
 CULPRIT_STYLE = "bold red"
 MAX_STACK_LINES = 60
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(value) -> str:
+    """``value`` as text safe for a terminal: control and bidi-override characters shown as escapes."""
+    text = value if isinstance(value, str) else str(value)
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def data(value, style: str | None = None) -> Text:
+    """Evidence as rich text: never parsed as markup."""
+    return Text(plain(value), style=style or "")
 
 
 def _exit_cell(exit_info) -> str:
@@ -33,8 +53,8 @@ def _exit_cell(exit_info) -> str:
     return str(exit_info)
 
 
-def _cell(value) -> str:
-    return "" if value is None else str(value)
+def _cell(value) -> Text:
+    return data("" if value is None else value)
 
 
 def rank_table(summary: Mapping) -> Table:
@@ -54,22 +74,22 @@ def rank_table(summary: Mapping) -> Table:
     ranks = summary.get("ranks") or {}
     for key in sorted(ranks, key=_rank_key):
         r = ranks[key] or {}
-        state = _cell(r.get("state"))
+        state = "" if r.get("state") is None else str(r.get("state"))
         if r.get("state_name"):
             state = f"{state} ({r['state_name']})"
         collective = r.get("collective") or ("" if not r.get("in_collective") else "yes")
         style = CULPRIT_STYLE if r.get("culprit") else None
         mark = "*" if r.get("culprit") else ""
         table.add_row(
-            f"{mark}{key}",
+            _cell(f"{mark}{key}"),
             _cell(r.get("pid")),
-            state,
-            _exit_cell(r.get("exit")),
+            _cell(state),
+            _cell(_exit_cell(r.get("exit"))),
             _cell(r.get("step")),
-            collective,
+            _cell(collective),
             _cell(r.get("cpu_percent")),
             _cell(r.get("stack_group")),
-            r.get("where") or (r.get("stack_error") or ""),
+            _cell(r.get("where") or (r.get("stack_error") or "")),
             style=style,
         )
     return table
@@ -77,12 +97,12 @@ def rank_table(summary: Mapping) -> Table:
 
 def _header(summary: Mapping) -> Text:
     text = Text()
-    text.append(f"{summary.get('reason', '?')}", style="bold")
-    text.append(f"  run {summary.get('run_id', '?')}  detected {summary.get('detected_at', '?')}")
+    text.append(plain(summary.get("reason", "?")), style="bold")
+    text.append(plain(f"  run {summary.get('run_id', '?')}  detected {summary.get('detected_at', '?')}"))
     if summary.get("class"):
-        text.append(f"  class {summary['class']}", style="bold")
+        text.append(plain(f"  class {summary['class']}"), style="bold")
     culprits = summary.get("culprit_ranks") or []
-    text.append(f"  culprit ranks {culprits if culprits else 'none named'}")
+    text.append(plain(f"  culprit ranks {culprits if culprits else 'none named'}"))
     return text
 
 
@@ -100,7 +120,7 @@ def _groups(summary: Mapping, stacks: Mapping[int, str] | None) -> list:
                 if len(lines) > MAX_STACK_LINES:
                     lines = lines[:MAX_STACK_LINES] + [f"… {len(lines) - MAX_STACK_LINES} more lines"]
                 body = f"(stack of rank {sample_rank})\n" + "\n".join(lines)
-        parts.append(Panel(Text(body), title=label, title_align="left", box=box.ROUNDED))
+        parts.append(Panel(data(body), title=data(label), title_align="left", box=box.ROUNDED))
     grouped = {int(r) for g in summary.get("stack_groups") or [] for r in g.get("ranks") or []}
     keys = {str(k) for k in ranks} | {str(r) for r in (stacks or {})}
     for key in sorted(keys, key=_rank_key):
@@ -109,10 +129,10 @@ def _groups(summary: Mapping, stacks: Mapping[int, str] | None) -> list:
             continue
         text = (stacks or {}).get(rank, "")
         if _has_frames(text):
-            parts.append(Panel(Text(text.rstrip()), title=f"rank {key}", title_align="left", box=box.ROUNDED))
+            parts.append(Panel(data(text.rstrip()), title=data(f"rank {key}"), title_align="left", box=box.ROUNDED))
         else:
             err = (ranks.get(key) or {}).get("stack_error") or "no stacks"
-            parts.append(Text(f"rank {key}: {err}", style="yellow"))
+            parts.append(data(f"rank {key}: {err}", style="yellow"))
     return parts
 
 
@@ -129,11 +149,11 @@ def _has_frames(text: str) -> bool:
 def render(summary: Mapping, console: Console, stacks: Mapping[int, str] | None = None) -> None:
     """Verdict, notes, per-rank table and the stack groups."""
     console.print(_header(summary))
-    console.print(Panel(Text(str(summary.get("verdict", "(no verdict)")), style="bold"), title="verdict", box=box.HEAVY))
+    console.print(Panel(data(summary.get("verdict", "(no verdict)"), style="bold"), title="verdict", box=box.HEAVY))
     for note in summary.get("notes") or []:
-        console.print(Text(f"- {note}"))
+        console.print(data(f"- {note}"))
     for err in summary.get("errors") or []:
-        console.print(Text(f"! {err}", style="yellow"))
+        console.print(data(f"! {err}", style="yellow"))
     console.print(rank_table(summary))
     groups = _groups(summary, stacks)
     if groups:

@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from tp_supervise.dumps.render import plain
+
 
 _run: dict[str, str] = {}
 
@@ -16,6 +18,18 @@ def _add_run_id(_logger, _method, event: dict) -> dict:
     cross into the supervisor's threads)."""
     if _run:
         event.setdefault("run_id", _run["run_id"])
+    return event
+
+
+def _visible_controls(_logger, _method, event: dict) -> dict:
+    """Console lines: text from ranks (verdicts, collective names) cannot drive the terminal.
+
+    Control characters other than newline and tab are shown as escapes; the
+    JSON renderer escapes them by itself.
+    """
+    for key, value in event.items():
+        if isinstance(value, str):
+            event[key] = plain(value)
     return event
 
 
@@ -35,7 +49,7 @@ def configure(fmt: str = "console", level: int = logging.INFO, stream=None) -> N
         ]
     else:
         colors = stream.isatty()
-        processors = shared + [structlog.dev.ConsoleRenderer(colors=colors, pad_event=40)]
+        processors = shared + [_visible_controls, structlog.dev.ConsoleRenderer(colors=colors, pad_event=40)]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level),

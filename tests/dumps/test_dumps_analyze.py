@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from tp_supervise.dumps.analyze import EXIT_NOT_A_BUNDLE, EXIT_OK, main
+from tp_supervise.dumps.analyze import EXIT_MALFORMED, EXIT_NOT_A_BUNDLE, EXIT_OK, main
 from tp_supervise.dumps.bundle import SUMMARY_JSON, BundleWriter
 from tp_supervise.dumps.capture import ENV_PYSPY
 from tp_supervise.dumps.incident import write_incident
@@ -63,13 +64,13 @@ def test_not_a_bundle(tmp_path, capsys):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / SUMMARY_JSON).write_text("{nope")
-    assert main([str(broken), "--json"]) == EXIT_NOT_A_BUNDLE
-    assert "unreadable summary" in capsys.readouterr().err
+    assert main([str(broken), "--json"]) == EXIT_MALFORMED
+    assert "malformed bundle: summary.json is not valid JSON" in capsys.readouterr().err
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / SUMMARY_JSON).write_text('{"hello": 1}')
-    assert main([str(foreign)]) == EXIT_NOT_A_BUNDLE
-    assert "not a tp-supervise summary" in capsys.readouterr().err
+    assert main([str(foreign)]) == EXIT_MALFORMED
+    assert "malformed bundle: summary.json has no verdict/ranks" in capsys.readouterr().err
 
 
 def test_dump_dir_hint_names_newest_bundle(bundle, capsys):
@@ -83,3 +84,93 @@ def test_cli_process_exit_codes(bundle, tmp_path):
     assert ok.returncode == 0 and json.loads(ok.stdout)["reason"] == "hang"
     bad = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and "supervise analyze:" in bad.stderr
+
+
+# -- hostile bundles (issue 14): plain text, nothing outside read, no hang, exit 65 when malformed ----------
+HOSTILE_TEXT = "\x1b[2J\x1b]0;pwned\x07\x1b]8;;http://evil\x1b\\click\x1b]8;;\x1b\\ [/x] [bold]x"
+
+
+def _summary(tmp_path, **fields):
+    bundle = tmp_path / "b"
+    (bundle / "stacks").mkdir(parents=True)
+    summary = {"reason": "hang", "verdict": HOSTILE_TEXT, "ranks": {"0": {"pid": 1, "collective": "[/x] 64x256"}},
+               "culprit_ranks": [0], **fields}
+    (bundle / SUMMARY_JSON).write_text(json.dumps(summary))
+    return bundle
+
+
+def test_hostile_text_is_shown_as_plain_text(tmp_path):
+    bundle = _summary(tmp_path)
+    (bundle / "stacks" / "rank-0.txt").write_text("Thread 1\n  f (x.py:1)\x1b[31m red\n")
+    out = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(bundle)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == EXIT_OK, out.stderr
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout, "a control character reached the terminal"
+    assert "\\x1b[2J" in out.stdout and "\\x1b]0;pwned\\x07" in out.stdout  # made visible instead
+    assert "[/x] 64x256" in out.stdout and "[bold]x" in out.stdout  # verbatim, not markup
+
+
+def test_links_fifos_and_devices_in_a_bundle_are_not_read(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET-LINE")
+    bundle = _summary(tmp_path)
+    stacks = bundle / "stacks"
+    os.symlink(secret, stacks / "rank-0.txt")
+    os.link(secret, stacks / "rank-1.txt")
+    os.mkfifo(stacks / "rank-2.txt")
+    os.symlink("/dev/zero", stacks / "rank-3.txt")
+    out = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(bundle)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == EXIT_OK, out.stderr
+    assert "TOP-SECRET-LINE" not in out.stdout
+    text = " ".join(out.stdout.split())
+    for n in range(4):
+        assert f"stacks/rank-{n}.txt: not read" in text, text
+
+
+def test_summary_json_as_a_link_or_fifo_is_refused(tmp_path):
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"verdict": "TOP-SECRET", "ranks": {}}))
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(secret, linked / SUMMARY_JSON)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / SUMMARY_JSON)
+    for bundle in (linked, fifo):
+        out = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(bundle), "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == EXIT_MALFORMED and "TOP-SECRET" not in out.stdout, (out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("fields", [
+    {"ranks": ["0"]},
+    {"ranks": {"0": "x"}},
+    {"verdict": 7},
+    {"culprit_ranks": "1"},
+    {"stack_groups": [{"ranks": "0,1"}]},
+    {"notes": {"a": 1}},
+    {"ranks": {"0": {"exit": [[[]]]}}},
+], ids=["ranks-list", "rank-str", "verdict-int", "culprits-str", "group-ranks-str", "notes-dict", "exit-list"])
+def test_wrong_types_are_a_malformed_bundle(tmp_path, fields):
+    bundle = _summary(tmp_path, **fields)
+    out = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(bundle)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == EXIT_MALFORMED, (out.stdout, out.stderr)
+    assert "malformed bundle" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_deep_nesting_and_huge_summaries_are_malformed(tmp_path):
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / SUMMARY_JSON).write_text('{"verdict": "v", "ranks": {}, "x": ' + "[" * 5000 + "]" * 5000 + "}")
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / SUMMARY_JSON).write_text('{"verdict": "v", "ranks": {}, "x": ' + "[" * 100 + "]" * 100 + "}")
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / SUMMARY_JSON).write_text('{"verdict": "' + "a" * (5 << 20) + '", "ranks": {}}')
+    for bundle in (deep, nested, huge):
+        out = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(bundle)], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == EXIT_MALFORMED and "Traceback" not in out.stderr, out.stderr[-500:]

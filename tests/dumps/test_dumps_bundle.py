@@ -37,6 +37,19 @@ def test_layout_and_summary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp dir left
 
 
+def test_rank_text_is_data_not_markup(tmp_path):
+    """A collective description like '[/x] 64x256' used to make every bundle write fail (rich MarkupError)."""
+    w = BundleWriter(tmp_path, keep=10, max_bytes=0)
+    summary = dict(SUMMARY, verdict="rank 1 waits in all_reduce [/x] 64x256",
+                   ranks={"0": {"pid": 10, "collective": "[/x] 64x256", "where": "[red]f\x1b[2J"}},
+                   stack_groups=[{"label": "[/A]", "ranks": [0], "short": "[/b]"}])
+    path = w.write("hang", summary, {"stacks/rank-0.txt": "Thread [/t]\n    f [/x] (a.py:1)\n"}, AT)
+    text = (path / SUMMARY_TXT).read_text()
+    for verbatim in ("[/x] 64x256", "[red]f", "group [/A]", "f [/x] (a.py:1)"):
+        assert verbatim in text, verbatim
+    assert "\x1b" not in text and "\\x1b[2J" in text
+
+
 def test_name_is_utc_and_reason_sanitised():
     local = AT.astimezone(timezone(timedelta(hours=-7)))
     assert bundle_name(local, "Hang Suspected/x", 2) == "20260304T050607Z-hang_suspected_x-2"
