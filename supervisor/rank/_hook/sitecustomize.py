@@ -19,6 +19,16 @@ def _tp_supervise_load_rank_package():
 
     if _RANK_PACKAGE in _sys.modules:
         return _sys.modules[_RANK_PACKAGE]
+    top = _RANK_PACKAGE.split(".")[0]
+    if top not in _sys.modules and importlib.util.find_spec(top) is None:
+        # Not installed in this interpreter.  The import system imports the top-level
+        # package of every dotted import (``__import__("a.b.c")`` returns ``a``), so give
+        # it an empty namespace; our modules themselves come from the files below.
+        import types
+
+        stub = types.ModuleType(top)
+        stub.__path__ = []
+        _sys.modules[top] = stub
     here = _os.path.dirname(_os.path.abspath(__file__))
     package_dir = _os.path.dirname(here)
     spec = importlib.util.spec_from_file_location(
