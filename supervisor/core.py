@@ -1,18 +1,28 @@
-"""The supervisor: the one place that decides.
+"""The supervisor's event loop: the one place that decides.
 
 Threads only observe and post events to one queue (``SimpleQueue``: safe to
 put from signal handlers); the main thread takes them one at a time and is the
 only code that changes state, starts dumps, kills or restarts::
 
     exit-monitor   ProcessExited        (pidfds: a death, the moment it happens)
+    early-exit     EarlyExitCheck       (a timer: did the peers of a rank that exited 0 follow?)
     watchdog       WatchdogVerdict      (heartbeat slots → watchdogs.policy)
                    RankClaimed          (tree mode: a process joined the group)
     consensus      DivergenceFound      (consensus.monitor)
+                   ConsensusAgreed
     control-socket ControlRequest       (`supervise dump`)
     signal handler SignalReceived
 
-Ranks are spawned only from the main thread (parent-death signals fire when
-the forking *thread* exits).
+No thread gets the supervisor: each gets ``post`` (the queue's put) and what
+it reads (a heartbeat reader, the published ``AttemptView``), and nothing it
+can change.  ``handlers`` maps each event type to the one method that acts on
+it, so a new event source (multi-node's node link) is one thread class given
+``post``, one entry in ``handlers`` and one in ``sources``.
+
+What an exit means is decided in ``arbitration``, whether and when to launch
+again in ``restart``; the attempt's live state is in ``attempt``.  Ranks are
+spawned only from the main thread (parent-death signals fire when the forking
+*thread* exits).
 """
 
 from __future__ import annotations
@@ -24,26 +34,19 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import structlog
 
-from . import exits, launch, logs, procs
+from . import arbitration, exits, launch, logs, procs
+from .arbitration import EARLY_EXIT_WINDOW_S, Meaning, Ruling
+from .attempt import NOT_STARTED, Attempt, AttemptView, Published, RankView
 from .exits import ExitInfo
 from .rank.heartbeat import HeartbeatSegment
 from .incidents import IncidentDesk
 from .launch import RankHandle, RankSpec, RunContext
 from .monitor import ExitMonitor, ProcessExited
-from .rank.net import free_port
-from .spec import LaunchSpec
-from .state import EngineState, Event, next_state
-from .teardown import KillPolicy, TeardownResult, teardown
-from .watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict
-
-log = structlog.get_logger("supervise")
-
 from .outcome import (
-    EARLY_EXIT_WINDOW_S,
     EXIT_DIVERGENCE,
     EXIT_HANG,
     EXIT_INTERNAL,
@@ -52,11 +55,6 @@ from .outcome import (
     EXIT_STARTUP,
     EXIT_TEARDOWN,
     LAUNCHER_KEY,
-    RESTART_BACKOFF_BASE_S,
-    RESTART_BACKOFF_MAX_S,
-    RESTART_STABLE_S,
-    TEARDOWN_EXIT,
-    Attempt,
     ControlRequest,
     EarlyExitCheck,
     Outcome,
@@ -64,6 +62,15 @@ from .outcome import (
     new_run_id,
     run_dir_for,
 )
+from .rank.net import free_port
+from .restart import RestartPolicy
+from .services import Services
+from .spec import LaunchSpec
+from .state import EngineState, Event, next_state
+from .teardown import KillPolicy, TeardownResult, teardown
+from .watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict
+
+log = structlog.get_logger("supervise")
 
 
 class Supervisor:
@@ -72,9 +79,12 @@ class Supervisor:
         self.base_env = dict(base_env)
         self.run_id = run_id or new_run_id()
         self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.post: Callable[[object], None] = self.events.put
         self.state = EngineState.STARTING
-        self.attempt = Attempt()
-        self.restarts = 0
+        # What other threads may know of the attempt; only self.attempt changes it.
+        self.attempt_view: Published[AttemptView] = Published(NOT_STARTED)
+        self.attempt = Attempt(self.attempt_view.set)
+        self.restart = RestartPolicy(spec.max_restarts)
         self.stopping: SignalReceived | None = None
         self.hurry = threading.Event()
         self.oom = exits.OomCounter()
@@ -82,17 +92,27 @@ class Supervisor:
         self.heartbeat: HeartbeatSegment | None = None
         self.death_r = self.death_w = -1
         self.ctx: RunContext | None = None
-        self.monitor = ExitMonitor(self.events.put)
+        self.monitor = ExitMonitor(self.post)
         self.watchdog: WatchdogThread | None = None
         self.desk: IncidentDesk | None = None
-        self.services = None  # supervisor.services.Services (metrics, control, consensus)
+        self.services: Services | None = None  # metrics, health, control socket, consensus poller
+        # Threads that post events: started in this order, stopped in reverse.
+        self.sources: list = [self.monitor]
+        self.handlers: dict[type, Callable[[Any], None]] = {
+            ProcessExited: self._on_exit,
+            EarlyExitCheck: self._on_early_exit_check,
+            WatchdogVerdict: self._on_watchdog,
+            RankClaimed: self._on_claimed,
+            DivergenceFound: self._on_divergence,
+            ConsensusAgreed: self._on_agreed,
+            ControlRequest: self._on_control,
+            SignalReceived: self._on_stop_signal,
+        }
         self.last_teardown: TeardownResult | None = None
         self.suspicions: set[str] = set()  # why the engine is SUSPECT: "hang", "divergence"
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
-        from .services import Services
-
         procs.make_subreaper()
         self.run_dir = run_dir_for(self.run_id)
         nslots = self.spec.nproc_per_node
@@ -114,12 +134,25 @@ class Supervisor:
             master_port=master_port,
             zero_code_hook=self.spec.zero_code_hook,
         )
-        self.services = Services(self)
-        self.desk = IncidentDesk(self)
-        self.watchdog = WatchdogThread(self)
-        self.monitor.start()
-        self.services.start()
-        self.watchdog.start()
+        self.services = Services(self.spec, self.run_id, self.run_dir, self.post)
+        self.desk = IncidentDesk(
+            self.spec,
+            self.run_id,
+            self.run_dir,
+            read_heartbeats=self.heartbeat.read_all,
+            on_dump=self.services.on_dump,
+            gpu=self.services.gpu,
+        )
+        self.watchdog = WatchdogThread(
+            self.spec,
+            read_heartbeats=self.heartbeat.read_all,
+            attempt=self.attempt_view,
+            post=self.post,
+            on_tick=self.services.on_tick,
+        )
+        self.sources += [self.services, self.watchdog]
+        for source in self.sources:
+            source.start()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._on_signal)
 
@@ -127,16 +160,15 @@ class Supervisor:
         # Hand off only; a second Ctrl-C also cuts the grace period short.
         if self.stopping is not None and signum == signal.SIGINT:
             self.hurry.set()
-        self.events.put(SignalReceived(signum))
+        self.post(SignalReceived(signum))
 
     def _cleanup(self) -> None:
-        for closer in (
-            lambda: self.watchdog and self.watchdog.stop(),
-            lambda: self.services and self.services.stop(),
+        closers = [source.stop for source in reversed(self.sources)]
+        closers += [
             lambda: self.desk and self.desk.close(),
-            self.monitor.stop,
             lambda: self.heartbeat and self.heartbeat.close(),
-        ):
+        ]
+        for closer in closers:
             try:
                 closer()
             except Exception as exc:
@@ -155,9 +187,6 @@ class Supervisor:
             self.state = new
             if self.services is not None:
                 self.services.on_state(new)
-
-    def live_ranks(self) -> list[RankHandle]:
-        return [h for h in self.attempt.ranks.values() if h.alive]
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -183,37 +212,25 @@ class Supervisor:
     def _run_attempts(self) -> int:
         while True:
             outcome = self._run_attempt()
-            if outcome.restartable and self.stopping is None and self.restarts < self.spec.max_restarts:
-                self._restart_backoff(outcome)
-                continue
-            if outcome.restartable and self.spec.max_restarts > 0:
-                log.error(
-                    "crash loop: giving up",
-                    restarts=self.restarts,
-                    max_restarts=self.spec.max_restarts,
-                    last_reason=outcome.reason,
-                )
-            code = outcome.code
-            if self.last_teardown is not None and not self.last_teardown.complete:
-                code = EXIT_TEARDOWN
-            log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restarts)
-            self.services.linger(self.spec.metrics_linger, self.hurry)
-            return code
+            delay = self.restart.after(
+                outcome,
+                stopping=self.stopping is not None,
+                uptime_s=time.monotonic() - self.attempt.started_at,
+            )
+            if delay is None:
+                break
+            self.services.on_restart()
+            self._wait_backoff(delay)
+        code = outcome.code
+        if self.last_teardown is not None and not self.last_teardown.complete:
+            code = EXIT_TEARDOWN
+        log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restart.restarts)
+        self.services.linger(self.spec.metrics_linger, self.hurry)
+        return code
 
-    def _restart_backoff(self, outcome: Outcome) -> None:
-        uptime = time.monotonic() - self.attempt.started_at
-        if uptime >= RESTART_STABLE_S:
-            self.restarts = 0
-        delay = min(RESTART_BACKOFF_BASE_S * (2**self.restarts), RESTART_BACKOFF_MAX_S)
-        self.restarts += 1
-        self.services.on_restart()
-        log.warning(
-            "restarting the group",
-            restart=self.restarts,
-            max_restarts=self.spec.max_restarts,
-            backoff_s=delay,
-            after=outcome.reason,
-        )
+    def _wait_backoff(self, delay: float) -> None:
+        """Between attempts: a stop signal ends the run, a control request is
+        refused; any other event belongs to the attempt that ended."""
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline:
             try:
@@ -229,15 +246,14 @@ class Supervisor:
 
     def _launch(self) -> None:
         assert self.ctx is not None
-        self.attempt = Attempt(started_at=time.monotonic())
+        self.attempt = Attempt(self.attempt_view.set, started_at=time.monotonic(), restarts=self.restart.restarts)
         self.suspicions = set()
-        self.watchdog.reset(self.attempt.started_at)
         extra_env = self.services.rank_env
         if self.spec.tree:
             env = launch.rank_env(self.base_env, self.ctx, None, extra_env(None))
             spec = RankSpec(slot=-1, rank=-1, argv=tuple(self.spec.rank_argv()), env=env)
             handle = launch.spawn(spec, self.ctx)
-            self.attempt.launcher = handle
+            self.attempt.set_launcher(handle)
             self.monitor.watch(LAUNCHER_KEY, handle.pid, os.pidfd_open(handle.pid), child=True)
             log.info("launcher started", pid=handle.pid)
             return
@@ -246,7 +262,7 @@ class Supervisor:
             env = launch.rank_env(self.base_env, self.ctx, slot, extra_env(slot))
             spec = RankSpec(slot=slot, rank=rank, argv=tuple(self.spec.rank_argv()), env=env)
             handle = launch.spawn(spec, self.ctx)
-            self.attempt.ranks[slot] = handle
+            self.attempt.add_rank(handle)
             self.monitor.watch(("rank", slot), handle.pid, os.pidfd_open(handle.pid), child=True)
             log.info("rank started", rank=rank, pid=handle.pid)
 
@@ -266,29 +282,14 @@ class Supervisor:
 
     # ------------------------------------------------------------------ events
     def _handle(self, ev: object) -> None:
-        if isinstance(ev, ProcessExited):
-            self._on_exit(ev)
-        elif isinstance(ev, WatchdogVerdict):
-            self._on_watchdog(ev)
-        elif isinstance(ev, DivergenceFound):
-            self._on_divergence(ev)
-        elif isinstance(ev, ConsensusAgreed):
-            log.info("ranks agree again after the observed divergence", steps=ev.steps)
-            self._clear_suspicion("divergence")
-        elif isinstance(ev, RankClaimed):
-            self._on_claimed(ev)
-        elif isinstance(ev, EarlyExitCheck):
-            self._on_early_exit_check(ev)
-        elif isinstance(ev, SignalReceived):
-            self._on_stop_signal(ev)
-        elif isinstance(ev, ControlRequest):
-            self._on_control(ev)
-        else:
+        handler = self.handlers.get(type(ev))
+        if handler is None:
             log.debug("ignored event", kind=type(ev).__name__)
+            return
+        handler(ev)
 
     def _finish(self, outcome: Outcome) -> None:
-        if self.attempt.outcome is None:
-            self.attempt.outcome = outcome
+        self.attempt.finish(outcome)
 
     def _on_stop_signal(self, ev: SignalReceived) -> None:
         name = exits.signal_name(ev.signum)
@@ -299,101 +300,56 @@ class Supervisor:
         elif ev.signum == signal.SIGINT:
             log.warning("second SIGINT: killing every rank now", signal=name)
 
-    def _rank_for_key(self, key: object) -> RankHandle | None:
-        if key == LAUNCHER_KEY:
-            return self.attempt.launcher
-        if isinstance(key, tuple) and key[0] in ("rank", "tree-rank"):
-            return self.attempt.ranks.get(key[1])
-        return None
-
+    # -- exits: arbitration decides what one means, this acts on the ruling
     def _on_exit(self, ev: ProcessExited) -> None:
-        handle = self._rank_for_key(ev.key)
+        handle = self.attempt.handle_for(ev.key)
         if handle is None or handle.exit is not None or handle.pid != ev.pid:
             return  # unknown, already handled, or a late exit of a previous attempt
         if ev.status is not None and handle.popen is not None:
             handle.popen.returncode = ev.status.returncode  # keep Popen from reaping a reused pid
-        peers = [h for h in self.live_ranks() if h is not handle]
-        # A rank that declared it was finishing (runtime.finished, or the hook
-        # seeing it leave the group) is done, not lost or early, even while
-        # its peers still run.
-        said_finished = handle.slot >= 0 and self.heartbeat.read(handle.slot).finished
-        if ev.status is None:
-            info = exits.lost(ev.pid)
-            if said_finished:
-                info = ExitInfo(None, exits.CLEAN, "finished (its launcher owns the exit status)")
-        else:
-            info = exits.classify(
-                ev.status,
-                peers_running=bool(peers) and not said_finished,
-                oom_kills_rose=ev.status.signal == signal.SIGKILL and self.oom.rose(),
-            )
-        handle.exit, handle.exited_at = info, ev.at
-        if self.attempt.outcome is not None or self.state is EngineState.TEARING_DOWN:
-            # A consequence of the incident being handled (or of our own stop).
-            self.services.on_rank_exit(TEARDOWN_EXIT)
-            log.debug("rank exited during shutdown", rank=handle.rank, pid=ev.pid, cause=info.description)
+        info = arbitration.classify_exit(
+            self.attempt, handle, ev.status, read_slot=self.heartbeat.read, oom_rose=self.oom.rose
+        )
+        self.attempt.record_exit(handle, info, ev.at)
+        tearing_down = self.state is EngineState.TEARING_DOWN
+        self._act_on(arbitration.rule_exit(self.attempt, handle, info, tearing_down=tearing_down))
+
+    def _on_early_exit_check(self, ev: EarlyExitCheck) -> None:
+        self._act_on(arbitration.rule_early_exit_check(self.attempt, ev))
+
+    def _act_on(self, ruling: Ruling) -> None:
+        if ruling.meaning is Meaning.STALE:
             return
-        if handle is self.attempt.launcher:
-            self._on_launcher_exit(handle, info)
-            return
-        if info.reason == exits.EARLY_EXIT:
+        if ruling.count_as is not None:
+            self.services.on_rank_exit(ruling.count_as)
+        handle, info = ruling.handle, ruling.info
+        if ruling.meaning is Meaning.CONSEQUENCE:
+            log.debug("rank exited during shutdown", rank=handle.rank, pid=handle.pid, cause=info.description)
+        elif ruling.meaning is Meaning.RECHECK:
             # Peers of a finishing job exit within moments: check again shortly.
-            timer = threading.Timer(EARLY_EXIT_WINDOW_S, self.events.put, args=(EarlyExitCheck(handle.slot),))
+            check = EarlyExitCheck(handle.slot, handle.pid)
+            timer = threading.Timer(EARLY_EXIT_WINDOW_S, self.post, args=(check,))
             timer.name = f"early-exit-check-{handle.slot}"
             timer.daemon = True
             timer.start()
-            return
-        self.services.on_rank_exit(info.reason)
-        if not info.failed:
-            if not self.live_ranks() and self.attempt.launcher is None:
-                log.info("every rank finished with exit code 0")
-                self._finish(Outcome(EXIT_OK, "clean"))
-            return
-        self._rank_failed(handle, info)
-
-    def _on_early_exit_check(self, ev: EarlyExitCheck) -> None:
-        handle = self.attempt.ranks.get(ev.slot)
-        if handle is None or self.attempt.outcome is not None:
-            return
-        if self.live_ranks():
-            self.services.on_rank_exit(exits.EARLY_EXIT)
-            self._rank_failed(handle, handle.exit)
-            return
-        self.services.on_rank_exit(exits.CLEAN)
-        if all(h.exit.reason in (exits.CLEAN, exits.EARLY_EXIT) for h in self.attempt.ranks.values()):
-            log.info("every rank finished with exit code 0")
+        elif ruling.meaning is Meaning.CLEAN:
+            log.info(ruling.message)
             self._finish(Outcome(EXIT_OK, "clean"))
-
-    def _on_launcher_exit(self, handle: RankHandle, info: ExitInfo) -> None:
-        self.services.on_rank_exit(info.reason)
-        if not info.failed or info.reason == exits.EARLY_EXIT:
-            if self.attempt.first_failure is None:
-                log.info("launcher finished with exit code 0")
-                self._finish(Outcome(EXIT_OK, "clean"))
-                return
-        self._rank_failed(handle, info)
+        elif ruling.meaning is Meaning.FAILED:
+            self._rank_failed(handle, info)
 
     def _divergence_was_first(self) -> bool:
-        """Before blaming a death or a hang: did the ranks diverge first?
-
-        A rank scheduling a batch of another size makes the next collective
-        abort (gloo) or hang (NCCL); the disagreement is the root cause.
-        """
-        verdicts = self.services.settle_consensus(time.monotonic())
-        if not verdicts:
+        """A divergence still in flight is the root cause: handle it first."""
+        found = arbitration.divergence_first(self.services.settle_consensus, time.monotonic())
+        if found is None:
             return False
-        self._on_divergence(DivergenceFound(verdicts[0], time.monotonic()))
+        self._on_divergence(found)
         return self.attempt.outcome is not None
 
     def _rank_failed(self, handle: RankHandle, info: ExitInfo) -> None:
         if self._divergence_was_first():
             return
-        # The root cause is the earliest failure, which may be a rank whose
-        # early exit (code 0) was still inside its grace window.
-        handles = list(self.attempt.ranks.values()) + [self.attempt.launcher]
-        failed = [h for h in handles if h is not None and h.exit is not None and h.exit.failed]
-        first = min(failed, key=lambda h: h.exited_at) if failed else handle
-        first_info = first.exit or info
+        first, first_info = arbitration.root_cause(self.attempt, handle, info)
         self.attempt.first_failure = (first, first_info)
         who = "launcher" if first is self.attempt.launcher else f"rank {first.rank}"
         log.error(
@@ -403,9 +359,10 @@ class Supervisor:
             **first_info.to_dict(),
         )
         self.transition(Event.RANK_EXIT)
-        self.desk.rank_exit(first, first_info)
+        self.desk.rank_exit(RankView.of(first), first_info, self.attempt.view)
         self._finish(Outcome(EXIT_RANK, "rank_exit", culprit=first.rank))
 
+    # -- observations of the watchdog and the consensus poller
     def _on_claimed(self, ev: RankClaimed) -> None:
         """Tree mode: a process of the launcher's tree joined the group."""
         existing = self.attempt.ranks.get(ev.slot)
@@ -413,7 +370,7 @@ class Supervisor:
             return
         spec = RankSpec(slot=ev.slot, rank=ev.rank, argv=(), env={})
         handle = RankHandle(spec=spec, pid=ev.pid, started_at=time.monotonic())
-        self.attempt.ranks[ev.slot] = handle
+        self.attempt.add_rank(handle)
         log.info("rank joined the group", rank=ev.rank, pid=ev.pid)
         self.monitor.watch(("tree-rank", ev.slot), ev.pid, child=False)
 
@@ -423,13 +380,13 @@ class Supervisor:
         kind = ev.kind
         if kind == "all_ready":
             self.transition(Event.ALL_READY)
-            self.services.on_ready()
+            self.services.on_ready(len(self.attempt.ranks))
         elif kind == "soft":
             self.suspicions.add("hang")
             self.transition(Event.SOFT_HANG)
             self.services.on_hang("soft")
             log.warning("hang suspected: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)
-            self.desk.soft_hang(ev)
+            self.desk.soft_hang(ev, self.attempt.view)
         elif kind == "recovered":
             log.info("progress resumed", stalled_s=round(ev.stalled_s, 2))
             self._clear_suspicion("hang")
@@ -439,12 +396,12 @@ class Supervisor:
             self.transition(Event.HARD_HANG)
             self.services.on_hang("hard")
             log.error("hang: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)
-            culprits = self.desk.hard_hang(ev)
+            culprits = self.desk.hard_hang(ev, self.attempt.view)
             self._finish(Outcome(EXIT_HANG, "hang", culprit=culprits[0] if culprits else None))
         elif kind == "startup_timeout":
             self.transition(Event.STARTUP_TIMEOUT)
             log.error("startup timeout: " + ev.message, startup_timeout_s=self.spec.startup_timeout)
-            self.desk.startup_timeout(ev)
+            self.desk.startup_timeout(ev, self.attempt.view)
             self._finish(Outcome(EXIT_STARTUP, "startup_timeout"))
 
     def _on_divergence(self, ev: DivergenceFound) -> None:
@@ -456,10 +413,14 @@ class Supervisor:
         self.transition(Event.DIVERGENCE_ENFORCED if enforce else Event.DIVERGENCE_OBSERVED)
         self.services.on_divergence()
         log.error("divergence: " + ev.verdict.verdict, step=ev.verdict.step, culprit_ranks=ev.verdict.culprit_ranks)
-        self.desk.divergence(ev, blocking=enforce)
+        self.desk.divergence(ev, self.attempt.view, blocking=enforce)
         if enforce:
             culprit = ev.verdict.culprit_ranks[0] if ev.verdict.culprit_ranks else None
             self._finish(Outcome(EXIT_DIVERGENCE, "divergence", culprit=culprit))
+
+    def _on_agreed(self, ev: ConsensusAgreed) -> None:
+        log.info("ranks agree again after the observed divergence", steps=ev.steps)
+        self._clear_suspicion("divergence")
 
     def _clear_suspicion(self, reason: str) -> None:
         """/readyz stays 503 while any suspicion (soft hang, observed
@@ -472,7 +433,7 @@ class Supervisor:
         if ev.request.get("cmd") != "dump":
             ev.reply.put({"ok": False, "error": f"unknown command {ev.request.get('cmd')!r}"})
             return
-        self.desk.on_demand(ev.reply)
+        self.desk.on_demand(ev.reply, self.attempt.view)
 
     # ------------------------------------------------------------------ teardown
     def _teardown(self, immediate: bool) -> None:

@@ -6,6 +6,12 @@ watchdog verdict, the consensus verdict) added to the evidence.  Incidents
 that end the run are written synchronously, before the teardown changes the
 evidence; soft ones (hang suspected, divergence observed, on demand) on the
 ``dumper`` thread, so the main loop keeps reacting.
+
+The desk holds only the run's fixed facts (spec, run id, run dir), a
+heartbeat reader, the GPU sampler and ``on_dump`` (metrics); what changes
+(the attempt's ranks, its restart count, the first failure) comes with each
+call from the main thread, as an immutable ``AttemptView``, so a dump on the
+worker thread reads nothing the main thread mutates.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import queue
 import time
 from datetime import datetime, timedelta, timezone
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import structlog
 
@@ -22,11 +29,14 @@ from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget
 from tp_supervise.dumps.incident import write_incident
 from .exits import ExitInfo
-from .launch import RankHandle
 from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
 
 if TYPE_CHECKING:
-    from .core import Supervisor
+    from tp_supervise.watchdogs.gpu import GpuTelemetry
+
+    from .attempt import AttemptView, RankView
+    from .rank.heartbeat import SlotSnapshot
+    from .spec import LaunchSpec
     from .watch import DivergenceFound, WatchdogVerdict
 
 log = structlog.get_logger("supervise.incident")
@@ -45,9 +55,22 @@ def _wall_clock(monotonic_at: float | None) -> datetime:
 
 
 class IncidentDesk:
-    def __init__(self, sup: "Supervisor"):
-        self.sup = sup
-        spec = sup.spec
+    def __init__(
+        self,
+        spec: "LaunchSpec",
+        run_id: str,
+        run_dir: Path,
+        read_heartbeats: Callable[[], "list[SlotSnapshot]"],
+        on_dump: Callable[[str, bool, float], None],
+        gpu: "GpuTelemetry",
+    ):
+        """``on_dump(reason, ok, duration_s)``: called for every bundle, on the thread that wrote it."""
+        self.spec = spec
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.read_heartbeats = read_heartbeats
+        self.on_dump = on_dump
+        self.gpu = gpu
         self.writer = BundleWriter(spec.dump_dir, keep=spec.dump_keep, max_bytes=spec.dump_max_bytes)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumper")
         self.pending: list[Future] = []
@@ -66,57 +89,58 @@ class IncidentDesk:
         self.pending = []
 
     # -------------------------------------------------------------- evidence
-    def targets(self) -> list[RankTarget]:
-        sup = self.sup
-        snaps = {s.slot: s for s in sup.heartbeat.read_all()} if sup.heartbeat else {}
+    def targets(self, attempt: "AttemptView") -> list[RankTarget]:
+        """The ranks as the main thread knew them at the decision, with their
+        heartbeat slots as they read now."""
+        snaps = {s.slot: s for s in self.read_heartbeats()}
         out = []
-        for slot, h in sorted(sup.attempt.ranks.items()):
+        for slot, r in sorted(attempt.ranks.items()):
             out.append(
                 RankTarget(
-                    rank=h.rank,
+                    rank=r.rank,
                     slot=slot,
-                    pid=h.pid,
-                    alive=h.alive,
-                    exit=None if h.exit is None else dict(h.exit.to_dict(), at=h.exited_at),
+                    pid=r.pid,
+                    alive=r.alive,
+                    exit=None if r.exit is None else dict(r.exit.to_dict(), at=r.exited_at),
                     heartbeat=snaps.get(slot),
                 )
             )
-        if sup.spec.tree and not out:
+        if self.spec.tree and not out:
             for slot, snap in snaps.items():
                 if snap.claimed:
                     out.append(RankTarget(snap.rank, slot, snap.pid, True, None, snap))
         return out
 
-    def _base_summary(self) -> dict:
-        sup = self.sup
+    def _base_summary(self, attempt: "AttemptView") -> dict:
+        spec = self.spec
         return {
-            "run_id": sup.run_id,
-            "mode": "tree" if sup.spec.tree else "spawn",
-            "world_size": sup.spec.world_size,
-            "node_rank": sup.spec.node_rank,
-            "restarts": sup.restarts,
-            "command": sup.spec.rank_argv(),
+            "run_id": self.run_id,
+            "mode": "tree" if spec.tree else "spawn",
+            "world_size": spec.world_size,
+            "node_rank": spec.node_rank,
+            "restarts": attempt.restarts,
+            "command": spec.rank_argv(),
         }
 
     def _write(
         self,
         reason: str,
+        attempt: "AttemptView",
         deadline_s: float,
         extra_summary: dict,
         extra_files: dict | None = None,
         detected_at: float | None = None,
     ):
         """``detected_at``: monotonic time the fault was detected (default: now)."""
-        sup = self.sup
-        summary = dict(self._base_summary(), **extra_summary)
+        summary = dict(self._base_summary(attempt), **extra_summary)
         result = write_incident(
             self.writer,
             reason=reason,
-            run_id=sup.run_id,
-            targets=self.targets(),
-            run_dir=sup.run_dir,
-            method=sup.spec.stack_method,
-            native=sup.spec.native_stacks,
+            run_id=self.run_id,
+            targets=self.targets(attempt),
+            run_dir=self.run_dir,
+            method=self.spec.stack_method,
+            native=self.spec.native_stacks,
             deadline_s=deadline_s,
             extra_summary=summary,
             extra_files=extra_files or {},
@@ -124,7 +148,7 @@ class IncidentDesk:
             detected_at=_wall_clock(detected_at),
         )
         self.previous_cpu = result.samples or self.previous_cpu
-        sup.services.on_dump(reason, result.ok, result.duration_s)
+        self.on_dump(reason, result.ok, result.duration_s)
         diag = result.diagnosis
         # Log what the bundle says: the supervisor's own verdict (first
         # failure, consensus) wins over the stack-based diagnosis.
@@ -142,6 +166,7 @@ class IncidentDesk:
     def _async(
         self,
         reason: str,
+        attempt: "AttemptView",
         deadline_s: float,
         extra: dict,
         reply: "queue.SimpleQueue | None" = None,
@@ -152,7 +177,7 @@ class IncidentDesk:
 
         def job():
             try:
-                result = self._write(reason, deadline_s, extra, files, detected_at)
+                result = self._write(reason, attempt, deadline_s, extra, files, detected_at)
                 if reply is not None:
                     reply.put({"ok": result.path is not None, "bundle": str(result.path) if result.path else None})
             except Exception as exc:
@@ -164,10 +189,10 @@ class IncidentDesk:
         self.pending.append(self.pool.submit(job))
 
     # -------------------------------------------------------------- incidents
-    def rank_exit(self, first: RankHandle, info: ExitInfo) -> None:
-        sup = self.sup
-        who = "the launcher" if first is sup.attempt.launcher else f"rank {first.rank}"
-        others = [h.rank for h in sup.live_ranks() if h is not first]
+    def rank_exit(self, first: "RankView", info: ExitInfo, attempt: "AttemptView") -> None:
+        """``first``: the root cause (``attempt.launcher`` or one of ``attempt.ranks``)."""
+        who = "the launcher" if first.is_launcher else f"rank {first.rank}"
+        others = [r.rank for r in attempt.live_ranks() if r.slot != first.slot]
         verdict = f"{who} (pid {first.pid}) {info.description}"
         if others:
             peers = f"rank {others[0]} was" if len(others) == 1 else f"ranks {','.join(map(str, others))} were"
@@ -177,12 +202,12 @@ class IncidentDesk:
             "verdict": verdict,
             "first_failure": {"rank": first.rank, "pid": first.pid, **info.to_dict()},
         }
-        self._write("rank_exit", RANK_EXIT_CAPTURE_S, extra, detected_at=first.exited_at)
+        self._write("rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, detected_at=first.exited_at)
 
     def _watchdog_extra(self, ev: "WatchdogVerdict") -> dict:
         v = ev.verdict
         extra = {"watchdog": v.to_dict(), "stalled_s": round(ev.stalled_s, 3)}
-        gpu = self.sup.services.gpu
+        gpu = self.gpu
         if gpu.available:
             samples = gpu.sample()
             extra["gpu"] = {
@@ -192,33 +217,33 @@ class IncidentDesk:
             }
         return extra
 
-    def soft_hang(self, ev: "WatchdogVerdict") -> None:
-        self._async("hang_suspected", HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at)
+    def soft_hang(self, ev: "WatchdogVerdict", attempt: "AttemptView") -> None:
+        self._async("hang_suspected", attempt, HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at)
 
-    def hard_hang(self, ev: "WatchdogVerdict") -> list[int]:
+    def hard_hang(self, ev: "WatchdogVerdict", attempt: "AttemptView") -> list[int]:
         self.wait_idle()
-        result = self._write("hang", HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at)
+        result = self._write("hang", attempt, HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at)
         return list(getattr(result.diagnosis, "culprit_ranks", []) or [])
 
-    def startup_timeout(self, ev: "WatchdogVerdict") -> None:
+    def startup_timeout(self, ev: "WatchdogVerdict", attempt: "AttemptView") -> None:
         extra = self._watchdog_extra(ev)
         pending = list(ev.verdict.pending_ranks)
         extra["culprit_ranks"] = pending
         extra["verdict"] = (
             f"rank{'s' if len(pending) > 1 else ''} {','.join(map(str, pending))} did not become ready within "
-            f"--startup-timeout {self.sup.spec.startup_timeout:g} s: {ev.message}"
+            f"--startup-timeout {self.spec.startup_timeout:g} s: {ev.message}"
         )
-        self._write("startup_timeout", HANG_CAPTURE_S, extra, detected_at=ev.at)
+        self._write("startup_timeout", attempt, HANG_CAPTURE_S, extra, detected_at=ev.at)
 
-    def divergence(self, ev: "DivergenceFound", blocking: bool) -> None:
+    def divergence(self, ev: "DivergenceFound", attempt: "AttemptView", blocking: bool) -> None:
         v = ev.verdict
         extra = {"culprit_ranks": list(v.culprit_ranks), "verdict": v.verdict, "divergence": v.to_dict()}
         files = v.bundle_files()
         if blocking:
             self.wait_idle()
-            self._write("divergence", HANG_CAPTURE_S, extra, files, detected_at=ev.at)
+            self._write("divergence", attempt, HANG_CAPTURE_S, extra, files, detected_at=ev.at)
         else:
-            self._async("divergence", HANG_CAPTURE_S, extra, files=files, detected_at=ev.at)
+            self._async("divergence", attempt, HANG_CAPTURE_S, extra, files=files, detected_at=ev.at)
 
-    def on_demand(self, reply: "queue.SimpleQueue") -> None:
-        self._async("on_demand", HANG_CAPTURE_S, {}, reply)
+    def on_demand(self, reply: "queue.SimpleQueue", attempt: "AttemptView") -> None:
+        self._async("on_demand", attempt, HANG_CAPTURE_S, {}, reply)

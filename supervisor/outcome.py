@@ -1,17 +1,17 @@
-"""Events, outcomes and per-attempt state of the supervisor's main loop, and
-the exit codes of ``supervise serve`` (DESIGN.md's table)."""
+"""Events and outcomes of the supervisor's main loop, and the exit codes of
+``supervise serve`` (DESIGN.md's table).
+
+Per-attempt state is in ``attempt``, what an exit means in ``arbitration``,
+the restart policy in ``restart``."""
 
 from __future__ import annotations
 
 import os
 import queue
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-
-from .exits import ExitInfo
-from .launch import RankHandle
 
 EXIT_OK = 0
 EXIT_RANK = 80
@@ -21,13 +21,6 @@ EXIT_STARTUP = 83
 EXIT_TEARDOWN = 85
 EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in the supervisor (ranks are still torn down)
 
-# A rank that exits 0 is a fault only if its peers do not follow it within
-# this window (all ranks of a finished job exit within moments of each other).
-EARLY_EXIT_WINDOW_S = 0.5
-RESTART_BACKOFF_BASE_S = 1.0
-RESTART_BACKOFF_MAX_S = 30.0
-# A run that stayed up this long resets the backoff (not a crash loop).
-RESTART_STABLE_S = 300.0
 LAUNCHER_KEY = "launcher"
 TEARDOWN_EXIT = "teardown"  # metrics reason of exits caused by our own teardown
 
@@ -45,7 +38,10 @@ class ControlRequest:
 
 @dataclass(frozen=True)
 class EarlyExitCheck:
+    """Event: look again at a rank that exited 0 while its peers ran."""
+
     slot: int
+    pid: int
 
 
 @dataclass(frozen=True)
@@ -57,17 +53,6 @@ class Outcome:
     @property
     def restartable(self) -> bool:
         return self.code in (EXIT_RANK, EXIT_HANG, EXIT_DIVERGENCE, EXIT_STARTUP)
-
-
-@dataclass
-class Attempt:
-    """Live state of one launch of the group (reset on restart)."""
-
-    ranks: dict[int, RankHandle] = field(default_factory=dict)  # slot → handle
-    launcher: RankHandle | None = None
-    started_at: float = 0.0
-    first_failure: tuple[RankHandle, ExitInfo] | None = None
-    outcome: Outcome | None = None
 
 
 def new_run_id() -> str:

@@ -1,13 +1,18 @@
 """The supervisor's side services: metrics + health HTTP, control socket,
 consensus poller, GPU telemetry, and the per-rank environment they need.
 
-The main loop calls the ``on_*`` methods; nothing here decides anything.
+The main loop calls the ``on_*`` methods, the watchdog thread ``on_tick``;
+nothing here decides anything.  The services get the run's fixed facts
+(spec, run id, run dir) and ``post`` (the control socket and the consensus
+poller hand their events to the main loop through it); what changes is
+passed in by the caller.
 """
 
 from __future__ import annotations
 
 import queue
-from typing import TYPE_CHECKING, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import structlog
 
@@ -15,10 +20,11 @@ from . import state as engine_state
 from .rank.heartbeat import SlotSnapshot
 from .http import HealthCell, HealthServer, HealthStatus
 from .metrics import SupervisorMetrics
+from .outcome import ControlRequest
 from tp_supervise.watchdogs.gpu import GpuTelemetry
 
 if TYPE_CHECKING:
-    from .core import Supervisor
+    from .spec import LaunchSpec
     from .teardown import TeardownResult
 
 log = structlog.get_logger("supervise")
@@ -29,11 +35,13 @@ CONTROL_DUMP_TIMEOUT_S = 60.0
 
 
 class Services:
-    def __init__(self, sup: "Supervisor"):
-        self.sup = sup
-        spec = sup.spec
+    def __init__(self, spec: "LaunchSpec", run_id: str, run_dir: Path, post: Callable[[object], None]):
+        self.spec = spec
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.post = post
         slot_ranks = [spec.rank_offset + i for i in range(spec.nproc_per_node)]
-        self.metrics = SupervisorMetrics(sup.run_id, slot_ranks, node=spec.node_rank)
+        self.metrics = SupervisorMetrics(run_id, slot_ranks, node=spec.node_rank)
         self.health = HealthCell(HealthStatus.for_state(engine_state.EngineState.STARTING, "starting"))
         self.http: HealthServer | None = None
         if spec.metrics_addr is not None:
@@ -51,8 +59,8 @@ class Services:
         from tp_supervise.consensus.monitor import ConsensusMonitor
         from .watch import ConsensusThread
 
-        self.consensus_monitor = ConsensusMonitor(self.sup.run_dir, self.sup.spec.nproc_per_node)
-        self.consensus_thread = ConsensusThread(self.sup, self.consensus_monitor)
+        self.consensus_monitor = ConsensusMonitor(self.run_dir, self.spec.nproc_per_node)
+        self.consensus_thread = ConsensusThread(self.consensus_monitor, self.post)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -63,12 +71,12 @@ class Services:
 
         sweep_stale()
         self.control = ControlServer(
-            self.sup.run_id,
+            self.run_id,
             self._control_request,
             {
                 "metrics": self.metrics_url,
-                "dump_dir": str(self.sup.spec.dump_dir.resolve()),
-                "run_dir": str(self.sup.run_dir),
+                "dump_dir": str(self.spec.dump_dir.resolve()),
+                "run_dir": str(self.run_dir),
             },
         )
         self.control.start()
@@ -91,22 +99,22 @@ class Services:
     def rank_env(self, slot: int | None) -> dict[str, str]:
         """Extra environment for one rank (the user's own values win)."""
         env: dict[str, str] = {}
-        run_dir = self.sup.run_dir
+        run_dir = self.run_dir
         try:
             from .rank import flight
 
             env.update(flight.rank_env(run_dir, slot if slot is not None else -1))
         except ImportError:
             pass
-        if self.sup.spec.consensus != "off" or self.sup.spec.consensus_inband:
+        if self.spec.consensus != "off" or self.spec.consensus_inband:
             from .rank.channel import rank_env as consensus_env
 
             env.update(
                 consensus_env(
                     run_dir,
                     slot if slot is not None else -1,
-                    self.sup.spec.consensus,
-                    inband_every=self.sup.spec.consensus_inband,
+                    self.spec.consensus,
+                    inband_every=self.spec.consensus_inband,
                 )
             )
         return env
@@ -117,8 +125,8 @@ class Services:
         self.metrics.set_incident_open(engine_state.is_fault(state) or state is engine_state.EngineState.SUSPECT)
         self.health.set(HealthStatus.for_state(state, detail=state.value))
 
-    def on_ready(self) -> None:
-        spec = self.sup.spec
+    def on_ready(self, ranks: int) -> None:
+        spec = self.spec
         if spec.builtin:
             url = f"http://{spec.engine.host}:{spec.engine.port}"
             example = (
@@ -128,15 +136,15 @@ class Services:
             log.info("engine ready", url=url, metrics=self.metrics_url, try_it=example)
             print(f"ready: {example}", flush=True)
         else:
-            log.info("every rank is ready", ranks=len(self.sup.attempt.ranks), metrics=self.metrics_url)
+            log.info("every rank is ready", ranks=ranks, metrics=self.metrics_url)
 
-    def on_tick(self, snaps: Sequence[SlotSnapshot], verdict, now: float) -> None:
-        alive = {slot: h.alive for slot, h in list(self.sup.attempt.ranks.items())}
+    def on_tick(self, snaps: Sequence[SlotSnapshot], verdict, now: float, alive: Mapping[int, bool]) -> None:
+        """Runs on the watchdog thread; ``alive``: slot → whether its process is alive."""
         self.metrics.observe_ranks(snaps, now, alive)
         self.metrics.set_watchdog(
             soft=verdict.soft_timeout,
             hard=verdict.hard_timeout,
-            startup=self.sup.spec.startup_timeout,
+            startup=self.spec.startup_timeout,
             stalled_s=verdict.stalled_s,
         )
         if self.consensus_monitor is not None:
@@ -184,10 +192,8 @@ class Services:
     # ------------------------------------------------------------ control
     def _control_request(self, request: dict) -> dict:
         """Runs on a control-socket thread: hand to the main loop, wait for its reply."""
-        from .core import ControlRequest
-
         box: queue.SimpleQueue = queue.SimpleQueue()
-        self.sup.events.put(ControlRequest(request, box))
+        self.post(ControlRequest(request, box))
         try:
             return box.get(timeout=CONTROL_DUMP_TIMEOUT_S)
         except queue.Empty:

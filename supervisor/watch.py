@@ -2,7 +2,10 @@
 
 They read shared memory only (never a socket or a pipe of a rank), run the
 pure policies of ``watchdogs/`` and ``consensus/``, update metrics, and post
-events for the main loop.  Neither kills or dumps anything.
+events for the main loop.  Neither kills or dumps anything, and neither
+holds the supervisor: each gets what it reads (a heartbeat reader, the
+published ``AttemptView``) and ``post``, so the constructors say what a
+thread can touch.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import psutil
 import structlog
@@ -21,7 +24,8 @@ from .rank.heartbeat import SlotSnapshot, empty_slot
 from tp_supervise.watchdogs import policy
 
 if TYPE_CHECKING:
-    from .core import Supervisor
+    from .attempt import AttemptView
+    from .spec import LaunchSpec
 
 log = structlog.get_logger("supervise.watchdog")
 
@@ -83,22 +87,41 @@ class ConsensusAgreed:
 
 
 class WatchdogThread:
-    def __init__(self, sup: "Supervisor"):
-        self.sup = sup
-        spec = sup.spec
+    """Every TICK_S: read all heartbeat slots, run ``watchdogs.policy``, post
+    the verdicts that need action, feed ``on_tick`` (metrics).
+
+    ``attempt()`` returns the main thread's latest ``AttemptView``; a new
+    ``started_at`` there starts a new attempt's watch (progress history and
+    claims forgotten, learned step times kept).
+    """
+
+    def __init__(
+        self,
+        spec: "LaunchSpec",
+        read_heartbeats: Callable[[], list[SlotSnapshot]],
+        attempt: Callable[[], "AttemptView"],
+        post: Callable[[object], None],
+        on_tick: Callable[[list[SlotSnapshot], object, float, Mapping[int, bool]], None],
+    ):
+        self.spec = spec
+        self.read_heartbeats = read_heartbeats
+        self.attempt = attempt
+        self.post = post
+        self.on_tick = on_tick
         self.config = policy.WatchdogConfig(
             soft_timeout=spec.soft_timeout,
             hard_timeout=spec.hard_timeout,
             startup_timeout=spec.startup_timeout,
             adaptive=spec.adaptive_params(),
         )
+        # Only the watchdog thread touches what follows.
         self.state = policy.WatchdogState.initial(time.monotonic())
+        self.watching = 0.0  # started_at of the attempt being watched
         self.all_ready_posted = False
         self.known_pids: dict[int, int] = {}
         # (slot pid, rank pid) -> whether the slot's writer descends from the rank
         # (a wrapper script's python); the process tree of a pid never changes that.
         self.descends: dict[tuple[int, int], bool] = {}
-        self.lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self.adapter = AdapterThread(spec.engine_metrics_url, spec.engine_kind) if spec.engine_metrics_url else None
@@ -116,14 +139,13 @@ class WatchdogThread:
         if self.adapter is not None:
             self.adapter.stop()
 
-    def reset(self, now: float) -> None:
-        """A new attempt: forget progress history and claims (keep learned thresholds)."""
-        with self.lock:
-            # Keep what was learned about step times; forget progress history.
-            self.state = dataclasses.replace(policy.WatchdogState.initial(now), window=self.state.window)
-            self.all_ready_posted = False
-            self.known_pids = {}
-            self.descends = {}
+    def _new_attempt(self, started_at: float) -> None:
+        """Forget progress history and claims; keep what was learned about step times."""
+        self.state = dataclasses.replace(policy.WatchdogState.initial(started_at), window=self.state.window)
+        self.watching = started_at
+        self.all_ready_posted = False
+        self.known_pids = {}
+        self.descends = {}
 
     def _run(self) -> None:
         next_tick = time.monotonic()
@@ -139,48 +161,47 @@ class WatchdogThread:
                 delay = 0
             self._stop.wait(delay)
 
-    def live_slots(self, raw: list[SlotSnapshot]) -> list[SlotSnapshot]:
+    def live_slots(self, raw: list[SlotSnapshot], attempt: "AttemptView") -> list[SlotSnapshot]:
         """Slots of live ranks; slots of dead or stale processes read as empty."""
-        sup = self.sup
-        ranks = sup.attempt.ranks
+        ranks = attempt.ranks
         out = []
         for snap in raw:
-            handle = ranks.get(snap.slot)
+            rank = ranks.get(snap.slot)
             if not snap.claimed:
                 out.append(snap)
                 continue
-            if sup.spec.tree:
-                if handle is not None and (handle.pid != snap.pid or not handle.alive):
+            if self.spec.tree:
+                if rank is not None and (rank.pid != snap.pid or not rank.alive):
                     out.append(empty_slot(snap.slot))
                     continue
-            elif handle is None or handle.pid != snap.pid and not self._descends(snap.pid, handle.pid) or not handle.alive:
+            elif rank is None or rank.pid != snap.pid and not self._descends(snap.pid, rank.pid) or not rank.alive:
                 out.append(empty_slot(snap.slot))
                 continue
             out.append(snap)
         return out
 
     def tick(self, now: float) -> None:
-        sup = self.sup
-        if sup.attempt.outcome is not None or not sup.attempt.started_at:
+        attempt = self.attempt()  # one read: this pass sees one consistent attempt
+        if attempt.finished or not attempt.launched:
             return
-        raw = sup.heartbeat.read_all()
-        if sup.spec.tree:
+        if attempt.started_at != self.watching:
+            self._new_attempt(attempt.started_at)
+        raw = self.read_heartbeats()
+        if self.spec.tree:
             self._discover(raw)
-        snaps = self.live_slots(raw)
+        snaps = self.live_slots(raw, attempt)
         external = self.adapter.latest if self.adapter is not None else None
-        exited = {slot for slot, h in list(sup.attempt.ranks.items()) if not h.alive}
-        with self.lock:
-            self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited)
-        self._post(verdict, snaps, now)
+        exited = {slot for slot, r in attempt.ranks.items() if not r.alive}
+        self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited)
+        self._post(verdict, snaps, now, attempt)
         try:
-            sup.services.on_tick(snaps, verdict, now)
+            self.on_tick(snaps, verdict, now, {slot: r.alive for slot, r in attempt.ranks.items()})
         except Exception as exc:  # metrics must never cost a verdict
             log.error("metrics update failed", error=repr(exc))
 
-    def _post(self, verdict, snaps: list[SlotSnapshot], now: float) -> None:
+    def _post(self, verdict, snaps: list[SlotSnapshot], now: float, attempt: "AttemptView") -> None:
         """Hand the verdicts that need action to the main loop (before anything
         else of this tick can fail: soft/hard/startup fire only once)."""
-        sup = self.sup
         if verdict.thresholds_changed:
             log.info(
                 "watchdog thresholds",
@@ -191,27 +212,27 @@ class WatchdogThread:
             )
         kind = verdict.kind.value
         if kind in ("soft", "recovered", "hard", "startup_timeout"):
-            sup.events.put(WatchdogVerdict(kind, verdict.stalled_s, verdict.message, verdict, tuple(snaps), now))
+            self.post(WatchdogVerdict(kind, verdict.stalled_s, verdict.message, verdict, tuple(snaps), now))
         if not self.all_ready_posted and kind not in ("startup_wait", "startup_timeout", "startup_overdue"):
-            if self._have_ranks(snaps, now):
+            if self._have_ranks(snaps, now, attempt):
                 self.all_ready_posted = True
-                sup.events.put(WatchdogVerdict("all_ready", 0.0, "every rank is ready", None, tuple(snaps), now))
+                self.post(WatchdogVerdict("all_ready", 0.0, "every rank is ready", None, tuple(snaps), now))
 
-    def _have_ranks(self, snaps: list[SlotSnapshot], now: float) -> bool:
+    def _have_ranks(self, snaps: list[SlotSnapshot], now: float, attempt: "AttemptView") -> bool:
         """Every rank showed up: claimed its slot, or (a rank that cannot
         claim one, e.g. not Python or no hook) has run for a grace period."""
-        spec = self.sup.spec
+        spec = self.spec
         by_slot = {s.slot: s for s in snaps if s.claimed}
         if spec.tree:
             return len(by_slot) >= spec.nproc_per_node
-        for slot, handle in self.sup.attempt.ranks.items():
+        for slot, rank in attempt.ranks.items():
             snap = by_slot.get(slot)
             if snap is not None and snap.ready:
                 continue
             # Claimed but silent (the hook claims before user code runs, and
             # the program may still declare itself instrumented), or never
             # claimed: ready only after the grace period.
-            if (snap is None and self.expect_claim) or now - handle.started_at < UNCLAIMED_READY_GRACE_S:
+            if (snap is None and self.expect_claim) or now - rank.started_at < UNCLAIMED_READY_GRACE_S:
                 return False
         return True
 
@@ -231,9 +252,7 @@ class WatchdogThread:
         for snap in raw:
             if snap.claimed and snap.pid and self.known_pids.get(snap.slot) != snap.pid:
                 self.known_pids[snap.slot] = snap.pid
-                self.sup.events.put(RankClaimed(snap.slot, snap.rank, snap.pid))
-
-
+                self.post(RankClaimed(snap.slot, snap.rank, snap.pid))
 
 
 class AdapterThread:
@@ -268,9 +287,9 @@ class AdapterThread:
 class ConsensusThread:
     """Polls the consensus monitor every few ms and posts divergences."""
 
-    def __init__(self, sup: "Supervisor", monitor):
-        self.sup = sup
+    def __init__(self, monitor, post: Callable[[object], None]):
         self.monitor = monitor
+        self.post = post
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="consensus", daemon=True)
 
@@ -287,14 +306,14 @@ class ConsensusThread:
             try:
                 verdicts = self.monitor.poll(time.monotonic())
                 for verdict in verdicts:
-                    self.sup.events.put(DivergenceFound(verdict, time.monotonic()))
+                    self.post(DivergenceFound(verdict, time.monotonic()))
                 comparisons, mismatches = self.monitor.counts()
                 if verdicts:
                     open_at = (comparisons, mismatches)
                 elif open_at is not None and mismatches > open_at[1]:
                     open_at = (comparisons, mismatches)  # still disagreeing
                 elif open_at is not None and comparisons - open_at[0] >= CONSENSUS_AGREE_STEPS:
-                    self.sup.events.put(ConsensusAgreed(comparisons - open_at[0], time.monotonic()))
+                    self.post(ConsensusAgreed(comparisons - open_at[0], time.monotonic()))
                     open_at = None
             except Exception as exc:
                 log.error("consensus pass failed", error=repr(exc))

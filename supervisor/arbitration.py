@@ -1,0 +1,135 @@
+"""Exit arbitration: what one rank's (or the tree-mode launcher's) exit means
+for the run.
+
+``exits`` classifies a single exit (the failure taxonomy); this module
+decides what it means, from the attempt as the main thread knows it::
+
+    the attempt already has an outcome,   → a consequence of that incident (or of
+    or the supervisor is tearing down       our own stop): counted as "teardown"
+    the launcher exits 0                  → the run is clean, unless a rank failed first
+    a rank exits 0 while its peers run    → look again after EARLY_EXIT_WINDOW_S: if the
+                                            peers followed, the job finished; if not, a fault
+    a rank exits 0, the last one          → the run is clean
+    anything else                         → a fault whose root cause is the attempt's
+                                            earliest failure (``root_cause``), unless the
+                                            ranks diverged before it (``divergence_first``)
+
+Functions of the attempt and the facts passed in; the main loop (``core``)
+acts on the ``Ruling``: counts, logs, schedules the re-check, finishes.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass
+from typing import Callable
+
+from . import exits
+from .attempt import Attempt
+from .exits import ExitInfo, ExitStatus
+from .launch import RankHandle
+from .outcome import TEARDOWN_EXIT, EarlyExitCheck
+from .rank.heartbeat import SlotSnapshot
+from .watch import DivergenceFound
+
+# A rank that exits 0 is a fault only if its peers do not follow it within
+# this window (all ranks of a finished job exit within moments of each other).
+EARLY_EXIT_WINDOW_S = 0.5
+
+
+class Meaning(enum.Enum):
+    STALE = "stale"  # not this attempt's process, or already handled
+    CONSEQUENCE = "consequence"  # of the incident being handled, or of our own stop
+    RECHECK = "recheck"  # exit 0 while peers run: post EarlyExitCheck after EARLY_EXIT_WINDOW_S
+    DONE = "done"  # a clean exit; others still run
+    CLEAN = "clean"  # the run finished cleanly
+    FAILED = "failed"  # a fault: find the root cause, dump, finish with EXIT_RANK
+
+
+@dataclass(frozen=True)
+class Ruling:
+    meaning: Meaning
+    handle: RankHandle | None = None
+    info: ExitInfo | None = None
+    count_as: str | None = None  # supervise_rank_exits_total{reason}; None: not counted
+    message: str = ""  # CLEAN: the log line
+
+
+STALE = Ruling(Meaning.STALE)
+ALL_RANKS_CLEAN = "every rank finished with exit code 0"
+
+
+def classify_exit(
+    attempt: Attempt,
+    handle: RankHandle,
+    status: ExitStatus | None,
+    *,
+    read_slot: Callable[[int], SlotSnapshot],
+    oom_rose: Callable[[], bool],
+) -> ExitInfo:
+    """``status`` None: a process that was not our child (its parent owns the status)."""
+    peers = [h for h in attempt.live_ranks() if h is not handle]
+    # A rank that declared it was finishing (runtime.finished, or the hook
+    # seeing it leave the group) is done, not lost or early, even while
+    # its peers still run.
+    said_finished = handle.slot >= 0 and read_slot(handle.slot).finished
+    if status is None:
+        if said_finished:
+            return ExitInfo(None, exits.CLEAN, "finished (its launcher owns the exit status)")
+        return exits.lost(handle.pid)
+    return exits.classify(
+        status,
+        peers_running=bool(peers) and not said_finished,
+        oom_kills_rose=status.signal == signal.SIGKILL and oom_rose(),
+    )
+
+
+def rule_exit(attempt: Attempt, handle: RankHandle, info: ExitInfo, *, tearing_down: bool) -> Ruling:
+    """An exit just recorded on ``handle`` (``Attempt.record_exit``)."""
+    if attempt.outcome is not None or tearing_down:
+        return Ruling(Meaning.CONSEQUENCE, handle, info, count_as=TEARDOWN_EXIT)
+    if handle is attempt.launcher:
+        if (not info.failed or info.reason == exits.EARLY_EXIT) and attempt.first_failure is None:
+            return Ruling(Meaning.CLEAN, handle, info, info.reason, "launcher finished with exit code 0")
+        return Ruling(Meaning.FAILED, handle, info, info.reason)
+    if info.reason == exits.EARLY_EXIT:
+        return Ruling(Meaning.RECHECK, handle, info)  # counted when the check decides
+    if info.failed:
+        return Ruling(Meaning.FAILED, handle, info, info.reason)
+    if not attempt.live_ranks() and attempt.launcher is None:
+        return Ruling(Meaning.CLEAN, handle, info, info.reason, ALL_RANKS_CLEAN)
+    return Ruling(Meaning.DONE, handle, info, info.reason)
+
+
+def rule_early_exit_check(attempt: Attempt, check: EarlyExitCheck) -> Ruling:
+    """EARLY_EXIT_WINDOW_S after a rank exited 0 while its peers ran: did they follow?"""
+    handle = attempt.ranks.get(check.slot)
+    if handle is None or handle.pid != check.pid or handle.exit is None or attempt.outcome is not None:
+        return STALE
+    if attempt.live_ranks():
+        return Ruling(Meaning.FAILED, handle, handle.exit, exits.EARLY_EXIT)
+    if all(h.exit.reason in (exits.CLEAN, exits.EARLY_EXIT) for h in attempt.ranks.values()):
+        return Ruling(Meaning.CLEAN, handle, handle.exit, exits.CLEAN, ALL_RANKS_CLEAN)
+    return Ruling(Meaning.DONE, handle, handle.exit, exits.CLEAN)
+
+
+def root_cause(attempt: Attempt, handle: RankHandle, info: ExitInfo) -> tuple[RankHandle, ExitInfo]:
+    """The earliest failure of the attempt, which may be a rank whose early
+    exit (code 0) was still inside its grace window; ``handle`` if none."""
+    handles = list(attempt.ranks.values()) + [attempt.launcher]
+    failed = [h for h in handles if h is not None and h.exit is not None and h.exit.failed]
+    first = min(failed, key=lambda h: h.exited_at) if failed else handle
+    return first, first.exit or info
+
+
+def divergence_first(settle: Callable[[float], list], now: float) -> DivergenceFound | None:
+    """Before blaming a death or a hang: did the ranks diverge first?
+
+    A rank scheduling a batch of another size makes the next collective
+    abort (gloo) or hang (NCCL); the disagreement still in flight
+    (``settle``: the consensus monitor's last look) is the root cause.
+    """
+    verdicts = settle(now)
+    return DivergenceFound(verdicts[0], now) if verdicts else None
+

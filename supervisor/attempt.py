@@ -1,0 +1,153 @@
+"""One launch of the rank group: the main thread's live state and the
+read-only view of it that other threads get.
+
+Only the main thread holds an ``Attempt`` and changes it, through its
+methods; each change that other threads could care about (a rank started or
+joined, a rank exited, the attempt's outcome decided) publishes a fresh
+``AttemptView``: a frozen value the main thread swaps in with one reference
+assignment (atomic in CPython).  The watchdog, the services and the dump
+worker read that reference and never see a half-made state::
+
+    main thread                         other threads
+    Attempt.add_rank / record_exit      view = published()   # one read
+      / set_launcher / finish  ──set──▶ view.ranks[slot].alive ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Generic, Mapping, TypeVar
+
+from .exits import ExitInfo
+from .launch import RankHandle
+from .outcome import LAUNCHER_KEY, Outcome
+
+T = TypeVar("T")
+
+
+class Published(Generic[T]):
+    """The latest value of something the main thread owns: one writer, any readers.
+
+    Pass the cell itself where a reader wants ``() -> value``.
+    """
+
+    def __init__(self, value: T):
+        self._value = value
+
+    def set(self, value: T) -> None:
+        self._value = value
+
+    def __call__(self) -> T:
+        return self._value
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank (or the tree-mode launcher, slot -1) as the main thread last saw it."""
+
+    slot: int
+    rank: int
+    pid: int
+    started_at: float
+    exit: ExitInfo | None = None
+    exited_at: float | None = None
+
+    @classmethod
+    def of(cls, handle: RankHandle) -> "RankView":
+        return cls(handle.slot, handle.rank, handle.pid, handle.started_at, handle.exit, handle.exited_at)
+
+    @property
+    def alive(self) -> bool:
+        return self.exit is None
+
+    @property
+    def is_launcher(self) -> bool:
+        return self.slot < 0
+
+
+@dataclass(frozen=True, eq=False)
+class AttemptView:
+    """An immutable snapshot of one attempt.  ``started_at`` 0: nothing launched yet."""
+
+    started_at: float
+    ranks: Mapping[int, RankView]  # slot → rank, in the order they started (or joined)
+    launcher: RankView | None
+    restarts: int  # restarts before this attempt (what its bundles report)
+    finished: bool  # the attempt's outcome is decided: no more verdicts wanted
+
+    @property
+    def launched(self) -> bool:
+        """A process of this attempt was started (a watch can begin)."""
+        return bool(self.ranks) or self.launcher is not None
+
+    def live_ranks(self) -> list[RankView]:
+        return [r for r in self.ranks.values() if r.alive]
+
+
+NOT_STARTED = AttemptView(started_at=0.0, ranks=MappingProxyType({}), launcher=None, restarts=0, finished=False)
+
+
+class Attempt:
+    """Live state of one launch of the group (a new one on restart).  Main thread only.
+
+    ``publish`` receives a new ``AttemptView`` after every change.
+    """
+
+    def __init__(self, publish: Callable[[AttemptView], None], started_at: float = 0.0, restarts: int = 0):
+        self.started_at = started_at
+        self.restarts = restarts
+        self._ranks: dict[int, RankHandle] = {}  # slot → handle
+        self.launcher: RankHandle | None = None
+        self.first_failure: tuple[RankHandle, ExitInfo] | None = None
+        self.outcome: Outcome | None = None
+        self._publish = publish
+        self.view = self._snapshot()
+        publish(self.view)
+
+    @property
+    def ranks(self) -> Mapping[int, RankHandle]:
+        return MappingProxyType(self._ranks)
+
+    def live_ranks(self) -> list[RankHandle]:
+        return [h for h in self._ranks.values() if h.alive]
+
+    def handle_for(self, key: object) -> RankHandle | None:
+        """The handle an exit-monitor key names (as ``core`` watches them)."""
+        if key == LAUNCHER_KEY:
+            return self.launcher
+        if isinstance(key, tuple) and key[0] in ("rank", "tree-rank"):
+            return self._ranks.get(key[1])
+        return None
+
+    # ------------------------------------------------------------ changes
+    def add_rank(self, handle: RankHandle) -> None:
+        self._ranks[handle.slot] = handle
+        self._changed()
+
+    def set_launcher(self, handle: RankHandle) -> None:
+        self.launcher = handle
+        self._changed()
+
+    def record_exit(self, handle: RankHandle, info: ExitInfo, at: float) -> None:
+        handle.exit, handle.exited_at = info, at
+        self._changed()
+
+    def finish(self, outcome: Outcome) -> None:
+        """The first outcome decided wins; later ones are consequences."""
+        if self.outcome is None:
+            self.outcome = outcome
+            self._changed()
+
+    def _changed(self) -> None:
+        self.view = self._snapshot()
+        self._publish(self.view)
+
+    def _snapshot(self) -> AttemptView:
+        return AttemptView(
+            started_at=self.started_at,
+            ranks=MappingProxyType({slot: RankView.of(h) for slot, h in self._ranks.items()}),
+            launcher=None if self.launcher is None else RankView.of(self.launcher),
+            restarts=self.restarts,
+            finished=self.outcome is not None,
+        )

@@ -1,0 +1,59 @@
+"""Restart policy: whether a finished attempt is launched again, and when.
+
+::
+
+    restartable outcome (rank exit, hang,      ─▶ restart after
+    divergence, startup timeout), no stop          min(BASE · 2^restarts, MAX) seconds
+    signal, restarts < --max-restarts
+    an attempt that stayed up RESTART_STABLE_S ─▶ was no crash loop: the count starts over
+    restartable, but out of restarts           ─▶ "crash loop: giving up" (with --max-restarts > 0)
+
+Time is an argument; the main loop does the waiting (and keeps answering
+signals and control requests while it waits).
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from .outcome import Outcome
+
+log = structlog.get_logger("supervise")
+
+RESTART_BACKOFF_BASE_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+# A run that stayed up this long resets the backoff (not a crash loop).
+RESTART_STABLE_S = 300.0
+
+
+class RestartPolicy:
+    def __init__(self, max_restarts: int):
+        self.max_restarts = max_restarts
+        self.restarts = 0  # restarts of the current crash loop
+
+    def after(self, outcome: Outcome, *, stopping: bool, uptime_s: float) -> float | None:
+        """Seconds to wait before launching again, or None: the run is over.
+
+        ``uptime_s``: how long the attempt that ended had run.
+        """
+        if not outcome.restartable or stopping or self.restarts >= self.max_restarts:
+            if outcome.restartable and self.max_restarts > 0:
+                log.error(
+                    "crash loop: giving up",
+                    restarts=self.restarts,
+                    max_restarts=self.max_restarts,
+                    last_reason=outcome.reason,
+                )
+            return None
+        if uptime_s >= RESTART_STABLE_S:
+            self.restarts = 0
+        delay = min(RESTART_BACKOFF_BASE_S * (2**self.restarts), RESTART_BACKOFF_MAX_S)
+        self.restarts += 1
+        log.warning(
+            "restarting the group",
+            restart=self.restarts,
+            max_restarts=self.max_restarts,
+            backoff_s=delay,
+            after=outcome.reason,
+        )
+        return delay
