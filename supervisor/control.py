@@ -34,6 +34,8 @@ from typing import Callable
 import psutil
 import structlog
 
+from .cgroup import RunCgroup
+
 log = structlog.get_logger("supervise.control")
 
 WIRE_VERSION = 1
@@ -224,11 +226,11 @@ def sweep_stale() -> list[str]:
 
     Their ranks died with them (parent-death signal), but a stopped rank of a
     launcher's tree or a setsid escapee can remain, and so do the run's shared
-    memory directory and registry entry.  Only what an entry provably owns is
-    touched: entries are our own regular files with valid fields, the socket
-    and run directory are derived from the run id (never taken from the
-    entry), and only processes of this user carrying the run's marker are
-    killed.  Returns the run ids swept.
+    memory directory, cgroup and registry entry.  Only what an entry provably
+    owns is touched: entries are our own regular files with valid fields, the
+    socket, run directory and cgroup are derived from the run id (never taken
+    from the entry), and only processes of this user carrying the run's
+    marker, or inside the run's cgroup, are killed.  Returns the run ids swept.
     """
     swept = []
     root = registry_dir()
@@ -245,6 +247,11 @@ def sweep_stale() -> list[str]:
                 os.kill(orphan, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        for cgroup in RunCgroup.existing(entry.run_id):
+            # Only our ranks' descendants can be in it, whatever they did to their environment.
+            orphans |= cgroup.pids()
+            cgroup.kill()
+            cgroup.remove()
         for run_dir in run_dir_candidates(entry.run_id):
             if _own_dir(run_dir):
                 shutil.rmtree(run_dir, ignore_errors=True)

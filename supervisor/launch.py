@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Mapping
 
 from . import procs
+from .cgroup import join_in_child
 from .rank import runtime
 from .exits import ExitInfo
 
@@ -48,6 +49,7 @@ class RunContext:
     master_addr: str
     master_port: int
     zero_code_hook: bool
+    cgroup_procs: str | None = None  # the run's cgroup.procs: ranks join it before exec (supervisor/cgroup.py)
 
 
 @dataclass(frozen=True)
@@ -134,9 +136,11 @@ def rank_env(
     return env
 
 
-def _child_setup(supervisor_pid: int):
+def _child_setup(supervisor_pid: int, cgroup_procs: str | None):
     def setup() -> None:
         # Runs in the child after fork (and setsid), before exec.
+        if cgroup_procs:
+            join_in_child(cgroup_procs)
         procs.set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != supervisor_pid:
             os._exit(runtime.EXIT_SUPERVISOR_GONE)  # it died between fork and prctl
@@ -152,7 +156,7 @@ def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None) -> RankHandle
         cwd=cwd,
         start_new_session=True,
         pass_fds=(ctx.death_fd,),
-        preexec_fn=_child_setup(ctx.supervisor_pid),
+        preexec_fn=_child_setup(ctx.supervisor_pid, ctx.cgroup_procs),
         close_fds=True,
     )
     return RankHandle(spec=spec, pid=popen.pid, popen=popen, started_at=time.monotonic())

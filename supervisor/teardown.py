@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -28,7 +27,9 @@ from typing import Callable, Iterable
 import structlog
 
 from . import procs
+from .cgroup import RunCgroup
 from .launch import RankHandle, signal_group
+from .signals import Hurry
 
 log = structlog.get_logger("supervise.teardown")
 
@@ -47,7 +48,7 @@ class KillPolicy:
     grace_s: float
     first_signal: int = signal.SIGTERM
     immediate: bool = False  # second Ctrl-C: skip straight to SIGKILL
-    hurry: threading.Event | None = None  # set mid-wait: stop waiting, escalate now
+    hurry: "Hurry | None" = None  # set mid-wait (a second stop signal): stop waiting, escalate now
 
 
 @dataclass
@@ -72,7 +73,7 @@ def _signal_all(pids: Iterable[int], signum: int) -> None:
             pass
 
 
-def wait_gone(pids: set[int], deadline: float, hurry: threading.Event | None = None) -> set[int]:
+def wait_gone(pids: set[int], deadline: float, hurry: "Hurry | None" = None) -> set[int]:
     """Block until every pid is gone or the deadline; returns those still alive.
 
     Uses pidfds (readable when the process exits); zombies count as gone.
@@ -111,9 +112,13 @@ def teardown(
     wait_ranks_reaped: Callable[[float], bool],
     gpu_holders: Callable[[set[int]], list[tuple[int, int, int]]] | None = None,
     extra_pids: Iterable[int] = (),
+    cgroup: RunCgroup | None = None,
 ) -> TeardownResult:
     """Stop every process of the run.  ``wait_ranks_reaped(deadline)`` blocks
-    until the exit monitor reaped every rank (it owns their exit status)."""
+    until the exit monitor reaped every rank (it owns their exit status).
+    With the run's ``cgroup``, its members count as the run's too (escapees
+    that scrubbed their environment included), and SIGKILL goes to the
+    whole cgroup at once."""
     start = time.monotonic()
     result = TeardownResult()
     seen: set[int] = set(extra_pids)
@@ -121,6 +126,8 @@ def teardown(
 
     def everyone() -> set[int]:
         live = procs.run_processes(run_id)
+        if cgroup is not None:
+            live |= cgroup.pids()
         seen.update(live)
         live |= {h.pid for h in ranks if h.alive}
         return {pid for pid in live if not procs.is_gone(pid)}
@@ -153,12 +160,16 @@ def teardown(
                 signal_group(h.pid, signal.SIGKILL)
         _signal_all(remaining, signal.SIGKILL)
         _signal_all(remaining, signal.SIGCONT)
+        if cgroup is not None:
+            cgroup.kill()
         log.warning("sent SIGKILL", pids=result.killed, grace_s=policy.grace_s)
 
     confirm_deadline = time.monotonic() + KILL_CONFIRM_S
     leftover = wait_gone(everyone(), confirm_deadline) if remaining else everyone()
     if leftover:
         # Late children of dying processes: one more SIGKILL round.
+        if cgroup is not None:
+            cgroup.kill()
         _signal_all(leftover, signal.SIGKILL)
         leftover = wait_gone(leftover, confirm_deadline)
     wait_ranks_reaped(time.monotonic() + KILL_CONFIRM_S)

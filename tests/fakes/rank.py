@@ -15,6 +15,8 @@ ACTION (what this rank does after --delay seconds):
   abort        call abort() from a non-main thread (a C++ std::terminate)
   ignore_term  ignore SIGTERM and block forever
   doublefork   leave a setsid grandchild that ignores SIGTERM, then block
+  scrubbed     like doublefork, but the grandchild execs `env -i` (no run marker, no test
+               mark) and writes its pid to $FAKE_ESCAPEE_FILE; then block
   stop         SIGSTOP itself (inside a collective of the loop)
   stall        loop, then stall in a Python function outside collectives
 """
@@ -86,6 +88,16 @@ def act(action: str, steps: int) -> None:
         t.join()
     if action == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        block_forever()
+    if action == "scrubbed":
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                with open(os.environ["FAKE_ESCAPEE_FILE"], "w") as f:
+                    f.write(str(os.getpid()))
+                os.execve("/bin/sh", ["sh", "-c", "trap '' TERM; while :; do sleep 1; done"], {})
+            os._exit(0)
+        os.wait()
         block_forever()
     if action == "doublefork":
         if os.fork() == 0:
