@@ -62,7 +62,10 @@ from .outcome import (
     new_run_id,
     run_dir_for,
 )
+from . import signals
+from .cgroup import RunCgroup
 from .rank.net import free_port
+from .signals import Hurry
 from .restart import RestartPolicy
 from .services import Services
 from .spec import LaunchSpec
@@ -71,6 +74,8 @@ from .teardown import KillPolicy, TeardownResult, teardown
 from .watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict
 
 log = structlog.get_logger("supervise")
+
+SIGQUIT_DUMP_WAIT_S = 15.0  # the on-demand capture's own deadlines are shorter
 
 
 class Supervisor:
@@ -86,7 +91,9 @@ class Supervisor:
         self.attempt = Attempt(self.attempt_view.set)
         self.restart = RestartPolicy(spec.max_restarts)
         self.stopping: SignalReceived | None = None
-        self.hurry = threading.Event()
+        self.stop_requested = False  # set by the signal handler itself: a second stop signal hurries
+        self.hurry = Hurry()
+        self.cgroup: RunCgroup | None = None
         self.oom = exits.OomCounter()
         self.run_dir: Path | None = None
         self.heartbeat: HeartbeatSegment | None = None
@@ -106,7 +113,7 @@ class Supervisor:
             DivergenceFound: self._on_divergence,
             ConsensusAgreed: self._on_agreed,
             ControlRequest: self._on_control,
-            SignalReceived: self._on_stop_signal,
+            SignalReceived: self._on_signal_event,
         }
         self.last_teardown: TeardownResult | None = None
         self.suspicions: set[str] = set()  # why the engine is SUSPECT: "hang", "divergence"
@@ -121,6 +128,11 @@ class Supervisor:
         os.set_inheritable(self.death_r, False)
         os.set_inheritable(self.death_w, False)
         master_port = self.spec.master_port or free_port(self.spec.master_addr)
+        self.cgroup, why_not = RunCgroup.create(self.run_id)
+        if self.cgroup is not None:
+            log.info("process tracking", mechanism=self.cgroup.describe())
+        else:
+            log.info("process tracking", mechanism="run-marker scan only (no cgroup)", why=why_not)
         self.ctx = RunContext(
             run_id=self.run_id,
             run_dir=self.run_dir,
@@ -133,6 +145,7 @@ class Supervisor:
             master_addr=self.spec.master_addr,
             master_port=master_port,
             zero_code_hook=self.spec.zero_code_hook,
+            cgroup_procs=self.cgroup.procs_file if self.cgroup is not None else None,
         )
         self.services = Services(self.spec, self.run_id, self.run_dir, self.post)
         self.desk = IncidentDesk(
@@ -153,13 +166,15 @@ class Supervisor:
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
             source.start()
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in signals.HANDLED:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, _frame) -> None:
-        # Hand off only; a second Ctrl-C also cuts the grace period short.
-        if self.stopping is not None and signum == signal.SIGINT:
-            self.hurry.set()
+        """Record and hand off only (see supervisor/signals.py for what each signal means)."""
+        if signum in signals.STOP_SIGNALS or signum == signals.DUMP_THEN_STOP_SIGNAL:
+            if self.stop_requested and signum in signals.STOP_SIGNALS:
+                self.hurry.set()  # a second stop signal, whatever the main thread is doing: SIGKILL now
+            self.stop_requested = True
         self.post(SignalReceived(signum))
 
     def _cleanup(self) -> None:
@@ -178,6 +193,11 @@ class Supervisor:
                 os.close(fd)
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.cgroup is not None:
+            self.cgroup.kill()  # nothing should be left; if something is, it goes now
+            if not self.cgroup.remove():
+                log.warning("run cgroup not removed", path=str(self.cgroup.path))
+        self.hurry.close()
 
     # ------------------------------------------------------------------ state
     def transition(self, event: Event) -> None:
@@ -237,7 +257,7 @@ class Supervisor:
                 ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if isinstance(ev, SignalReceived):
+            if isinstance(ev, SignalReceived) and ev.signum != signals.DUMP_SIGNAL:
                 self.stopping = ev
                 return
             if isinstance(ev, ControlRequest):
@@ -291,14 +311,35 @@ class Supervisor:
     def _finish(self, outcome: Outcome) -> None:
         self.attempt.finish(outcome)
 
-    def _on_stop_signal(self, ev: SignalReceived) -> None:
+    def _on_signal_event(self, ev: SignalReceived) -> None:
         name = exits.signal_name(ev.signum)
+        if ev.signum == signals.DUMP_SIGNAL:
+            log.info("on-demand dump requested by signal", signal=name)
+            self.desk.on_demand(queue.SimpleQueue(), self.attempt.view)
+            return
         if self.stopping is None:
+            if ev.signum == signals.DUMP_THEN_STOP_SIGNAL:
+                log.info("dump, then graceful shutdown, requested by signal", signal=name)
+                self._dump_before_stop()
             self.stopping = ev
             log.info("stopping on signal: graceful shutdown of every rank", signal=name, grace_s=self.spec.kill_grace)
             self._finish(Outcome(EXIT_OK, "shutdown"))
-        elif ev.signum == signal.SIGINT:
-            log.warning("second SIGINT: killing every rank now", signal=name)
+        elif ev.signum in signals.STOP_SIGNALS:
+            log.warning("second stop signal: killing every rank now", signal=name)
+
+    def _dump_before_stop(self) -> None:
+        """SIGQUIT: the bundle first (bounded), then the stop; a second stop signal cuts the wait."""
+        reply: queue.SimpleQueue = queue.SimpleQueue()
+        self.desk.on_demand(reply, self.attempt.view)
+        deadline = time.monotonic() + SIGQUIT_DUMP_WAIT_S
+        while time.monotonic() < deadline and not self.hurry.is_set():
+            try:
+                answer = reply.get(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                continue
+            log.info("dump before stop", **{k: v for k, v in answer.items() if k in ("ok", "bundle", "error")})
+            return
+        log.warning("dump before stop did not finish in time; stopping anyway", waited_s=SIGQUIT_DUMP_WAIT_S)
 
     # -- exits: arbitration decides what one means, this acts on the ruling
     def _on_exit(self, ev: ProcessExited) -> None:
@@ -450,10 +491,11 @@ class Supervisor:
             policy,
             wait_ranks_reaped=lambda deadline: self.monitor.wait_all_exited(keys, deadline),
             gpu_holders=self.services.gpu_holders if self.services.gpu.available else None,
+            cgroup=self.cgroup,
         )
         self.last_teardown = result
         if self.hurry.is_set() and not immediate:
-            log.warning("second SIGINT: grace period cut short, remaining processes were killed")
+            log.warning("second stop signal: grace period cut short, remaining processes were killed")
         self.services.on_teardown(result)
         self.desk.wait_idle()
         fields = {
