@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from . import spec as specs
+from .outcome import EXIT_USAGE
 from .spec import EngineOptions, LaunchSpec, UsageError
 
-EXIT_USAGE = 64
 
 
 class _Parser(argparse.ArgumentParser):

@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
 from . import exits
+from .outcome import TEARDOWN_EXIT
 from .rank.heartbeat import SlotSnapshot
 from .state import EngineState
 
@@ -51,7 +52,6 @@ HANG_KINDS = ("soft", "hard")
 THRESHOLD_KINDS = ("soft", "hard", "startup")
 # Exits the supervisor caused itself while tearing the group down: counted
 # apart so that a clean shutdown never looks like a crashed rank.
-TEARDOWN_EXIT = "teardown"
 RANK_EXIT_REASONS: tuple[str, ...] = (exits.CLEAN, *exits.REASONS, TEARDOWN_EXIT, OTHER)
 # Bundle reasons of DESIGN.md's incident bundle.
 DUMP_REASONS = (

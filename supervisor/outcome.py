@@ -14,12 +14,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 EXIT_OK = 0
+EXIT_USAGE = 64  # EX_USAGE: a usage error or invalid launch arithmetic; nothing was started
+EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in the supervisor (ranks are still torn down)
 EXIT_RANK = 80
 EXIT_HANG = 81
 EXIT_DIVERGENCE = 82
 EXIT_STARTUP = 83
+EXIT_PEER = 84  # multi-node: a peer node failed or was lost (the originating node keeps its own code)
 EXIT_TEARDOWN = 85
-EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in the supervisor (ranks are still torn down)
 
 LAUNCHER_KEY = "launcher"
 TEARDOWN_EXIT = "teardown"  # metrics reason of exits caused by our own teardown

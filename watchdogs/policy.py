@@ -221,10 +221,6 @@ class WatchdogState:
         return cls(started_at=now)
 
 
-def must_report_ready(snap: SlotSnapshot) -> bool:
-    return snap.instrumented or snap.phase == RENDEZVOUS_PHASE
-
-
 def is_pending(snap: SlotSnapshot) -> bool:
     """A live rank the startup watchdog still waits for."""
     if snap.phase == RENDEZVOUS_PHASE and not snap.ready:
