@@ -6,6 +6,7 @@ Usage errors exit 64 (EX_USAGE) before anything is started.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -34,28 +35,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="supervise", description="Fault detection and hang diagnosis for tensor-parallel inference.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
-    serve = sub.add_parser("serve", help="launch and supervise the TP ranks", description="Launch and supervise the TP ranks. With no COMMAND, run the built-in reference engine.")
+    serve = sub.add_parser("serve", help="launch and supervise the TP ranks", description="Launch and supervise the TP ranks. With no COMMAND, run the built-in reference engine. torchrun's spellings (--nproc_per_node, --node_rank, ...) are accepted too.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = serve.add_argument_group("launch")
-    g.add_argument("--nproc-per-node", type=int, help="ranks on this node (default 2 for the built-in engine)")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", metavar="N|gpu|auto|cpu", help="ranks on this node: a number, 'gpu' (one per visible GPU), 'auto' (GPUs if any, else CPU cores) or 'cpu'; default 2 for the built-in engine, and in --tree mode read from the launcher's own flags (torchrun --nproc-per-node, vllm --tensor-parallel-size, sglang --tp)")
     g.add_argument("--tp", type=int, help="tensor-parallel world size (split evenly across --nnodes)")
-    g.add_argument("--nnodes", type=int, default=1)
-    g.add_argument("--node-rank", type=int, default=0)
-    g.add_argument("--master-addr", default="127.0.0.1")
-    g.add_argument("--master-port", type=int, help="rendezvous port (default: a free port)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job (one supervisor per node)")
+    g.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index in 0..nnodes-1")
+    g.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="address of node 0, for the ranks' rendezvous")
+    g.add_argument("--master-port", "--master_port", type=int, help="rendezvous port (default: a free port)")
+    g.add_argument("--standalone", action="store_true", help="single node, rendezvous on localhost with a free port (torchrun's --standalone)")
     g.add_argument("--tree", action="store_true", help="COMMAND is itself a launcher (torchrun, vllm serve --tp N, ...); its ranks are found when they join torch.distributed")
     g.add_argument("--engine-metrics-url", metavar="URL", help="also read progress from the engine's own Prometheus endpoint (vLLM/SGLang generation-token and running-request counters): for engines whose collectives never reach Python (CUDA graphs)")
     g.add_argument("--engine-kind", default="auto", choices=("auto", "vllm", "sglang"), help="metric family names of --engine-metrics-url")
     g.add_argument("--no-hook", dest="hook", action="store_false", help="do not put the zero-code torch.distributed hook on the ranks' PYTHONPATH")
-    g.add_argument("--max-restarts", type=int, default=0)
+    g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="relaunch the whole group after a fault this many times (backoff 1 s .. 30 s)")
     w = serve.add_argument_group("watchdogs (omit timeouts for adaptive ones)")
     w.add_argument("--hard-timeout", type=_seconds, help="no progress while busy: dump, then kill the group (exit 81)")
     w.add_argument("--soft-timeout", type=_seconds, help="no progress while busy: dump only")
-    w.add_argument("--startup-timeout", type=_seconds, default=specs.DEFAULT_STARTUP_TIMEOUT_S)
+    w.add_argument("--startup-timeout", type=_seconds, default=specs.DEFAULT_STARTUP_TIMEOUT_S, help="every rank must report ready (or join the group) within this")
     w.add_argument("--adaptive-floors", metavar="SOFT,HARD", help="lowest adaptive soft/hard timeouts (default 1.5,3): below them a scheduler hiccup on a loaded host could look like a hang")
     w.add_argument("--adaptive-ceilings", metavar="SOFT,HARD", help="highest adaptive soft/hard timeouts (default 120,300)")
     w.add_argument("--kill-grace", type=_seconds, default=specs.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL escalation")
     d = serve.add_argument_group("dumps")
-    d.add_argument("--dump-dir", type=Path, default=Path("supervise-dumps"))
+    d.add_argument("--dump-dir", type=Path, default=Path("supervise-dumps"), help="where incident bundles go")
     d.add_argument("--dump-keep", type=int, default=specs.DEFAULT_DUMP_KEEP, help="keep at most this many bundles")
     d.add_argument("--dump-max-bytes", type=int, default=specs.DEFAULT_DUMP_MAX_BYTES, help="keep at most this many bytes of bundles")
     d.add_argument("--stack-method", default="auto", choices=specs.STACK_METHODS, help="auto: py-spy, falling back to the ranks' faulthandler")
@@ -63,16 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     o = serve.add_argument_group("observability")
     o.add_argument("--metrics-addr", default=specs.DEFAULT_METRICS_ADDR, help="HOST:PORT for /metrics /healthz /readyz, or 'none' (binding beyond loopback exposes run state: see docs/metrics.md)")
     o.add_argument("--metrics-linger", type=_seconds, default=0.0, metavar="SECONDS", help="keep /metrics up this long after the run ends so the final counts get scraped (e.g. 2x the scrape interval)")
-    o.add_argument("--consensus", default="observe", choices=specs.CONSENSUS_MODES)
+    o.add_argument("--consensus", default="observe", choices=specs.CONSENSUS_MODES, help="compare the ranks' per-step decisions: observe (bundle + metric) or enforce (also stop the group, exit 82)")
     o.add_argument("--consensus-inband", type=int, default=0, metavar="N", help="also compare digests in band (MIN/MAX all_reduce) every N steps; for benchmarks")
-    o.add_argument("--log-format", default="console", choices=("console", "json"))
+    o.add_argument("--log-format", default="console", choices=("console", "json"), help="console lines for people, one JSON object per line for machines")
+    o.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="the supervisor's own log level")
     e = serve.add_argument_group("built-in engine (no COMMAND)")
-    e.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    e.add_argument("--control-plane", default="broadcast", choices=("broadcast", "replicated"))
+    e.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="gloo on CPU, or NCCL on CUDA")
+    e.add_argument("--control-plane", default="broadcast", choices=("broadcast", "replicated"), help="how ranks learn each step's batch: rank 0 broadcasts it, or every rank schedules the same requests")
     e.add_argument("--model", help="Hugging Face Llama-format directory (default: a seeded random tiny model)")
     e.add_argument("--host", default="127.0.0.1", help="engine HTTP host")
     e.add_argument("--port", type=int, default=specs.DEFAULT_ENGINE_PORT, help="engine HTTP port")
-    e.add_argument("--sync-token-ids", action="store_true")
+    e.add_argument("--sync-token-ids", action="store_true", help="replicated plane: agree on sampled token ids every step (MIN all-reduce)")
     e.add_argument("--max-waiting", type=int, metavar="N", help="requests that may wait for a batch slot before the API answers 429 with Retry-After (engine default 256)")
     e.add_argument("--read-timeout", type=_seconds, metavar="SECONDS", help="a client must send a request's headers, then its body, within this (engine default 15)")
     e.add_argument("--inject", action="append", default=[], metavar="KIND@RANK[:STEP]", help=f"fault injection: {', '.join(specs.INJECT_KINDS)}")
@@ -100,7 +103,12 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     if command and command[0] == "--":
         command = command[1:]
     builtin = not command
-    nproc = specs.resolve_nproc(args.nproc_per_node, args.tp, args.nnodes, builtin)
+    if args.standalone:
+        if args.nnodes != 1:
+            raise UsageError(f"--standalone is a single-node job, but --nnodes is {args.nnodes}")
+        if args.master_addr not in ("127.0.0.1", "localhost"):
+            raise UsageError("--standalone rendezvous is on localhost: leave out --master-addr")
+    nproc = specs.resolve_nproc(args.nproc_per_node, args.tp, args.nnodes, builtin, command, args.tree)
     if not builtin and (args.inject or args.model or args.engine_arg or args.max_waiting is not None
                         or args.read_timeout is not None):
         raise UsageError("--inject, --model, --max-waiting, --read-timeout and --engine-arg apply to the built-in "
@@ -159,7 +167,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
 def cmd_serve(args: argparse.Namespace) -> int:
     from . import control, logs
 
-    logs.configure(args.log_format)
+    logs.configure(args.log_format, level=logging.getLevelName(args.log_level.upper()))
     try:
         spec = spec_from_args(args)
         specs.preflight(spec)

@@ -145,6 +145,7 @@ class Supervisor:
             master_addr=self.spec.master_addr,
             master_port=master_port,
             zero_code_hook=self.spec.zero_code_hook,
+            max_restarts=self.spec.max_restarts,
             cgroup_procs=self.cgroup.procs_file if self.cgroup is not None else None,
         )
         self.services = Services(self.spec, self.run_id, self.run_dir, self.post)
@@ -279,7 +280,7 @@ class Supervisor:
             return
         for slot in range(self.spec.nproc_per_node):
             rank = self.spec.rank_offset + slot
-            env = launch.rank_env(self.base_env, self.ctx, slot, extra_env(slot))
+            env = launch.rank_env(self.base_env, self.ctx, slot, extra_env(slot), restart_count=self.restart.restarts)
             spec = RankSpec(slot=slot, rank=rank, argv=tuple(self.spec.rank_argv()), env=env)
             handle = launch.spawn(spec, self.ctx)
             self.attempt.add_rank(handle)

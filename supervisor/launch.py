@@ -31,6 +31,7 @@ from .exits import ExitInfo
 
 HOOK_DIR = Path(__file__).resolve().parent / "rank" / "_hook"  # holds sitecustomize.py and nothing else
 STACK_SIGNAL = signal.SIGRTMIN + 3
+ROLE_NAME = "default"  # torchrun's role name when none is given
 FR_BUFFER_DEFAULT = "2000"
 
 
@@ -49,6 +50,7 @@ class RunContext:
     master_addr: str
     master_port: int
     zero_code_hook: bool
+    max_restarts: int = 0
     cgroup_procs: str | None = None  # the run's cgroup.procs: ranks join it before exec (supervisor/cgroup.py)
 
 
@@ -94,13 +96,22 @@ def _join_path(first: str, rest: str | None) -> str:
     return first if not rest else f"{first}{os.pathsep}{rest}"
 
 
+def error_file(run_dir: Path, rank: int) -> Path:
+    """Where a rank's ``torch.distributed.elastic`` ``@record`` writes its structured error."""
+    return Path(run_dir) / "errors" / f"rank-{rank}.json"
+
+
 def rank_env(
-    base: Mapping[str, str], ctx: RunContext, slot: int | None, extra: Mapping[str, str] = ()
+    base: Mapping[str, str], ctx: RunContext, slot: int | None, extra: Mapping[str, str] = (),
+    restart_count: int = 0,
 ) -> dict[str, str]:
     """The environment of one rank (``slot`` None: the tree-mode launcher)."""
     env = dict(base)
     if slot is not None:
-        # torchrun's contract; in tree mode the launcher sets these itself.
+        # torchrun's contract (torch.distributed.run); in tree mode the launcher sets these itself.
+        rank = ctx.node_rank * ctx.nproc_per_node + slot
+        errors = error_file(ctx.run_dir, rank)
+        errors.parent.mkdir(mode=0o700, exist_ok=True)
         env.update(
             {
                 "MASTER_ADDR": ctx.master_addr,
@@ -108,12 +119,21 @@ def rank_env(
                 "WORLD_SIZE": str(ctx.world_size),
                 "LOCAL_WORLD_SIZE": str(ctx.nproc_per_node),
                 "GROUP_RANK": str(ctx.node_rank),
-                "RANK": str(ctx.node_rank * ctx.nproc_per_node + slot),
+                "GROUP_WORLD_SIZE": str(ctx.world_size // ctx.nproc_per_node),
+                "ROLE_NAME": ROLE_NAME,
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(ctx.world_size),
+                "RANK": str(rank),
                 "LOCAL_RANK": str(slot),
                 runtime.ENV_SLOT: str(slot),
                 "TORCHELASTIC_RUN_ID": ctx.run_id,
+                "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+                "TORCHELASTIC_MAX_RESTARTS": str(ctx.max_restarts),
+                "TORCHELASTIC_ERROR_FILE": str(errors),
             }
         )
+        if ctx.nproc_per_node > 1:  # torchrun's default then: the ranks share the node's cores
+            env.setdefault("OMP_NUM_THREADS", "1")
     env.update(
         {
             runtime.ENV_RUN_ID: ctx.run_id,

@@ -16,6 +16,7 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,8 +256,48 @@ class LaunchSpec:
         return list(self.command)
 
 
-def resolve_nproc(nproc_per_node: int | None, tp: int | None, nnodes: int, builtin: bool) -> int:
+# A launcher's own flag for its processes per node, for --tree (torchrun, vLLM, SGLang spellings).
+_LAUNCHER_NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--tensor-parallel-size", "--tensor_parallel_size",
+                         "-tp", "--tp", "--tp-size", "--tp_size")
+
+
+def launcher_nproc(command: Sequence[str]) -> str | None:
+    """``--nproc-per-node`` as the tree-mode launcher's own arguments say it (``--flag N`` or ``--flag=N``)."""
+    for i, arg in enumerate(command):
+        flag, eq, value = arg.partition("=")
+        if flag in _LAUNCHER_NPROC_FLAGS:
+            if eq:
+                return value
+            if i + 1 < len(command):
+                return command[i + 1]
+    return None
+
+
+def _nproc_number(text: str | int) -> int:
+    """``--nproc-per-node``: a number, or torchrun's gpu / auto / cpu."""
+    if isinstance(text, int):
+        return text
+    word = str(text).strip().lower()
+    if word == "gpu":
+        count = visible_gpu_count() or 0
+        if count < 1:
+            raise UsageError("--nproc-per-node gpu: no GPU is visible on this node; give a number or 'cpu'")
+        return count
+    if word == "auto":
+        return visible_gpu_count() or os.cpu_count() or 1
+    if word == "cpu":
+        return os.cpu_count() or 1
+    try:
+        return int(word)
+    except ValueError:
+        raise UsageError(f"--nproc-per-node {text!r}: give a number, 'gpu', 'auto' or 'cpu'") from None
+
+
+def resolve_nproc(nproc_per_node: str | int | None, tp: int | None, nnodes: int, builtin: bool,
+                  command: Sequence[str] = (), tree: bool = False) -> int:
     """Launch arithmetic: ``--tp`` is the TP world size, split evenly across nodes."""
+    if nproc_per_node is not None:
+        nproc_per_node = _nproc_number(nproc_per_node)
     if tp is not None:
         if tp < 1:
             raise UsageError(f"--tp {tp}: must be at least 1")
@@ -276,6 +317,8 @@ def resolve_nproc(nproc_per_node: int | None, tp: int | None, nnodes: int, built
         return nproc_per_node
     if builtin:
         return DEFAULT_BUILTIN_TP
+    if tree and launcher_nproc(command) is not None:
+        return _nproc_number(launcher_nproc(command))
     raise UsageError("how many ranks? give --nproc-per-node N (or --tp N)")
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import stat
+import sys
 
 import pytest
 
@@ -78,3 +81,53 @@ def test_gpu_count_checked_for_cuda_engine(supervise):
 
 def test_inject_rank_out_of_range(supervise):
     _assert_usage(supervise(["--tp", "2", "--inject", "stop@5"]), "stop@5")
+
+
+# -- torchrun command lines carry over (issue 13) -------------------------------------------------
+def test_torchrun_spellings_and_standalone_are_accepted():
+    from tp_supervise.supervisor.cli import build_parser, spec_from_args
+
+    args = build_parser().parse_args(["serve", "--nproc_per_node", "3", "--standalone", "--max_restarts", "1",
+                                      "--", "python", "x.py"])
+    spec = spec_from_args(args)
+    assert (spec.nproc_per_node, spec.nnodes, spec.max_restarts) == (3, 1, 1)
+    args = build_parser().parse_args(["serve", "--nproc-per-node", "cpu", "--", "python", "x.py"])
+    assert spec_from_args(args).nproc_per_node == (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("launcher, expected", [
+    (["torchrun", "--nproc-per-node", "2", "train.py"], 2),
+    (["torchrun", "--nproc_per_node=4", "train.py"], 4),
+    (["vllm", "serve", "m", "--tensor-parallel-size", "8"], 8),
+    (["python", "-m", "sglang.launch_server", "--model", "m", "--tp", "2"], 2),
+])
+def test_tree_mode_reads_the_launchers_own_rank_count(launcher, expected):
+    from tp_supervise.supervisor.cli import build_parser, spec_from_args
+
+    spec = spec_from_args(build_parser().parse_args(["serve", "--tree", "--", *launcher]))
+    assert spec.nproc_per_node == expected
+
+
+def test_nproc_gpu_without_a_gpu_is_a_usage_error(supervise):
+    run = supervise(["--nproc-per-node", "gpu"], fake_rank("--all", "exit0"), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert run.wait(30) == 64
+    assert "--nproc-per-node gpu: no GPU is visible" in run.stderr
+
+
+def test_ranks_get_torchruns_whole_environment(supervise, tmp_path):
+    out = tmp_path / "env"
+    out.mkdir()
+    script = ("import json, os, sys; json.dump(dict(os.environ), open(os.path.join(sys.argv[1], "
+              "os.environ['RANK'] + '.json'), 'w'))")
+    run = supervise(["--nproc-per-node", "2", "--max-restarts", "3"], [sys.executable, "-c", script, str(out)],
+)
+    assert run.wait(60) == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        env = json.loads((out / f"{rank}.json").read_text())
+        assert env["RANK"] == env["ROLE_RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1" and env["ROLE_NAME"] == "default"
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"errors/rank-{rank}.json")
+        assert env["TORCHELASTIC_RUN_ID"] == env["SUPERVISE_RUN_ID"]
+        assert env.get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS", "1")
