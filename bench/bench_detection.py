@@ -245,7 +245,8 @@ def run_one(kind: str, fault_step: int, work: Path) -> RunResult:
     log_path = work / "supervise.log"
     argv = [
         sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tp", "2", "--port", str(port),
-        "--metrics-addr", f"127.0.0.1:{metrics_port}", "--dump-dir", str(dump_dir), "--log-format", "json",
+        "--metrics-addr", f"127.0.0.1:{metrics_port}", "--metrics-linger", "0", "--dump-dir", str(dump_dir),
+        "--log-format", "json",
         "--kill-grace", str(KILL_GRACE_S), "--inject", f"{kind}@{FAULT_RANK}:{fault_step}",
     ]
     env = dict(os.environ, SUPERVISE_REGISTRY_DIR=str(work / "registry"))

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--native", action="store_true", help="include native frames in py-spy stacks")
     o = serve.add_argument_group("observability")
     o.add_argument("--metrics-addr", default=specs.DEFAULT_METRICS_ADDR, help="HOST:PORT for /metrics /healthz /readyz, or 'none' (binding beyond loopback exposes run state: see docs/metrics.md)")
-    o.add_argument("--metrics-linger", type=_seconds, default=0.0, metavar="SECONDS", help="keep /metrics up this long after the run ends so the final counts get scraped (e.g. 2x the scrape interval)")
+    o.add_argument("--metrics-linger", type=_seconds, default=None, metavar="SECONDS", help=f"keep /metrics up this long after the run ends so the final counts get scraped (default: {specs.DEFAULT_FAULT_LINGER_S:g} s after a fault, two scrapes of the documented 5 s config; 0 after a clean run; a second Ctrl-C cuts it short)")
+    o.add_argument("--metrics-textfile", type=Path, metavar="PATH", help="also write the metrics to PATH (node_exporter's textfile collector) on every incident and at exit, atomically: the final state survives the process")
     o.add_argument("--consensus", default="observe", choices=specs.CONSENSUS_MODES, help="compare the ranks' per-step decisions: observe (bundle + metric) or enforce (also stop the group, exit 82)")
     o.add_argument("--consensus-inband", type=int, default=0, metavar="N", help="also compare digests in band (MIN/MAX all_reduce) every N steps; for benchmarks")
     o.add_argument("--log-format", default="console", choices=("console", "json"), help="console lines for people, one JSON object per line for machines")
@@ -151,6 +152,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         native_stacks=args.native,
         metrics_addr=specs.parse_hostport(args.metrics_addr, "--metrics-addr"),
         metrics_linger=args.metrics_linger,
+        metrics_textfile=args.metrics_textfile,
         consensus=args.consensus,
         consensus_inband=args.consensus_inband,
         max_restarts=args.max_restarts,

@@ -68,7 +68,7 @@ from .rank.net import free_port
 from .signals import Hurry
 from .restart import RestartPolicy
 from .services import Services
-from .spec import LaunchSpec
+from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from .state import EngineState, Event, next_state
 from .teardown import KillPolicy, TeardownResult, teardown
 from .watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict
@@ -246,7 +246,10 @@ class Supervisor:
         if self.last_teardown is not None and not self.last_teardown.complete:
             code = EXIT_TEARDOWN
         log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restart.restarts)
-        self.services.linger(self.spec.metrics_linger, self.hurry)
+        linger = self.spec.metrics_linger
+        if linger is None:
+            linger = DEFAULT_FAULT_LINGER_S if code != EXIT_OK else 0.0
+        self.services.linger(linger, self.hurry)
         return code
 
     def _wait_backoff(self, delay: float) -> None:

@@ -97,7 +97,7 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
     plane = "replicated" if kind.startswith("diverge") else "broadcast"
     argv = [
         sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tp", str(tp), "--port", str(port),
-        "--metrics-addr", "127.0.0.1:0", "--dump-dir", str(dump_dir), "--log-format", "json",
+        "--metrics-addr", "127.0.0.1:0", "--metrics-linger", "0", "--dump-dir", str(dump_dir), "--log-format", "json",
         "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "3",
         "--control-plane", plane, "--consensus", "enforce",
         "--inject", f"{kind}@{FAULT_RANK}:{FAULT_STEP}",

@@ -11,6 +11,7 @@ passed in by the caller.
 from __future__ import annotations
 
 import queue
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -32,6 +33,7 @@ log = structlog.get_logger("supervise")
 # GPU telemetry is sampled at most this often (NVML calls cost milliseconds).
 GPU_SAMPLE_INTERVAL_S = 1.0
 CONTROL_DUMP_TIMEOUT_S = 60.0
+TEXTFILE_TIMEOUT_S = 2.0  # a --metrics-textfile write never holds the main thread longer
 
 
 class Services:
@@ -124,6 +126,28 @@ class Services:
         self.metrics.set_engine_state(state)
         self.metrics.set_incident_open(engine_state.is_fault(state) or state is engine_state.EngineState.SUSPECT)
         self.health.set(HealthStatus.for_state(state, detail=state.value))
+        if engine_state.is_fault(state) or state is engine_state.EngineState.STOPPED:
+            self.write_textfile()
+
+    def write_textfile(self) -> None:
+        """--metrics-textfile: the exposition, written atomically on a helper thread with a deadline (a hung
+        disk never holds the main thread)."""
+        path = self.spec.metrics_textfile
+        if path is None:
+            return
+        from prometheus_client import write_to_textfile
+
+        def write() -> None:
+            try:
+                write_to_textfile(str(path), self.metrics.registry)
+            except OSError as exc:
+                log.warning("metrics textfile not written", path=str(path), error=repr(exc))
+
+        writer = threading.Thread(target=write, name="metrics-textfile", daemon=True)
+        writer.start()
+        writer.join(TEXTFILE_TIMEOUT_S)
+        if writer.is_alive():
+            log.warning("metrics textfile write still blocked; going on", path=str(path), timeout_s=TEXTFILE_TIMEOUT_S)
 
     def on_ready(self, ranks: int) -> None:
         spec = self.spec
@@ -176,7 +200,8 @@ class Services:
         """Keep /metrics up after the incident so Prometheus scrapes its last counts."""
         if self.http is None or seconds <= 0:
             return
-        log.info("metrics stay up before exit", seconds=seconds, url=self.metrics_url)
+        log.info("metrics stay up before exit", seconds=seconds, url=self.metrics_url,
+                 skip="a second Ctrl-C ends it")
         interrupt.wait(seconds)
 
     def settle_consensus(self, now: float) -> list:

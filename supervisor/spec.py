@@ -27,6 +27,9 @@ STACK_METHODS = ("auto", "py-spy", "faulthandler", "none")
 DEFAULT_BUILTIN_TP = 2
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_KILL_GRACE_S = 5.0
+# After a fault, /metrics stays up this long: two scrapes of docs/prometheus/prometheus.yml (5 s) and a
+# margin, so the final counts (a hang, a death, a divergence) reach Prometheus with default flags.
+DEFAULT_FAULT_LINGER_S = 11.0
 DEFAULT_METRICS_ADDR = "127.0.0.1:9180"
 DEFAULT_ENGINE_PORT = 8000
 DEFAULT_DUMP_KEEP = 50
@@ -145,7 +148,8 @@ class LaunchSpec:
     stack_method: str = "auto"
     native_stacks: bool = False
     metrics_addr: tuple[str, int] | None = ("127.0.0.1", 9180)
-    metrics_linger: float = 0.0
+    metrics_linger: float | None = None  # None: DEFAULT_FAULT_LINGER_S after a fault, 0 after a clean run
+    metrics_textfile: Path | None = None  # node_exporter textfile collector: written on every incident and at exit
     consensus: str = "observe"
     consensus_inband: int = 0
     max_restarts: int = 0
@@ -175,8 +179,11 @@ class LaunchSpec:
         ):
             if value is not None and not 0 < value < math.inf:
                 raise UsageError(f"{flag} {value}: must be a positive, finite number of seconds")
-        if self.metrics_linger < 0:
-            raise UsageError(f"--metrics-linger {self.metrics_linger}: must be >= 0 seconds")
+        if self.metrics_linger is not None and not 0 <= self.metrics_linger <= 3600:
+            raise UsageError(f"--metrics-linger {self.metrics_linger}: must be in 0..3600 seconds")
+        if self.metrics_textfile is not None and not self.metrics_textfile.parent.is_dir():
+            raise UsageError(f"--metrics-textfile {self.metrics_textfile}: its directory does not exist "
+                             "(point it into node_exporter's --collector.textfile.directory)")
         if self.nnodes > 1 and self.master_port is None:
             raise UsageError(
                 f"--nnodes {self.nnodes} needs --master-port: every node must use the same rendezvous port "

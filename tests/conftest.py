@@ -119,6 +119,7 @@ def supervise(tmp_path):
 
     def start(args: list[str], command: list[str] | None = None, env: dict | None = None, **kw) -> Run:
         dump_dir = kw.pop("dump_dir", tmp_path / "dumps")
+        default_linger = kw.pop("default_linger", False)
         full_env = dict(os.environ)
         full_env[MARK_VAR] = mark
         full_env["SUPERVISE_REGISTRY_DIR"] = str(tmp_path / "registry")
@@ -134,6 +135,8 @@ def supervise(tmp_path):
             kw.pop("metrics_addr", "127.0.0.1:0"),
             "--dump-dir",
             str(dump_dir),
+            # no linger after a fault unless a test asks (the default keeps /metrics up 11 s for Prometheus)
+            *([] if default_linger or "--metrics-linger" in args else ["--metrics-linger", "0"]),
             *args,
         ]
         if command is not None:
