@@ -179,8 +179,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from .core import Supervisor
 
+    _explain_launch(args, spec)
     base_env = dict(os.environ)
     return Supervisor(spec, base_env).run()
+
+
+def _explain_launch(args: argparse.Namespace, spec: LaunchSpec) -> None:
+    """Say what was inferred, as torchrun would."""
+    import structlog
+
+    log = structlog.get_logger("supervise")
+    if spec.tree and args.nproc_per_node is None and args.tp is None:
+        log.info("rank count read from the launcher's command line", nproc_per_node=spec.nproc_per_node,
+                 launcher=" ".join(spec.command[:3]))
+    if spec.nproc_per_node > 1 and not spec.tree and "OMP_NUM_THREADS" not in os.environ:
+        log.warning("OMP_NUM_THREADS set to 1 for each rank by default (as torchrun does), so the ranks do not "
+                    "overload the node; tune it for your program if needed")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:

@@ -36,8 +36,10 @@ class RestartPolicy:
 
         ``uptime_s``: how long the attempt that ended had run.
         """
+        if outcome.restartable and uptime_s >= RESTART_STABLE_S:
+            self.restarts = 0  # it ran long enough: not a crash loop, the budget starts over
         if not outcome.restartable or stopping or self.restarts >= self.max_restarts:
-            if outcome.restartable and self.max_restarts > 0:
+            if outcome.restartable and self.max_restarts > 0 and not stopping:
                 log.error(
                     "crash loop: giving up",
                     restarts=self.restarts,
@@ -45,8 +47,6 @@ class RestartPolicy:
                     last_reason=outcome.reason,
                 )
             return None
-        if uptime_s >= RESTART_STABLE_S:
-            self.restarts = 0
         delay = min(RESTART_BACKOFF_BASE_S * (2**self.restarts), RESTART_BACKOFF_MAX_S)
         self.restarts += 1
         log.warning(

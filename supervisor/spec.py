@@ -263,21 +263,34 @@ class LaunchSpec:
         return list(self.command)
 
 
-# A launcher's own flag for its processes per node, for --tree (torchrun, vLLM, SGLang spellings).
+# A launcher's own flags for its processes per node, for --tree (torchrun, vLLM, SGLang spellings).
 _LAUNCHER_NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--tensor-parallel-size", "--tensor_parallel_size",
                          "-tp", "--tp", "--tp-size", "--tp_size")
+_LAUNCHER_PP_FLAGS = ("--pipeline-parallel-size", "--pipeline_parallel_size", "-pp", "--pp", "--pp-size", "--pp_size")
 
 
-def launcher_nproc(command: Sequence[str]) -> str | None:
-    """``--nproc-per-node`` as the tree-mode launcher's own arguments say it (``--flag N`` or ``--flag=N``)."""
+def _flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
     for i, arg in enumerate(command):
         flag, eq, value = arg.partition("=")
-        if flag in _LAUNCHER_NPROC_FLAGS:
+        if flag in flags:
             if eq:
                 return value
             if i + 1 < len(command):
                 return command[i + 1]
     return None
+
+
+def launcher_nproc(command: Sequence[str]) -> str | None:
+    """Ranks per node as the tree-mode launcher's own arguments say it (``--flag N`` or ``--flag=N``):
+    torchrun's ``--nproc-per-node``, or vLLM's / SGLang's tensor-parallel size times the pipeline-parallel size."""
+    nproc = _flag_value(command, _LAUNCHER_NPROC_FLAGS)
+    stages = _flag_value(command, _LAUNCHER_PP_FLAGS)
+    if nproc is None or stages is None:
+        return nproc
+    try:
+        return str(int(nproc) * int(stages))
+    except ValueError:
+        return nproc
 
 
 def _nproc_number(text: str | int) -> int:

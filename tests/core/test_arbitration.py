@@ -163,6 +163,14 @@ def test_backoff_starts_over_after_a_stable_run():
     assert policy.restarts == 1
 
 
+def test_a_stable_run_gets_the_whole_budget_again_even_after_using_it_up():
+    policy = RestartPolicy(max_restarts=1)
+    fail = Outcome(EXIT_RANK, "rank_exit")
+    assert policy.after(fail, stopping=False, uptime_s=1.0) == 1.0
+    assert policy.after(fail, stopping=False, uptime_s=RESTART_STABLE_S) == 1.0  # hours later: not a crash loop
+    assert policy.after(fail, stopping=False, uptime_s=1.0) is None  # a quick repeat is
+
+
 def test_no_restart_when_stopping_or_clean_or_not_allowed():
     fail = Outcome(EXIT_RANK, "rank_exit")
     assert RestartPolicy(3).after(fail, stopping=True, uptime_s=1.0) is None

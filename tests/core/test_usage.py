@@ -131,3 +131,10 @@ def test_ranks_get_torchruns_whole_environment(supervise, tmp_path):
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"errors/rank-{rank}.json")
         assert env["TORCHELASTIC_RUN_ID"] == env["SUPERVISE_RUN_ID"]
         assert env.get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS", "1")
+
+
+def test_tree_mode_multiplies_vllm_tensor_and_pipeline_parallel_sizes():
+    from tp_supervise.supervisor.cli import build_parser, spec_from_args
+
+    argv = ["serve", "--tree", "--", "vllm", "serve", "m", "-tp", "4", "--pipeline-parallel-size=2"]
+    assert spec_from_args(build_parser().parse_args(argv)).nproc_per_node == 8
