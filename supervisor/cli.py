@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kill-grace", type=_seconds, default=specs.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL escalation")
     d = serve.add_argument_group("dumps")
     d.add_argument("--dump-dir", type=Path, default=Path("supervise-dumps"), help="where incident bundles go")
+    d.add_argument("--dump-timeout", type=_seconds, default=specs.DEFAULT_DUMP_TIMEOUT_S, metavar="SECONDS", help="a fatal dump never delays the teardown longer than this (the bundle is finished afterwards, or marked incomplete)")
     d.add_argument("--dump-keep", type=int, default=specs.DEFAULT_DUMP_KEEP, help="keep at most this many bundles")
     d.add_argument("--dump-max-bytes", type=int, default=specs.DEFAULT_DUMP_MAX_BYTES, help="keep at most this many bytes of bundles")
     d.add_argument("--stack-method", default="auto", choices=specs.STACK_METHODS, help="auto: py-spy, falling back to the ranks' faulthandler")
@@ -145,6 +146,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         soft_timeout=args.soft_timeout,
         startup_timeout=args.startup_timeout,
         kill_grace=args.kill_grace,
+        dump_timeout=args.dump_timeout,
         dump_dir=args.dump_dir,
         dump_keep=args.dump_keep,
         dump_max_bytes=args.dump_max_bytes,

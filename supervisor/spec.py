@@ -27,6 +27,7 @@ STACK_METHODS = ("auto", "py-spy", "faulthandler", "none")
 DEFAULT_BUILTIN_TP = 2
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_KILL_GRACE_S = 5.0
+DEFAULT_DUMP_TIMEOUT_S = 10.0  # a fatal dump never delays the teardown longer than this
 # After a fault, /metrics stays up this long: two scrapes of docs/prometheus/prometheus.yml (5 s) and a
 # margin, so the final counts (a hang, a death, a divergence) reach Prometheus with default flags.
 DEFAULT_FAULT_LINGER_S = 11.0
@@ -142,6 +143,7 @@ class LaunchSpec:
     soft_timeout: float | None = None
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
     kill_grace: float = DEFAULT_KILL_GRACE_S
+    dump_timeout: float = DEFAULT_DUMP_TIMEOUT_S
     dump_dir: Path = Path("supervise-dumps")
     dump_keep: int = DEFAULT_DUMP_KEEP
     dump_max_bytes: int = DEFAULT_DUMP_MAX_BYTES
@@ -176,6 +178,7 @@ class LaunchSpec:
             ("--hard-timeout", self.hard_timeout),
             ("--soft-timeout", self.soft_timeout),
             ("--startup-timeout", self.startup_timeout),
+            ("--dump-timeout", self.dump_timeout),
         ):
             if value is not None and not 0 < value < math.inf:
                 raise UsageError(f"{flag} {value}: must be a positive, finite number of seconds")
