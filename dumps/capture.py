@@ -24,6 +24,13 @@ after a timeout), then the signal fallback.  A stopped rank cannot run its
 signal handler, so the fallback says so instead of waiting.  Nothing here
 raises for one rank: every failure becomes that rank's ``error`` text.
 
+Frozen ranks (``frozen=``, see ``dumps.freeze``): the ``/proc`` reads taken
+before the freeze are the evidence; a rank stopped by the freeze is read
+with ``--nonblocking`` only, and resumed for its own faulthandler capture
+only when py-spy cannot read it (no py-spy, ptrace denied); a rank the
+fault itself stopped is never resumed.  CPU use then comes from the
+``previous`` sample alone (a frozen rank uses none).
+
 What comes back (``Evidence`` of ``RankEvidence``) is plain data defined in
 ``dumps.evidence``, so ``dumps.diagnose`` judges it without importing this
 module's subprocess, signal and thread machinery.
@@ -38,6 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +53,7 @@ import structlog
 
 from . import stacks as st
 from .evidence import CpuSamples, Evidence, ProcInfo, RankEvidence
+from .freeze import Frozen, resumed
 from .procinfo import cpu_delta, read_proc
 from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
 from tp_supervise.supervisor.rank.runtime import stack_file_path
@@ -202,6 +211,7 @@ class _Plan:
     method: str
     pyspy: str | None
     native: bool
+    frozen: Frozen | None = None
 
 
 def _stack_signal(target: RankTarget) -> int:
@@ -222,7 +232,9 @@ def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, star
         return [], "none", f"process is a zombie (state {proc.state}): no stacks", ()
     if plan.method == "none":
         return [], "none", "stack capture off (method none)", ()
-    stopped = proc.state in ("T", "t")
+    frozen_here = plan.frozen is not None and target.rank in plan.frozen.stopped
+    stopped_by_fault = proc.state in ("T", "t")
+    stopped = stopped_by_fault or frozen_here
     notes: list[str] = []
     if plan.method in ("auto", "py-spy"):
         if plan.pyspy is None:
@@ -241,12 +253,16 @@ def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, star
                 return got.threads, got.note, None, tuple(notes)
     if plan.method in ("auto", "faulthandler"):
         signum = _stack_signal(target)
-        if stopped:
+        if stopped_by_fault:
             notes.append(f"faulthandler: rank is stopped (state {proc.state}) and cannot run its signal handler")
         elif not signum:
             notes.append("faulthandler: the rank registered no stack signal")
         else:
-            got = _faulthandler(plan.run_dir, target.slot, target.pid, signum, end)
+            # A rank the freeze stopped runs again only for its own capture.
+            with resumed(plan.frozen, target.rank) if frozen_here else nullcontext():
+                got = _faulthandler(plan.run_dir, target.slot, target.pid, signum, end)
+            if frozen_here:
+                got = _Attempt(got.threads, f"{got.note} (resumed for the capture)")
             notes.append(got.note)
             if got.threads is not None:
                 return got.threads, got.note, None, tuple(notes)
@@ -268,23 +284,30 @@ def capture_all(
     per_rank_timeout_s: float,
     deadline_s: float,
     previous: CpuSamples | None = None,
+    frozen: Frozen | None = None,
 ) -> Evidence:
     """Capture every rank in parallel; return within ``deadline_s`` seconds from now.
 
     ``deadline_s`` is a duration (the whole call's budget), ``per_rank_timeout_s``
     bounds each rank's attempts.  ``previous`` is the sample a former call
     returned in ``Evidence.samples``; without it CPU use is measured across
-    this capture (at least ``MIN_CPU_WINDOW_S``).
+    this capture (at least ``MIN_CPU_WINDOW_S``), except for ``frozen``
+    ranks, whose ``/proc`` reads are the ones taken before the freeze.
     """
     if method not in METHODS:
         raise ValueError(f"unknown capture method {method!r} (one of {', '.join(METHODS)})")
     start = time.monotonic()
     deadline = start + max(0.0, deadline_s)
-    plan = _Plan(Path(run_dir), method, find_pyspy() if method in ("auto", "py-spy") else None, native)
+    pyspy = find_pyspy() if method in ("auto", "py-spy") else None
+    plan = _Plan(Path(run_dir), method, pyspy, native, frozen)
     first: dict[int, ProcInfo | None] = {}
-    for t in targets:
-        first[t.rank] = read_proc(t.pid) if (t.alive and t.pid) else None
-    first_at = time.monotonic()
+    if frozen is not None:
+        first = {t.rank: frozen.before.get(t.rank) for t in targets}
+        first_at = frozen.read_at
+    else:
+        for t in targets:
+            first[t.rank] = read_proc(t.pid) if (t.alive and t.pid) else None
+        first_at = time.monotonic()
 
     results: dict[int, tuple] = {}
     lock = threading.Lock()
@@ -309,7 +332,7 @@ def capture_all(
         done = dict(results)
 
     samples_at, second = first_at, first
-    if previous is None:
+    if previous is None and frozen is None:
         wait = min(first_at + MIN_CPU_WINDOW_S, deadline) - time.monotonic()
         if wait > 0:
             time.sleep(wait)

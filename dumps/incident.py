@@ -1,11 +1,25 @@
 """One call for the supervisor: capture, flight recorder, verdict, bundle.
 
-``write_incident`` never raises: a capture that fails still yields a
-bundle whose summary says what failed, and a bundle that cannot be written
-(disk full, permissions) yields ``ok=False`` with the reason.  Stack
-capture and flight-recorder collection run at the same time, both bounded
-by the same share of the deadline; the rest of the deadline is for the
-verdict and the write.
+Two phases, so that a fatal incident never holds the teardown back:
+
+``capture_incident``  everything that needs the ranks alive: ``/proc``,
+                      stacks, the flight recorder, then the (pure) verdict;
+                      bounded by ``deadline_s``.  With ``freeze=True`` every
+                      rank is stopped first (``dumps.freeze``), the stacks are
+                      taken from the frozen ranks, then the ranks stopped here
+                      are resumed and their flight recorders read (a stopped
+                      rank's worker server cannot answer).  Without a freeze,
+                      stacks and flight recorder are collected at the same time.
+``write_captured``    the summary, the files, the atomic write and retention:
+                      disk only, so it may run after the teardown; an
+                      ``incomplete`` note (the supervisor's) goes into the
+                      summary when the capture was cut short.
+
+``write_incident`` is both in one call (soft and on-demand dumps).  None of
+them raises: a capture that fails still yields a bundle whose summary says
+what failed, and a bundle that cannot be written (disk full, permissions)
+yields ``ok=False`` with the reason.  Of ``deadline_s``, ``CAPTURE_SHARE``
+is for the capture; the rest covers the verdict and the write.
 """
 
 from __future__ import annotations
@@ -25,6 +39,8 @@ from .bundle import BundleWriter, fr_file, iso_utc, stack_file
 from .capture import RankTarget, capture_all
 from .diagnose import Diagnosis, diagnose
 from .evidence import STATE_NAMES, CpuSamples, Evidence, RankEvidence
+from .freeze import Frozen, thaw
+from .freeze import freeze as freeze_ranks
 from .fr_analysis import FrFindings
 
 log = structlog.get_logger()
@@ -32,6 +48,12 @@ log = structlog.get_logger()
 # Share of ``deadline_s`` given to capture and flight-recorder collection;
 # the remainder covers the verdict and writing the bundle.
 CAPTURE_SHARE = 0.8
+# Frozen ranks: share of the capture budget for the stacks; the rest is for
+# the flight recorders, read once the ranks run again.
+FROZEN_STACKS_SHARE = 0.7
+# How long a freeze waits for every rank to read as stopped (at most this share of the budget).
+FREEZE_SETTLE_S = 0.2
+FREEZE_SETTLE_SHARE = 0.1
 EVIDENCE_JSON = "evidence.json"
 
 
@@ -103,52 +125,93 @@ def _fallback_ranks(targets: Sequence[RankTarget]) -> dict:
     }
 
 
-def write_incident(
-    writer: BundleWriter,
+@dataclass(frozen=True)
+class Captured:
+    """What the capture phase got while the ranks existed, and the verdict over it."""
+
+    targets: tuple[RankTarget, ...]
+    evidence: Evidence
+    traces: Mapping[int, dict]
+    fr_errors: Mapping[int, str]
+    findings: FrFindings | None
+    diagnosis: Diagnosis | None
+    errors: tuple[str, ...]
+    frozen: Frozen | None
+    started: float  # time.monotonic()
+    duration_s: float
+    samples: CpuSamples | None = None
+
+    def missing(self) -> dict[str, str]:
+        """Bundle file -> why it is absent, for each part a live rank did not give."""
+        out = {}
+        for t in self.targets:
+            if not t.alive:
+                continue
+            ev = self.evidence.ranks.get(t.rank)
+            if ev is None or not ev.has_stacks:
+                out[stack_file(t.rank)] = (ev.error if ev is not None else None) or "not captured"
+            if t.rank not in self.traces:
+                out[fr_file(t.rank)] = self.fr_errors.get(t.rank) or "not collected"
+        return out
+
+
+def capture_incident(
+    targets: Sequence[RankTarget],
     *,
     reason: str,
-    run_id: str,
-    targets: Sequence[RankTarget],
     run_dir: Path,
     method: str = "auto",
     native: bool = False,
     deadline_s: float,
-    extra_summary: Mapping | None = None,
-    extra_files: Mapping[str, bytes | str] | None = None,
     previous_cpu: CpuSamples | None = None,
-    detected_at: datetime | None = None,
-) -> IncidentResult:
-    """Capture every rank, diagnose, and write one bundle; never raises."""
+    freeze: bool = False,
+) -> Captured:
+    """Stacks, flight recorder and verdict of every rank, within ``deadline_s * CAPTURE_SHARE``; never raises."""
     start = time.monotonic()
-    detected = detected_at or datetime.now(timezone.utc)
-    errors: list[str] = []
     budget = max(0.0, deadline_s * CAPTURE_SHARE)
+    end = start + budget
+    targets = tuple(targets)
+    errors: list[str] = []
+    frozen: Frozen | None = None
+    if freeze:
+        try:
+            frozen = freeze_ranks(targets, settle_s=min(FREEZE_SETTLE_S, budget * FREEZE_SETTLE_SHARE))
+        except Exception as exc:  # capture what we can, running
+            errors.append(f"freeze failed: {exc!r}")
+            log.error("dump.freeze_failed", error=repr(exc))
 
     fr_out: dict[str, dict] = {"traces": {}, "errors": {}}
 
     def fr_work() -> None:
         try:
-            fr_out["traces"], fr_out["errors"] = flight.collect_detailed(targets, run_dir, budget)
+            fr_out["traces"], fr_out["errors"] = flight.collect_detailed(targets, run_dir, max(0.0, end - time.monotonic()))
         except Exception as exc:
             fr_out["errors"] = {t.rank: f"collection failed: {exc!r}" for t in targets}
 
     fr_thread = threading.Thread(target=fr_work, name="dump-flight", daemon=True)
-    fr_thread.start()
+    if frozen is None:
+        fr_thread.start()  # at the same time as the stacks
+    stack_budget = budget * (FROZEN_STACKS_SHARE if frozen is not None else 1.0)
+    stack_budget = max(0.0, min(stack_budget, end - time.monotonic()))
     try:
         evidence = capture_all(
             targets,
             run_dir=run_dir,
             method=method,
             native=native,
-            per_rank_timeout_s=budget,
-            deadline_s=budget,
+            per_rank_timeout_s=stack_budget,
+            deadline_s=stack_budget,
             previous=previous_cpu,
+            frozen=frozen,
         )
     except Exception as exc:
         log.error("dump.capture_crashed", error=repr(exc))
         errors.append(f"stack capture failed: {exc!r}")
         evidence = _bare_evidence(targets, f"capture failed: {exc!r}", start)
-    fr_thread.join(max(0.0, start + budget - time.monotonic()))
+    if frozen is not None:
+        thaw(frozen)  # the flight recorders answer from inside the ranks
+        fr_thread.start()
+    fr_thread.join(max(0.0, end - time.monotonic()))
     traces: dict[int, dict] = dict(fr_out["traces"])
     findings: FrFindings | None = None
     if traces:
@@ -163,7 +226,39 @@ def write_incident(
     except Exception as exc:
         log.error("dump.diagnose_crashed", error=repr(exc))
         errors.append(f"diagnosis failed: {exc!r}")
+    return Captured(
+        targets=targets,
+        evidence=evidence,
+        traces=traces,
+        fr_errors=dict(fr_out["errors"]),
+        findings=findings,
+        diagnosis=diagnosis,
+        errors=tuple(errors),
+        frozen=frozen,
+        started=start,
+        duration_s=time.monotonic() - start,
+        samples=evidence.samples,
+    )
 
+
+def write_captured(
+    writer: BundleWriter,
+    captured: Captured,
+    *,
+    reason: str,
+    run_id: str,
+    native: bool = False,
+    extra_summary: Mapping | None = None,
+    extra_files: Mapping[str, bytes | str] | None = None,
+    detected_at: datetime | None = None,
+    incomplete: Mapping | None = None,
+) -> IncidentResult:
+    """The bundle of one capture; never raises.  ``incomplete``: why parts are
+    missing (the summary gets it under ``incomplete``, with the missing files)."""
+    start = captured.started
+    detected = detected_at or datetime.now(timezone.utc)
+    errors = list(captured.errors)
+    evidence, diagnosis, traces, findings = captured.evidence, captured.diagnosis, captured.traces, captured.findings
     summary: dict = {
         "reason": reason,
         "run_id": run_id,
@@ -172,20 +267,29 @@ def write_incident(
     if diagnosis is not None:
         summary.update(diagnosis.summary_fields())
     else:
-        summary.update({"culprit_ranks": [], "verdict": "no verdict: " + "; ".join(errors), "ranks": _fallback_ranks(targets)})
+        summary.update(
+            {"culprit_ranks": [], "verdict": "no verdict: " + "; ".join(errors), "ranks": _fallback_ranks(captured.targets)}
+        )
     summary["capture"] = {
         "method": evidence.method,
         "pyspy": evidence.pyspy,
         "native": native,
         "duration_s": round(evidence.duration_s, 4),
     }
-    fr_summary: dict = {"collected": sorted(traces), "errors": {str(r): e for r, e in sorted(fr_out["errors"].items())}}
+    if captured.frozen is not None:
+        summary["capture"]["freeze"] = captured.frozen.to_dict()
+    fr_summary: dict = {
+        "collected": sorted(traces),
+        "errors": {str(r): e for r, e in sorted(captured.fr_errors.items())},
+    }
     if findings is not None:
         fr_summary.update(findings.to_dict())
     summary["flight_recorder"] = fr_summary
     summary["errors"] = errors
     if extra_summary:
         summary.update(extra_summary)
+    if incomplete is not None:
+        summary["incomplete"] = dict(incomplete, missing=captured.missing())
 
     files: dict[str, bytes | str] = {}
     for rank, ev in sorted(evidence.ranks.items()):
@@ -205,7 +309,7 @@ def write_incident(
     except Exception as exc:
         duration = time.monotonic() - start
         log.error("dump.write_failed", reason=reason, error=repr(exc))
-        return IncidentResult(None, diagnosis, duration, False, f"bundle not written: {exc!r}", evidence.samples)
+        return IncidentResult(None, diagnosis, duration, False, f"bundle not written: {exc!r}", captured.samples)
     duration = time.monotonic() - start
     log.info(
         "dump.written",
@@ -214,4 +318,43 @@ def write_incident(
         culprits=summary.get("culprit_ranks"),
         duration_s=round(duration, 3),
     )
-    return IncidentResult(path, diagnosis, duration, True, None, evidence.samples)
+    return IncidentResult(path, diagnosis, duration, True, None, captured.samples)
+
+
+def write_incident(
+    writer: BundleWriter,
+    *,
+    reason: str,
+    run_id: str,
+    targets: Sequence[RankTarget],
+    run_dir: Path,
+    method: str = "auto",
+    native: bool = False,
+    deadline_s: float,
+    extra_summary: Mapping | None = None,
+    extra_files: Mapping[str, bytes | str] | None = None,
+    previous_cpu: CpuSamples | None = None,
+    detected_at: datetime | None = None,
+    freeze: bool = False,
+) -> IncidentResult:
+    """Capture every rank, diagnose, and write one bundle; never raises."""
+    captured = capture_incident(
+        targets,
+        reason=reason,
+        run_dir=run_dir,
+        method=method,
+        native=native,
+        deadline_s=deadline_s,
+        previous_cpu=previous_cpu,
+        freeze=freeze,
+    )
+    return write_captured(
+        writer,
+        captured,
+        reason=reason,
+        run_id=run_id,
+        native=native,
+        extra_summary=extra_summary,
+        extra_files=extra_files,
+        detected_at=detected_at,
+    )

@@ -156,6 +156,7 @@ class Supervisor:
             read_heartbeats=self.heartbeat.read_all,
             on_dump=self.services.on_dump,
             gpu=self.services.gpu,
+            hurry=self.hurry,
         )
         self.watchdog = WatchdogThread(
             self.spec,
@@ -494,14 +495,14 @@ class Supervisor:
             self.run_id,
             policy,
             wait_ranks_reaped=lambda deadline: self.monitor.wait_all_exited(keys, deadline),
-            gpu_holders=self.services.gpu_holders if self.services.gpu.available else None,
+            gpu_holders=self.services.gpu_check(),
             cgroup=self.cgroup,
         )
         self.last_teardown = result
         if self.hurry.is_set() and not immediate:
             log.warning("second stop signal: grace period cut short, remaining processes were killed")
         self.services.on_teardown(result)
-        self.desk.wait_idle()
+        self.desk.settle()  # dumps still writing: each until its --dump-timeout deadline
         fields = {
             "duration_s": round(result.duration_s, 3),
             "escalated": result.escalated,

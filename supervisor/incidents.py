@@ -2,24 +2,43 @@
 
 It decides nothing; it knows *how* to ask ``dumps/`` for a bundle of the
 right reason with the supervisor's own knowledge (the first failure, the
-watchdog verdict, the consensus verdict) added to the evidence.  Incidents
-that end the run are written synchronously, before the teardown changes the
-evidence; soft ones (hang suspected, divergence observed, on demand) on the
-``dumper`` thread, so the main loop keeps reacting.
+watchdog verdict, the consensus verdict) added to the evidence.
+
+Nothing it does can hold a teardown back (DESIGN.md: every dump has a
+deadline).  Every bundle is made off the main thread:
+
+* **fatal** incidents (rank exit, hard hang, startup timeout, enforced
+  divergence) each get their own ``dump-<reason>`` thread.  The main thread
+  waits for the *capture* (stacks must be taken while the ranks exist) at
+  most ``--dump-timeout`` (less when a second stop signal comes), then
+  tears down anyway.  The write (bundle, retention walk) finishes on that
+  thread, during or after the teardown; a bundle whose capture was cut
+  short says so in ``summary.json``'s ``incomplete`` (why, and which files
+  lack what).  A hard hang and an enforced divergence freeze every rank
+  first (``dumps.freeze``): one consistent snapshot, no rank racing to abort.
+* **soft** ones (hang suspected, divergence observed, on demand) go to the
+  ``dumper`` thread, in order, and never stop a rank.
+
+``settle()`` (after the teardown) waits for every dump in flight until its
+deadline, ``--dump-timeout`` after it started (at least ``SETTLE_MIN_S``
+more), and reports those that could not finish (a dump directory that
+blocks): the supervisor exits anyway.  All dump threads are daemons, so a
+write stuck in the kernel never keeps the process alive.
 
 The desk holds only the run's fixed facts (spec, run id, run dir), a
-heartbeat reader, the GPU sampler and ``on_dump`` (metrics); what changes
-(the attempt's ranks, its restart count, the first failure) comes with each
-call from the main thread, as an immutable ``AttemptView``, so a dump on the
-worker thread reads nothing the main thread mutates.
+heartbeat reader, the GPU sampler's cache (never NVML itself), ``hurry``
+and ``on_dump`` (metrics); what changes (the attempt's ranks, its restart
+count, the first failure) comes with each call from the main thread, as an
+immutable ``AttemptView``, so a dump thread reads nothing the main thread
+mutates.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from datetime import datetime, timedelta, timezone
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -27,15 +46,16 @@ import structlog
 
 from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget
-from tp_supervise.dumps.incident import write_incident
+from tp_supervise.dumps.incident import IncidentResult, capture_incident, write_captured, write_incident
 from .exits import ExitInfo
 from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
 
 if TYPE_CHECKING:
-    from tp_supervise.watchdogs.gpu import GpuTelemetry
+    from tp_supervise.watchdogs.gpu import GpuSampler
 
     from .attempt import AttemptView, RankView
     from .rank.heartbeat import SlotSnapshot
+    from .signals import Hurry
     from .spec import LaunchSpec
     from .watch import DivergenceFound, WatchdogVerdict
 
@@ -45,6 +65,12 @@ log = structlog.get_logger("supervise.incident")
 # teardown much (exit within --kill-grace + 1 s of the death).
 RANK_EXIT_CAPTURE_S = 0.8
 HANG_CAPTURE_S = 3.0
+# After the teardown, a dump still writing gets at least this long (its
+# capture may have used the whole --dump-timeout).
+SETTLE_MIN_S = 1.0
+# The main thread checks a second stop signal this often while it waits for a capture.
+WAIT_SLICE_S = 0.02
+SOFT_WORKER_JOIN_S = 0.5
 
 
 def _wall_clock(monotonic_at: float | None) -> datetime:
@@ -52,6 +78,67 @@ def _wall_clock(monotonic_at: float | None) -> datetime:
     if monotonic_at is None:
         return now
     return now - timedelta(seconds=max(0.0, time.monotonic() - monotonic_at))
+
+
+class DumpJob:
+    """One bundle in the making; the main thread waits on its events, with deadlines."""
+
+    def __init__(self, reason: str, timeout_s: float):
+        self.reason = reason
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
+        self.captured = threading.Event()  # the ranks are no longer needed
+        self.done = threading.Event()  # the bundle was written, or failed
+        self.culprits: list[int] = []
+        self.result: IncidentResult | None = None
+        self._lock = threading.Lock()
+        self._abandoned = False  # the teardown started before the capture ended
+        self._reported = False  # on_dump was called for it
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+
+    @property
+    def abandoned(self) -> bool:
+        with self._lock:
+            return self._abandoned
+
+    def claim_report(self) -> bool:
+        """True once: whoever reports the dump's result (metrics) first."""
+        with self._lock:
+            first, self._reported = not self._reported, True
+            return first
+
+
+class _SoftWorker:
+    """The ``dumper`` thread: soft dumps in order; a daemon, so a stuck write never blocks the exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="dumper", daemon=True)
+        self._started = False
+
+    def submit(self, work: Callable[[], None]) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        self._jobs.put(work)
+
+    def stop(self, join_s: float) -> None:
+        if self._started:
+            self._jobs.put(None)
+            self._thread.join(join_s)
+
+    def _run(self) -> None:
+        while True:
+            work = self._jobs.get()
+            if work is None:
+                return
+            try:
+                work()
+            except Exception:  # a dump never kills the worker
+                log.exception("soft dump failed")
 
 
 class IncidentDesk:
@@ -62,31 +149,53 @@ class IncidentDesk:
         run_dir: Path,
         read_heartbeats: Callable[[], "list[SlotSnapshot]"],
         on_dump: Callable[[str, bool, float], None],
-        gpu: "GpuTelemetry",
+        gpu: "GpuSampler",
+        hurry: "Hurry",
     ):
-        """``on_dump(reason, ok, duration_s)``: called for every bundle, on the thread that wrote it."""
+        """``on_dump(reason, ok, duration_s)``: called once per bundle, on the thread that
+        wrote it (or on the main thread, ok=False, when it could not finish in time).
+        ``hurry``: set by a second stop signal; no wait here outlives it."""
         self.spec = spec
         self.run_id = run_id
         self.run_dir = run_dir
         self.read_heartbeats = read_heartbeats
         self.on_dump = on_dump
         self.gpu = gpu
+        self.hurry = hurry
         self.writer = BundleWriter(spec.dump_dir, keep=spec.dump_keep, max_bytes=spec.dump_max_bytes)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumper")
-        self.pending: list[Future] = []
+        self.soft = _SoftWorker()
+        self.jobs: list[DumpJob] = []  # in flight; main thread only
         self.previous_cpu = None
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.soft.stop(SOFT_WORKER_JOIN_S)
 
-    def wait_idle(self, timeout_s: float = HANG_CAPTURE_S * 2) -> None:
-        deadline = time.monotonic() + timeout_s
-        for fut in self.pending:
-            try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
-        self.pending = []
+    def settle(self) -> None:
+        """After the teardown: let the dumps in flight finish, each until its
+        deadline (at least ``SETTLE_MIN_S`` from now); report those that could not."""
+        floor = time.monotonic() + SETTLE_MIN_S
+        for job in self.jobs:
+            deadline = max(job.deadline, floor)
+            while not job.done.is_set() and not self.hurry.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                job.done.wait(min(left, WAIT_SLICE_S))
+            if job.done.is_set():
+                continue
+            waited = time.monotonic() - job.started
+            log.error(
+                "incident bundle not written within --dump-timeout; exiting without it "
+                "(is the dump directory blocked?)",
+                reason=job.reason,
+                dump_dir=str(self.spec.dump_dir),
+                dump_timeout_s=self.spec.dump_timeout,
+                waited_s=round(waited, 3),
+                captured=job.captured.is_set(),
+            )
+            if job.claim_report():
+                self.on_dump(job.reason, False, waited)
+        self.jobs = []
 
     # -------------------------------------------------------------- evidence
     def targets(self, attempt: "AttemptView") -> list[RankTarget]:
@@ -122,71 +231,172 @@ class IncidentDesk:
             "command": spec.rank_argv(),
         }
 
-    def _write(
-        self,
-        reason: str,
-        attempt: "AttemptView",
-        deadline_s: float,
-        extra_summary: dict,
-        extra_files: dict | None = None,
-        detected_at: float | None = None,
-    ):
-        """``detected_at``: monotonic time the fault was detected (default: now)."""
-        summary = dict(self._base_summary(attempt), **extra_summary)
-        result = write_incident(
-            self.writer,
-            reason=reason,
-            run_id=self.run_id,
-            targets=self.targets(attempt),
-            run_dir=self.run_dir,
-            method=self.spec.stack_method,
-            native=self.spec.native_stacks,
-            deadline_s=deadline_s,
-            extra_summary=summary,
-            extra_files=extra_files or {},
-            previous_cpu=self.previous_cpu,
-            detected_at=_wall_clock(detected_at),
-        )
-        self.previous_cpu = result.samples or self.previous_cpu
-        self.on_dump(reason, result.ok, result.duration_s)
+    def _report(self, job: DumpJob, result: IncidentResult, extra_summary: dict) -> None:
+        job.result = result
+        late = job.claim_report() is False
+        if not late:
+            self.on_dump(job.reason, result.ok, result.duration_s)
         diag = result.diagnosis
         # Log what the bundle says: the supervisor's own verdict (first
         # failure, consensus) wins over the stack-based diagnosis.
         log.warning(
             "incident bundle written" if result.path else "incident bundle FAILED",
-            reason=reason,
+            reason=job.reason,
             bundle=str(result.path) if result.path else None,
             culprit_ranks=extra_summary.get("culprit_ranks", getattr(diag, "culprit_ranks", None)),
             verdict=extra_summary.get("verdict", getattr(diag, "verdict", None)),
             duration_s=round(result.duration_s, 3),
             error=result.error,
+            **({"late": True} if late else {}),
         )
-        return result
+
+    def _make(
+        self,
+        job: DumpJob,
+        attempt: "AttemptView",
+        capture_s: float,
+        extra_summary: dict,
+        extra_files: dict | None,
+        detected_at: float,
+        freeze: bool,
+    ) -> None:
+        """Capture (then ``job.captured``), write (then ``job.done``); on a dump thread, never raises."""
+        reason = job.reason
+        summary = dict(self._base_summary(attempt), **extra_summary)
+        try:
+            captured = capture_incident(
+                self.targets(attempt),
+                reason=reason,
+                run_dir=self.run_dir,
+                method=self.spec.stack_method,
+                native=self.spec.native_stacks,
+                deadline_s=capture_s,
+                previous_cpu=self.previous_cpu,
+                freeze=freeze,
+            )
+            self.previous_cpu = captured.samples or self.previous_cpu
+            job.culprits = list(getattr(captured.diagnosis, "culprit_ranks", []) or [])
+        except Exception:  # capture_incident never raises; the heartbeat read or a bug might
+            log.exception("incident capture failed", reason=reason)
+            if job.claim_report():
+                self.on_dump(reason, False, time.monotonic() - job.started)
+            job.captured.set()
+            job.done.set()
+            return
+        job.captured.set()
+        try:
+            incomplete = None
+            if job.abandoned:
+                incomplete = {
+                    "why": (
+                        f"the capture took {captured.duration_s:.2f} s, longer than --dump-timeout "
+                        f"{self.spec.dump_timeout:g} s: the teardown started without waiting for it"
+                    ),
+                    "dump_timeout_s": self.spec.dump_timeout,
+                }
+            result = write_captured(
+                self.writer,
+                captured,
+                reason=reason,
+                run_id=self.run_id,
+                native=self.spec.native_stacks,
+                extra_summary=summary,
+                extra_files=extra_files or {},
+                detected_at=_wall_clock(detected_at),
+                incomplete=incomplete,
+            )
+            self._report(job, result, extra_summary)
+        except Exception:
+            log.exception("incident bundle failed", reason=reason)
+        finally:
+            job.done.set()
+
+    def _fatal(
+        self,
+        reason: str,
+        attempt: "AttemptView",
+        capture_s: float,
+        extra: dict,
+        files: dict | None = None,
+        detected_at: float | None = None,
+        freeze: bool = False,
+    ) -> DumpJob:
+        """Start a fatal dump on its own thread; return once its capture ended, or
+        after ``--dump-timeout`` (or a second stop signal) without it."""
+        detected_at = time.monotonic() if detected_at is None else detected_at
+        timeout = self.spec.dump_timeout
+        job = DumpJob(reason, timeout)
+        # The capture gets at most the dump timeout, its own share of which leaves room for the verdict.
+        capture_s = min(capture_s, timeout)
+        thread = threading.Thread(
+            target=self._make,
+            args=(job, attempt, capture_s, extra, files, detected_at, freeze),
+            name=f"dump-{reason}",
+            daemon=True,
+        )
+        self.jobs.append(job)
+        thread.start()
+        while not job.captured.is_set() and not self.hurry.is_set():
+            left = job.deadline - time.monotonic()
+            if left <= 0:
+                break
+            job.captured.wait(min(left, WAIT_SLICE_S))
+        if not job.captured.is_set():
+            job.abandon()
+            log.error(
+                "incident capture did not finish in time: tearing down without it",
+                reason=reason,
+                dump_timeout_s=timeout,
+                waited_s=round(time.monotonic() - job.started, 3),
+                second_stop_signal=self.hurry.is_set(),
+            )
+        return job
 
     def _async(
         self,
         reason: str,
         attempt: "AttemptView",
-        deadline_s: float,
+        capture_s: float,
         extra: dict,
         reply: "queue.SimpleQueue | None" = None,
         files: dict | None = None,
         detected_at: float | None = None,
     ) -> None:
         detected_at = time.monotonic() if detected_at is None else detected_at
+        job = DumpJob(reason, self.spec.dump_timeout)
+        summary = dict(self._base_summary(attempt), **extra)
 
-        def job():
+        def work() -> None:
             try:
-                result = self._write(reason, attempt, deadline_s, extra, files, detected_at)
+                result = write_incident(
+                    self.writer,
+                    reason=reason,
+                    run_id=self.run_id,
+                    targets=self.targets(attempt),
+                    run_dir=self.run_dir,
+                    method=self.spec.stack_method,
+                    native=self.spec.native_stacks,
+                    deadline_s=capture_s,
+                    extra_summary=summary,
+                    extra_files=files or {},
+                    previous_cpu=self.previous_cpu,
+                    detected_at=_wall_clock(detected_at),
+                )
+                self.previous_cpu = result.samples or self.previous_cpu
+                self._report(job, result, extra)
                 if reply is not None:
                     reply.put({"ok": result.path is not None, "bundle": str(result.path) if result.path else None})
             except Exception as exc:
                 log.exception("dump failed", reason=reason)
                 if reply is not None:
                     reply.put({"ok": False, "error": repr(exc)})
+            finally:
+                job.captured.set()
+                job.done.set()
 
-        self.pending = [f for f in self.pending if not f.done()]
-        self.pending.append(self.pool.submit(job))
+        self.jobs = [j for j in self.jobs if not j.done.is_set()]
+        self.jobs.append(job)
+        self.soft.submit(work)
 
     # -------------------------------------------------------------- incidents
     def rank_exit(self, first: "RankView", info: ExitInfo, attempt: "AttemptView") -> None:
@@ -202,18 +412,18 @@ class IncidentDesk:
             "verdict": verdict,
             "first_failure": {"rank": first.rank, "pid": first.pid, **info.to_dict()},
         }
-        self._write("rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, detected_at=first.exited_at)
+        self._fatal("rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, detected_at=first.exited_at)
 
     def _watchdog_extra(self, ev: "WatchdogVerdict") -> dict:
         v = ev.verdict
         extra = {"watchdog": v.to_dict(), "stalled_s": round(ev.stalled_s, 3)}
-        gpu = self.gpu
-        if gpu.available:
-            samples = gpu.sample()
+        reading = self.gpu.latest()  # the sampler's cache: NVML is never called here
+        if reading is not None:
             extra["gpu"] = {
-                "samples": [s.to_dict() for s in samples],
+                "samples": [s.to_dict() for s in reading.samples],
+                "sampled_s_ago": round(reading.age_s(time.monotonic()), 3),
                 # The signature of a hang that looks like work (spin-waiting kernels).
-                "busy_without_progress": gpus_busy_without_progress(samples, v),
+                "busy_without_progress": gpus_busy_without_progress(reading.samples, v),
             }
         return extra
 
@@ -221,9 +431,9 @@ class IncidentDesk:
         self._async("hang_suspected", attempt, HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at)
 
     def hard_hang(self, ev: "WatchdogVerdict", attempt: "AttemptView") -> list[int]:
-        self.wait_idle()
-        result = self._write("hang", attempt, HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at)
-        return list(getattr(result.diagnosis, "culprit_ranks", []) or [])
+        """Freeze, capture (bounded by --dump-timeout), return the diagnosis' culprits (none if cut short)."""
+        job = self._fatal("hang", attempt, HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at, freeze=True)
+        return list(job.culprits) if job.captured.is_set() else []
 
     def startup_timeout(self, ev: "WatchdogVerdict", attempt: "AttemptView") -> None:
         extra = self._watchdog_extra(ev)
@@ -233,17 +443,22 @@ class IncidentDesk:
             f"rank{'s' if len(pending) > 1 else ''} {','.join(map(str, pending))} did not become ready within "
             f"--startup-timeout {self.spec.startup_timeout:g} s: {ev.message}"
         )
-        self._write("startup_timeout", attempt, HANG_CAPTURE_S, extra, detected_at=ev.at)
+        self._fatal("startup_timeout", attempt, HANG_CAPTURE_S, extra, detected_at=ev.at)
 
     def divergence(self, ev: "DivergenceFound", attempt: "AttemptView", blocking: bool) -> None:
+        """``blocking`` (enforce): fatal, the ranks frozen first; else a soft dump."""
         v = ev.verdict
         extra = {"culprit_ranks": list(v.culprit_ranks), "verdict": v.verdict, "divergence": v.to_dict()}
         files = v.bundle_files()
         if blocking:
-            self.wait_idle()
-            self._write("divergence", attempt, HANG_CAPTURE_S, extra, files, detected_at=ev.at)
+            self._fatal("divergence", attempt, HANG_CAPTURE_S, extra, files, detected_at=ev.at, freeze=True)
         else:
             self._async("divergence", attempt, HANG_CAPTURE_S, extra, files=files, detected_at=ev.at)
 
     def on_demand(self, reply: "queue.SimpleQueue", attempt: "AttemptView") -> None:
         self._async("on_demand", attempt, HANG_CAPTURE_S, {}, reply)
+
+    def peer_incident(self, reason: str, extra: dict, attempt: "AttemptView") -> None:
+        """Multi-node: another node failed or was lost (``peer_failed``, ``node_lost``): this node's
+        evidence of the same incident, captured before its own teardown (fatal, bounded)."""
+        self._fatal(reason, attempt, HANG_CAPTURE_S, extra)

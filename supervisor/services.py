@@ -1,6 +1,12 @@
 """The supervisor's side services: metrics + health HTTP, control socket,
 consensus poller, GPU telemetry, and the per-rank environment they need.
 
+GPU telemetry is the ``gpu-sampler`` thread (``watchdogs.gpu.GpuSampler``):
+NVML is initialised and called there only, so a wedged driver stalls no
+other thread; the watchdog tick and the incident desk read its cached
+reading, and teardown's GPU-memory check waits for a fresh one at most
+``GPU_QUERY_TIMEOUT_S``.
+
 The main loop calls the ``on_*`` methods, the watchdog thread ``on_tick``;
 nothing here decides anything.  The services get the run's fixed facts
 (spec, run id, run dir) and ``post`` (the control socket and the consensus
@@ -22,7 +28,7 @@ from .rank.heartbeat import SlotSnapshot
 from .http import HealthCell, HealthServer, HealthStatus
 from .metrics import SupervisorMetrics
 from .outcome import ControlRequest
-from tp_supervise.watchdogs.gpu import GpuTelemetry
+from tp_supervise.watchdogs.gpu import GpuSampler, holding_memory
 
 if TYPE_CHECKING:
     from .spec import LaunchSpec
@@ -30,8 +36,12 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("supervise")
 
-# GPU telemetry is sampled at most this often (NVML calls cost milliseconds).
+# GPU telemetry is sampled this often on its own thread (NVML calls cost milliseconds).
 GPU_SAMPLE_INTERVAL_S = 1.0
+# Teardown's GPU-memory check waits this long for a fresh NVML reading before it gives up on one.
+GPU_QUERY_TIMEOUT_S = 1.0
+# How long stop() waits for the sampler thread (it may be stuck in a driver call: then it is left behind).
+GPU_STOP_JOIN_S = 1.0
 CONTROL_DUMP_TIMEOUT_S = 60.0
 TEXTFILE_TIMEOUT_S = 2.0  # a --metrics-textfile write never holds the main thread longer
 
@@ -48,8 +58,9 @@ class Services:
         self.http: HealthServer | None = None
         if spec.metrics_addr is not None:
             self.http = HealthServer(self.metrics, self.health, spec.metrics_addr[0], spec.metrics_addr[1])
-        self.gpu = GpuTelemetry()
-        self._gpu_next = 0.0
+        self.gpu = GpuSampler(GPU_SAMPLE_INTERVAL_S)
+        self._gpu_seen = 0  # seq of the last reading put into the metrics
+        self._gpu_unverified_logged = False
         self.consensus_monitor = None
         self.consensus_thread = None
         if spec.consensus != "off":
@@ -66,6 +77,7 @@ class Services:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        self.gpu.start()
         if self.http is not None:
             self.http.start()
             log.info("metrics and health", url=self.http.url, endpoints="/metrics /healthz /readyz")
@@ -92,6 +104,7 @@ class Services:
             self.control.close()
         if self.http is not None:
             self.http.stop()
+        self.gpu.stop(GPU_STOP_JOIN_S)
 
     @property
     def metrics_url(self) -> str | None:
@@ -174,9 +187,10 @@ class Services:
         if self.consensus_monitor is not None:
             comparisons, mismatches = self.consensus_monitor.counts()
             self.metrics.set_consensus_counts(comparisons, mismatches)
-        if self.gpu.available and now >= self._gpu_next:
-            self._gpu_next = now + GPU_SAMPLE_INTERVAL_S
-            self.metrics.observe_gpus(self.gpu.sample())
+        reading = self.gpu.latest()  # the cache only: NVML is called on the gpu-sampler thread
+        if reading is not None and reading.seq != self._gpu_seen:
+            self._gpu_seen = reading.seq
+            self.metrics.observe_gpus(reading.samples)
 
     def on_hang(self, kind: str) -> None:
         self.metrics.record_hang(kind)
@@ -211,8 +225,27 @@ class Services:
             return []
         return self.consensus_monitor.settle(now)
 
-    def gpu_holders(self, pids: set[int]) -> list[tuple[int, int, int]]:
-        return self.gpu.processes_holding_memory(pids)
+    def gpu_holders(self, pids: set[int]) -> list[tuple[int, int, int | None]]:
+        """Teardown's check: which of ``pids`` still hold GPU memory, from a fresh
+        NVML reading waited for at most ``GPU_QUERY_TIMEOUT_S`` (none: [] and a warning)."""
+        samples = self.gpu.fresh(GPU_QUERY_TIMEOUT_S)
+        if samples is None:
+            if not self._gpu_unverified_logged:
+                self._gpu_unverified_logged = True
+                log.warning(
+                    "GPU memory release not verified: NVML gave no fresh reading in time",
+                    timeout_s=GPU_QUERY_TIMEOUT_S,
+                    reason=self.gpu.reason or "a driver call is not returning",
+                )
+            return []
+        return holding_memory(samples, pids) if pids else []
+
+    def gpu_check(self) -> "Callable[[set[int]], list[tuple[int, int, int | None]]] | None":
+        """What teardown calls to verify GPU memory was released; None without NVML, or
+        while the sampler is stuck in a driver call (teardown then does not wait on it)."""
+        if not self.gpu.available or self.gpu.wedged(GPU_QUERY_TIMEOUT_S):
+            return None
+        return self.gpu_holders
 
     # ------------------------------------------------------------ control
     def _control_request(self, request: dict) -> dict:

@@ -5,6 +5,13 @@ collective at full utilisation.  "GPUs busy, no progress" is therefore part
 of the hang evidence, and after teardown the supervisor checks that no process
 of the run still holds GPU memory.
 
+A wedged GPU driver can block an NVML call for ever, so the supervisor never
+calls NVML on a thread that matters: ``GpuSampler`` initialises NVML and
+samples it on its own thread (``gpu-sampler``) and publishes the latest
+reading; the watchdog, the incident desk and the metrics read that cache.
+Teardown's "GPU memory released" check asks the sampler for a fresh reading
+and waits for it with a deadline (``GpuSampler.fresh``).
+
 Without NVML (no driver, no GPU, library missing) ``available`` is False,
 one info line says why, and every method returns empty results.  NVML errors
 never propagate: a call that fails leaves its field ``None``.
@@ -16,6 +23,7 @@ the ranks' PIDs; ``gpus_busy_without_progress`` falls back to every GPU then.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -155,6 +163,134 @@ class GpuTelemetry:
             if self.available:
                 self._call("nvmlShutdown", self._nvml.nvmlShutdown)
             self.available = False
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One published sample of every GPU, taken at ``at`` (time.monotonic) on the sampler thread."""
+
+    samples: tuple[GpuSample, ...]
+    at: float
+    seq: int  # 1 for the first reading, +1 for each one after
+
+    def age_s(self, now: float) -> float:
+        return max(0.0, now - self.at)
+
+
+class GpuSampler:
+    """NVML on its own named thread; everyone else reads ``latest()``.
+
+    The thread creates the ``GpuTelemetry`` (``nvmlInit`` may block too),
+    then samples every ``interval_s`` or at once when ``fresh`` asks.  No
+    other thread ever calls NVML, so a call that never returns stalls only
+    this thread: ``latest()`` keeps the last reading, ``fresh()`` answers
+    None after its deadline (at once while a call is already overdue), and
+    ``stop()`` gives up on the thread after its join limit (it is a daemon).
+    """
+
+    def __init__(
+        self,
+        interval_s: float,
+        telemetry: Callable[[], GpuTelemetry] = GpuTelemetry,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.interval_s = interval_s
+        self._make_telemetry = telemetry
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._latest: GpuReading | None = None
+        self._wanted = 0  # readings asked for by ``fresh`` (seq to reach)
+        self._busy_since: float | None = None  # an NVML call (init or sample) is running since
+        self._stopping = False
+        self.available = False
+        self.reason = "not initialised yet"
+        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, join_s: float) -> bool:
+        """Stop and join at most ``join_s``; False when the thread is stuck in NVML (left behind)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.ident is not None:
+            self._thread.join(join_s)
+        stuck = self._thread.is_alive()
+        if stuck:
+            log.warning("gpu sampler did not stop: an NVML call is not returning (left behind)", waited_s=join_s)
+        return not stuck
+
+    def latest(self) -> GpuReading | None:
+        """The last reading (None before the first, or without NVML); never waits."""
+        return self._latest
+
+    def wedged(self, limit_s: float) -> bool:
+        """Whether an NVML call has been running for longer than ``limit_s``."""
+        since = self._busy_since
+        return since is not None and self._clock() - since > limit_s
+
+    def fresh(self, timeout_s: float) -> tuple[GpuSample, ...] | None:
+        """A reading taken after this call, waited for at most ``timeout_s``; None when
+        NVML is unavailable, did not answer in time, or is already stuck in a call."""
+        if not self.available or self.wedged(timeout_s):
+            return None
+        deadline = self._clock() + timeout_s
+        with self._cond:
+            current = self._latest.seq if self._latest is not None else 0
+            # A sample already running may have read the GPUs before this call: ask for the one after it.
+            target = current + (2 if self._busy_since is not None else 1)
+            self._wanted = max(self._wanted, target)
+            self._cond.notify_all()
+            while not self._stopping:
+                got = self._latest
+                if got is not None and got.seq >= target:
+                    return got.samples
+                left = deadline - self._clock()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+        return None
+
+    def _run(self) -> None:
+        self._busy_since = self._clock()
+        try:
+            telemetry = self._make_telemetry()
+        except Exception as exc:  # GpuTelemetry itself never raises; a replacement might
+            telemetry = None
+            self.reason = f"{type(exc).__name__}: {exc}"
+            log.warning("gpu telemetry failed to start", error=self.reason)
+        finally:
+            self._busy_since = None
+        if telemetry is None or not telemetry.available:
+            self.reason = telemetry.reason if telemetry is not None else self.reason
+            return
+        self.available, self.reason = True, ""
+        seq = 0
+        try:
+            while True:
+                with self._cond:
+                    if self._stopping:
+                        return
+                    if self._wanted <= seq:
+                        self._cond.wait(self.interval_s)
+                    if self._stopping:
+                        return
+                self._busy_since = self._clock()
+                try:
+                    samples = tuple(telemetry.sample())
+                except Exception as exc:  # sample() guards every call; never let the thread die of one pass
+                    log.warning("gpu sample failed", error=repr(exc))
+                    samples = ()
+                finally:
+                    self._busy_since = None
+                seq += 1
+                with self._cond:
+                    self._latest = GpuReading(samples, self._clock(), seq)
+                    self._cond.notify_all()
+        finally:
+            self.available = False
+            telemetry.close()
 
 
 def holding_memory(samples: Iterable[GpuSample], pids: set[int]) -> list[tuple[int, int, int | None]]:
