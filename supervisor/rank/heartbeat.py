@@ -1,13 +1,15 @@
 """Heartbeat channel: one shared-memory segment per run, one slot per rank.
 
-Each slot has exactly one writer (its rank, through ``supervisor.rank.runtime``)
-and one reader (the supervisor).  The supervisor never writes a claimed slot,
-so reading never waits on a rank, hung, stopped or dead.
+Each slot has exactly one writing process (its rank, through
+``supervisor.rank.runtime`` and ``slot_writer.SlotWriter``, from any of its
+threads) and one reader (the supervisor).  The supervisor never
+writes a claimed slot and takes no lock, so reading never waits on a rank,
+hung, stopped or dead.
 
 The segment is a plain file (``/dev/shm`` when present) mapped with ``mmap``
-by both sides; no resource tracker, no locks.
+by both sides; no resource tracker, no lock shared between processes.
 
-Layout (version 1, little endian)::
+Layout (version 2, little endian)::
 
     +--------------------------- header (64 bytes) ---------------------------+
     | magic "TPSV" | version u32 | nslots u32 | slot_size u32 | hdr_size u32  |
@@ -23,22 +25,39 @@ Layout (version 1, little endian)::
      16  flags          u32  CLAIMED | READY | IN_STEP | IN_COLLECTIVE | ...
      20  stack_signal   i32  signal that makes the rank write its stacks (0: none)
      24  step           u64  steps completed
-     32  coll_seq       u64  collectives entered
+     32  coll_seq       u64  collectives entered outside the lanes (see below)
      40  ts_heartbeat   f64  monotonic time of the last update
      48  ts_step_begin  f64
-     56  ts_coll_begin  f64
+     56  ts_coll_begin  f64  when the latest collective began
      64  last_step_s    f64  duration of the last completed step
      72  ts_ready       f64
      80  phase          32s
-    112  coll_op        32s
-    144  coll_desc      96s  shapes / dtype of the collective in progress
+    112  coll_op        32s  op of the collective in progress (the latest begun)
+    144  coll_desc      64s  its shapes / dtype
+    208  lanes       4 x u64 one per thread of the rank that enters collectives:
+                             (collectives entered << 1) | inside
     240  local_slot     i32  (echo of the slot index, sanity check)
     244  reserved       12 bytes
 
-Each slot is guarded by the seqlock at its offset 0 (``seqlock.py``: the
-protocol and its memory-ordering assumption); a read that stays torn after
-the bounded retries is reported with ``torn=True`` rather than spinning on a
-rank that was stopped in the middle of an update.
+What a reader reports (``SlotSnapshot``): the rank is in a collective
+(``IN_COLLECTIVE``) when the flag is set or any lane's low bit is; its
+``coll_seq`` is the field plus every lane's count.
+
+Lanes make a collective cost one aligned store on entry and one on exit, with
+no lock, from any number of threads: each lane has exactly one writing thread
+(the first four threads of the rank that enter collectives get one each), and
+a single aligned u64 store is atomic, so a reader sees either value.  The
+flag covers the rest: threads without a lane, work objects issued and not
+completed (``works``); it counts holders and is written under the writer's
+lock and the seqlock.  ``ts_coll_begin`` and ``ts_heartbeat`` are single
+f64 stores as well; ``coll_op``/``coll_desc`` change only when the text
+changes (under the lock and the seqlock), which in a model's steady state is
+almost never.
+
+The other fields are guarded by the seqlock at the slot's offset 0
+(``seqlock.py``: the protocol and its memory-ordering assumption); a read that
+stays torn after the bounded retries is reported with ``torn=True`` rather
+than spinning on a rank that was stopped in the middle of an update.
 
 Timestamps are ``time.monotonic()`` (CLOCK_MONOTONIC is system wide on Linux,
 so rank and supervisor clocks agree).
@@ -52,25 +71,23 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .seqlock import SeqWriter, read_consistent
+from .seqlock import read_consistent
 
 MAGIC = b"TPSV"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 64
 SLOT_SIZE = 256
 
 _HEADER = struct.Struct("<4sIIIId36s")
-_SLOT = struct.Struct("<QiiIiQQddddd32s32s96si12x")
+_SLOT = struct.Struct("<QiiIiQQddddd32s32s64s4Qi12x")
 assert _HEADER.size <= HEADER_SIZE
 assert _SLOT.size == SLOT_SIZE
 
-# Field groups the writer updates on hot paths (offsets into the slot).
+# Field groups the writer packs at once (offsets into the slot).
 _IDENT = struct.Struct("<iiIi")  # pid, rank, flags, stack_signal at offset 8
-# flags, stack_signal, step, coll_seq, ts_hb, ts_step, ts_coll, last_step: the
-# hot fields are contiguous, so one update is one pack (plus the two seq stores).
-_HOT = struct.Struct("<IiQQdddd")
+_HOT = struct.Struct("<IiQQdddd")  # flags .. last_step_s at offset 16 (claim resets them)
 _TEXT32 = struct.Struct("<32s")
-_TEXT96 = struct.Struct("<96s")
+_TEXT64 = struct.Struct("<64s")
 _LOCAL = struct.Struct("<i")
 
 OFF_IDENT = 8
@@ -79,7 +96,21 @@ OFF_TS_READY = 72
 OFF_PHASE = 80
 OFF_COLL_OP = 112
 OFF_COLL_DESC = 144
+OFF_LANES = 208
+LANES = 4
+DESC_SIZE = 64
 OFF_LOCAL = 240
+# The same offsets as indexes of the writer's typed views of a slot (u64, u32, f64).
+_Q_SEQ = 0
+_Q_STEP = 24 // 8
+_Q_COLL_SEQ = 32 // 8
+_I_FLAGS = OFF_FLAGS // 4
+_D_TS_HEARTBEAT = 40 // 8
+_D_TS_STEP_BEGIN = 48 // 8
+_D_TS_COLL_BEGIN = 56 // 8
+_D_LAST_STEP = 64 // 8
+_D_TS_READY = OFF_TS_READY // 8
+_Q_LANE0 = OFF_LANES // 8
 
 CLAIMED = 1 << 0
 READY = 1 << 1
@@ -238,8 +269,13 @@ def _decode(slot: int, raw: bytes, torn: bool) -> SlotSnapshot:
         phase,
         coll_op,
         coll_desc,
+        *lanes,
         _local,
     ) = _SLOT.unpack(raw)
+    for lane in lanes:
+        coll_seq += lane >> 1
+        if lane & 1:
+            flags |= IN_COLLECTIVE
     return SlotSnapshot(
         slot=slot,
         pid=pid,
@@ -258,108 +294,3 @@ def _decode(slot: int, raw: bytes, torn: bool) -> SlotSnapshot:
         coll_desc=_text(coll_desc),
         torn=torn,
     )
-
-
-class SlotWriter:
-    """Rank side: the single writer of one slot.
-
-    Not thread safe by design: a rank updates its slot from the thread that
-    runs steps and collectives.  Calls from other threads must be serialised
-    by the caller (``supervisor.rank.runtime`` holds a lock only on the rare paths).
-    """
-
-    def __init__(self, path: str | os.PathLike, slot: int):
-        fd = os.open(path, os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        magic, version, nslots, slot_size, header_size, _created, _run = _HEADER.unpack_from(self._map, 0)
-        if magic != MAGIC or version != VERSION or slot_size != SLOT_SIZE or header_size != HEADER_SIZE:
-            raise HeartbeatLayoutError(f"{path}: not a version-{VERSION} heartbeat segment")
-        if not 0 <= slot < nslots:
-            raise HeartbeatLayoutError(f"slot {slot} outside the segment's {nslots} slots")
-        self.slot = slot
-        self.nslots = nslots
-        self._base = HEADER_SIZE + slot * SLOT_SIZE
-        lock = SeqWriter(self._map, self._base)
-        self._open, self._close = lock.begin, lock.end
-        self.flags = 0
-        self.stack_signal = 0
-        self.step = 0
-        self.coll_seq = 0
-        self.ts_step_begin = 0.0
-        self.ts_coll_begin = 0.0
-        self.last_step_s = 0.0
-        self._coll_text = ("", "")
-
-    def _pack_hot(self, now: float) -> None:
-        _HOT.pack_into(
-            self._map,
-            self._base + OFF_FLAGS,
-            self.flags,
-            self.stack_signal,
-            self.step,
-            self.coll_seq,
-            now,
-            self.ts_step_begin,
-            self.ts_coll_begin,
-            self.last_step_s,
-        )
-
-    def _update(self, now: float) -> None:
-        self._open()
-        self._pack_hot(now)
-        self._close()
-
-    # -- updates --------------------------------------------------------------
-    def claim(self, pid: int, rank: int, stack_signal: int, flags: int, now: float) -> None:
-        self.flags = flags | CLAIMED
-        self.stack_signal = stack_signal
-        self._open()
-        _IDENT.pack_into(self._map, self._base + OFF_IDENT, pid, rank, self.flags, stack_signal)
-        _LOCAL.pack_into(self._map, self._base + OFF_LOCAL, self.slot)
-        self._pack_hot(now)
-        self._close()
-
-    def set_flags(self, flags: int, now: float) -> None:
-        self.flags = flags
-        self._open()
-        self._pack_hot(now)
-        if flags & READY:
-            struct.pack_into("<d", self._map, self._base + OFF_TS_READY, now)
-        self._close()
-
-    def step_begin(self, now: float) -> None:
-        self.flags |= IN_STEP | INSTRUMENTED
-        self.ts_step_begin = now
-        self._update(now)
-
-    def step_end(self, now: float) -> None:
-        self.flags &= ~IN_STEP
-        self.step += 1
-        self.last_step_s = now - self.ts_step_begin
-        self._update(now)
-
-    def collective_begin(self, op: str, desc: str, now: float) -> None:
-        self.flags |= IN_COLLECTIVE
-        self.coll_seq += 1
-        self.ts_coll_begin = now
-        self._open()
-        if self._coll_text != (op, desc):  # the same op and shapes repeat every layer
-            self._coll_text = (op, desc)
-            _TEXT32.pack_into(self._map, self._base + OFF_COLL_OP, _encode(op, 32))
-            _TEXT96.pack_into(self._map, self._base + OFF_COLL_DESC, _encode(desc, 96))
-        self._pack_hot(now)
-        self._close()
-
-    def collective_end(self, now: float) -> None:
-        self.flags &= ~IN_COLLECTIVE
-        self._update(now)
-
-    def set_phase(self, name: str, now: float) -> None:
-        self._open()
-        _TEXT32.pack_into(self._map, self._base + OFF_PHASE, _encode(name, 32))
-        self._pack_hot(now)
-        self._close()

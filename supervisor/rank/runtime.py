@@ -22,8 +22,14 @@ Environment it reads (set by ``supervise serve``; see docs/supervisor.md):
     SUPERVISE_STACK_SIGNAL    signal on which the rank writes all threads' stacks
     SUPERVISE_RUN_DIR         per-run scratch directory (stack files live here)
 
-Costs: one update is a few ``struct.pack_into`` calls into an mmap (about a
-microsecond; bench/bench_heartbeat.py measures it).
+Threads: every call may come from any thread.  A thread enters collectives
+through its own lane of the slot (``slot_writer.Lane``: two stores, no
+lock; the first four threads get one, others go through the writer's holder
+count), so one thread leaving its collective never hides another that is
+still blocked; every other update takes the slot writer's lock.
+
+Costs: a collective's enter + exit is a few aligned stores into an mmap
+(well under a microsecond; bench/bench_heartbeat.py measures it).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import threading
 import time
 
 from . import heartbeat as hb
+from .slot_writer import Lane, SlotWriter
 
 _monotonic = time.monotonic
 
@@ -61,7 +68,7 @@ class _Runtime:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.writer: hb.SlotWriter | None = None
+        self.writer: SlotWriter | None = None
         self.pid = os.getpid()
         self.stack_file = None
         self.death_watch_started = False
@@ -74,11 +81,11 @@ class _Runtime:
         with self.lock:
             if self.writer is not None and self.pid == os.getpid():
                 if instrumented and not self.writer.flags & hb.INSTRUMENTED:
-                    self.writer.set_flags(self.writer.flags | hb.INSTRUMENTED, time.monotonic())
+                    self.writer.change_flags(time.monotonic(), add=hb.INSTRUMENTED)
                 return True
             self.pid = os.getpid()
             try:
-                writer = hb.SlotWriter(path, slot)
+                writer = SlotWriter(path, slot)
             except (OSError, hb.HeartbeatLayoutError) as exc:
                 print(f"supervise: heartbeat disabled for rank {rank}: {exc}", file=sys.stderr)
                 return False
@@ -168,6 +175,9 @@ def _watch_death(fds: list[int]) -> None:
 
 
 _rt = _Runtime()
+# The process-wide state, for the zero-code hook's hot path (``state.writer``:
+# the slot writer, None until claimed and in a forked child).
+state = _rt
 
 
 def _after_fork_in_child() -> None:
@@ -182,7 +192,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _ensure_spawn_slot() -> hb.SlotWriter | None:
+def _ensure_spawn_slot() -> SlotWriter | None:
     """Spawn mode: the slot is known from the environment; claim on first use."""
     w = _rt.writer
     if w is not None and _rt.pid == os.getpid():
@@ -217,14 +227,14 @@ def starting() -> None:
     """
     w = _ensure_spawn_slot()
     if w is not None:
-        w.set_flags(w.flags | hb.INSTRUMENTED, time.monotonic())
+        w.change_flags(time.monotonic(), add=hb.INSTRUMENTED)
 
 
 def ready() -> None:
     """The rank finished loading and can serve."""
     w = _ensure_spawn_slot()
     if w is not None:
-        w.set_flags(w.flags | hb.READY, time.monotonic())
+        w.change_flags(time.monotonic(), add=hb.READY)
 
 
 RENDEZVOUS_PHASE = "rendezvous"
@@ -249,14 +259,14 @@ def joined_group(rank: int) -> None:
     now = time.monotonic()
     w.set_phase("", now)
     if not w.flags & hb.INSTRUMENTED:
-        w.set_flags(w.flags | hb.READY, now)
+        w.change_flags(now, add=hb.READY)
 
 
 def finished() -> None:
     """The rank is about to exit cleanly (the supervisor treats its exit as planned)."""
     w = _rt.writer
     if w is not None and _rt.pid == os.getpid():
-        w.set_flags((w.flags | hb.FINISHED) & ~(hb.IN_STEP | hb.IN_COLLECTIVE), time.monotonic())
+        w.change_flags(time.monotonic(), add=hb.FINISHED, clear=hb.IN_STEP | hb.IN_COLLECTIVE)
 
 
 def begin_step() -> None:
@@ -291,16 +301,84 @@ def step() -> _Step:
     return _STEP
 
 
+class _ThreadState(threading.local):
+    """Per thread: its lane into the slot, and the depth of its collectives without one."""
+
+    def __init__(self) -> None:
+        self.lane: Lane | None = None
+        self.asked: SlotWriter | None = None  # the writer ``lane`` was asked of (a fork or re-claim changes it)
+        self.guard: _LaneGuard | None = None
+        self.depth = 0  # nesting of collectives entered through the holder count
+
+
+class _LaneGuard:
+    """Lives in the thread's locals: when the thread ends, its lane goes back to the writer."""
+
+    __slots__ = ("lane",)
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+
+    def __del__(self) -> None:
+        try:
+            self.lane.writer.release_lane(self.lane)
+        except Exception:  # interpreter shutdown: nothing left to tell
+            pass
+
+
+thread_state = _ThreadState()
+
+
+def lane() -> Lane | None:
+    """This thread's lane into the slot (opened at first use); None without a slot or when all are taken."""
+    t = thread_state
+    w = _rt.writer
+    if t.asked is w:
+        return t.lane
+    t.asked = w
+    t.lane = ln = w.lane() if w is not None else None
+    t.guard = _LaneGuard(ln) if ln is not None else None
+    return ln
+
+
 def begin_collective(op: str, desc: str = "") -> None:
+    """This thread enters a collective (pair it with ``end_collective`` on the same thread).
+
+    Any number of threads may be inside collectives at once; a collective
+    entered inside another on the same thread is part of it.
+    """
     w = _rt.writer if _rt.writer is not None else _ensure_spawn_slot()
-    if w is not None:
+    if w is None:
+        return
+    ln = lane()
+    if ln is not None:
+        if ln.depth:
+            ln.depth += 1
+        else:
+            ln.enter(op, desc, _monotonic())
+        return
+    t = thread_state
+    t.depth += 1
+    if t.depth == 1:
         w.collective_begin(op, desc, _monotonic())
 
 
 def end_collective() -> None:
     w = _rt.writer
-    if w is not None:
-        w.collective_end(_monotonic())
+    if w is None:
+        return
+    t = thread_state
+    ln = t.lane if t.asked is w else None
+    if ln is not None:
+        if ln.depth > 1:
+            ln.depth -= 1
+        elif ln.depth == 1:
+            ln.leave()
+        return
+    if t.depth > 0:
+        t.depth -= 1
+        if t.depth == 0:
+            w.collective_end(_monotonic())
 
 
 class _Collective:
@@ -329,6 +407,6 @@ def phase(name: str) -> None:
         w.set_phase(name, time.monotonic())
 
 
-def slot_writer() -> hb.SlotWriter | None:
+def slot_writer() -> SlotWriter | None:
     """The slot writer of this process, if it claimed one (consensus uses it)."""
     return _rt.writer if _rt.pid == os.getpid() else None

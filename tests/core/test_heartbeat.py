@@ -6,13 +6,14 @@ import textwrap
 import time
 
 from tp_supervise.supervisor.rank import heartbeat as hb
+from tp_supervise.supervisor.rank.slot_writer import SlotWriter
 
 
 def test_writer_updates_are_seen_by_reader(tmp_path):
     seg = hb.HeartbeatSegment(tmp_path / "hb", 4, "run-x", time.monotonic())
-    w = hb.SlotWriter(seg.path, 2)
+    w = SlotWriter(seg.path, 2)
     w.claim(1234, 10, 35, 0, time.monotonic())
-    w.set_flags(w.flags | hb.READY, time.monotonic())
+    w.change_flags(time.monotonic(), add=hb.READY)
     w.step_begin(time.monotonic())
     w.collective_begin("all_reduce", "64x256 float32", time.monotonic())
     s = seg.read(2)
@@ -30,7 +31,7 @@ def test_writer_updates_are_seen_by_reader(tmp_path):
 
 def test_torn_slot_is_reported_not_waited_on(tmp_path):
     seg = hb.HeartbeatSegment(tmp_path / "hb", 1, "run-x", time.monotonic())
-    w = hb.SlotWriter(seg.path, 0)
+    w = SlotWriter(seg.path, 0)
     w.claim(1, 0, 0, 0, time.monotonic())
     w._open()  # a writer stopped mid-update (e.g. SIGSTOP)
     t0 = time.monotonic()
@@ -42,14 +43,14 @@ def test_torn_slot_is_reported_not_waited_on(tmp_path):
 def test_bad_slot_and_layout_are_rejected(tmp_path):
     seg = hb.HeartbeatSegment(tmp_path / "hb", 1, "run-x", time.monotonic())
     try:
-        hb.SlotWriter(seg.path, 5)
+        SlotWriter(seg.path, 5)
     except hb.HeartbeatLayoutError as exc:
         assert "slot 5" in str(exc)
     else:
         raise AssertionError("slot outside the segment accepted")
     (tmp_path / "junk").write_bytes(b"\0" * 512)
     try:
-        hb.SlotWriter(tmp_path / "junk", 0)
+        SlotWriter(tmp_path / "junk", 0)
     except hb.HeartbeatLayoutError:
         pass
     else:

@@ -1,0 +1,454 @@
+"""The rank side of a heartbeat slot: ``SlotWriter`` and its per-thread ``Lane``.
+
+The layout, the reader and the ordering rules of the slot are in
+``heartbeat`` (the one definition of the wire format); this is how a rank
+writes it from any number of threads:
+
+* entering or leaving a collective through a **lane** is one aligned u64
+  store into the thread's own lane (plus two f64 timestamp stores), with no
+  lock: a lane has exactly one writing thread, and the reader sees either
+  value of each store;
+* everything else (identity, flags, steps, phase, the collective text, the
+  holder count of ``IN_COLLECTIVE``) takes the writer's lock and the slot's
+  seqlock, so the seqlock has one writer at a time whichever thread updates.
+
+Fields are stored through typed views of the slot (one aligned store each,
+in program order; the layout is little endian, and so must be the host),
+not ``struct.pack_into``: a lane transition costs about 0.1 us, a locked
+update a few tenths of a microsecond (bench/bench_heartbeat.py).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+from typing import Callable
+
+from .heartbeat import (
+    MAGIC,
+    VERSION,
+    HEADER_SIZE,
+    SLOT_SIZE,
+    LANES,
+    DESC_SIZE,
+    HeartbeatLayoutError,
+    _HEADER,
+    _IDENT,
+    _HOT,
+    _TEXT32,
+    _TEXT64,
+    _LOCAL,
+    OFF_IDENT,
+    OFF_FLAGS,
+    OFF_PHASE,
+    OFF_COLL_OP,
+    OFF_COLL_DESC,
+    OFF_LOCAL,
+    _Q_SEQ,
+    _Q_STEP,
+    _Q_COLL_SEQ,
+    _Q_LANE0,
+    _I_FLAGS,
+    _D_TS_HEARTBEAT,
+    _D_TS_STEP_BEGIN,
+    _D_TS_COLL_BEGIN,
+    _D_LAST_STEP,
+    _D_TS_READY,
+    CLAIMED,
+    READY,
+    IN_STEP,
+    IN_COLLECTIVE,
+    INSTRUMENTED,
+    _encode,
+)
+
+
+class SlotWriter:
+    """Rank side: the writer of one slot, shared by every thread of the rank.
+
+    Two ways into a collective:
+
+    * a **lane** (``lane()``, one per thread, the hot path): entering and
+      leaving are single stores into the thread's own lane, no lock;
+    * the **holder count** (``collective_begin``/``collective_end``/
+      ``collective_hold``): for threads without a lane and for work objects
+      still in flight; ``IN_COLLECTIVE`` is set while any holder remains, so
+      one thread leaving cannot hide another still inside.
+
+    Every other update takes the writer's lock, so the slot's seqlock has one
+    writer at a time whichever thread calls (two interleaved updates would
+    break its parity), and a read-modify-write of the flags never loses a
+    concurrent bit.  Fields are stored through typed views of the slot (one
+    aligned store each, in program order; the layout is little endian, so is
+    the host), not ``struct.pack_into``.  Not for use in a forked child
+    (``runtime`` drops it there).
+    """
+
+    __slots__ = (
+        "slot", "nslots", "flags", "stack_signal", "step", "coll_seq", "ts_step_begin", "last_step_s",
+        "holders", "lanes", "op", "desc", "text_lane", "described", "_map", "_base", "_lock", "_seq", "_u64",
+        "_u32", "_f64", "_free_lanes", "_pid",
+    )
+
+    def __init__(self, path: str | os.PathLike, slot: int):
+        if sys.byteorder != "little":
+            raise HeartbeatLayoutError("the heartbeat layout is little endian; this host is not")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        if size < HEADER_SIZE:
+            raise HeartbeatLayoutError(f"{path}: not a version-{VERSION} heartbeat segment")
+        magic, version, nslots, slot_size, header_size, _created, _run = _HEADER.unpack_from(self._map, 0)
+        if magic != MAGIC or version != VERSION or slot_size != SLOT_SIZE or header_size != HEADER_SIZE:
+            raise HeartbeatLayoutError(f"{path}: not a version-{VERSION} heartbeat segment")
+        if not 0 <= slot < nslots or size < HEADER_SIZE + nslots * SLOT_SIZE:
+            raise HeartbeatLayoutError(f"slot {slot} outside the segment's {nslots} slots")
+        self.slot = slot
+        self.nslots = nslots
+        self._pid = os.getpid()
+        self._base = HEADER_SIZE + slot * SLOT_SIZE
+        view = memoryview(self._map)[self._base : self._base + SLOT_SIZE]
+        self._u64, self._u32, self._f64 = view.cast("Q"), view.cast("I"), view.cast("d")
+        seq = self._u64[_Q_SEQ]
+        self._seq = seq + (seq & 1)  # a predecessor that died inside an update left it odd
+        self._lock = threading.Lock()
+        self.flags = 0
+        self.stack_signal = 0
+        self.step = 0
+        self.coll_seq = 0
+        self.ts_step_begin = 0.0
+        self.last_step_s = 0.0
+        self.holders = 0  # holders of IN_COLLECTIVE: threads without a lane in a collective, works in flight
+        self.lanes: list[Lane] = []  # lanes handed out (their threads may have ended)
+        self._free_lanes = list(range(LANES - 1, -1, -1))
+        self.op = ""  # what coll_op / coll_desc hold
+        self.desc = ""
+        self.text_lane: Lane | None = None  # the lane whose collective they describe
+        self.described = -1  # the value of text_lane when a late description was written
+
+    # Every locked update: store seq+1 (odd), the fields, seq+2 (even).  The
+    # closing store is in a ``finally`` so that an exception raised into the
+    # thread mid-update (KeyboardInterrupt) cannot leave the parity odd.
+
+    def _open(self) -> int:
+        """Start an update (caller holds the lock); returns the odd counter."""
+        seq = self._seq + 1
+        self._u64[_Q_SEQ] = seq
+        return seq
+
+    def _close(self, seq: int) -> None:
+        self._u64[_Q_SEQ] = self._seq = seq + 1
+
+    # -- identity and flags (rare) --------------------------------------------
+    def claim(self, pid: int, rank: int, stack_signal: int, flags: int, now: float) -> None:
+        with self._lock:
+            self.flags = flags | CLAIMED
+            self.stack_signal = stack_signal
+            seq = self._open()
+            try:
+                # A new process in the slot starts from zero (the supervisor sees the pid change).
+                _IDENT.pack_into(self._map, self._base + OFF_IDENT, pid, rank, self.flags, stack_signal)
+                _HOT.pack_into(self._map, self._base + OFF_FLAGS, self.flags, stack_signal, 0, 0, now, 0.0, 0.0, 0.0)
+                _LOCAL.pack_into(self._map, self._base + OFF_LOCAL, self.slot)
+                for lane in self.lanes:
+                    lane.value = 0
+                for i in range(LANES):
+                    self._u64[_Q_LANE0 + i] = 0
+            finally:
+                self._close(seq)
+            self.step = self.coll_seq = 0
+
+    def change_flags(self, now: float, add: int = 0, clear: int = 0) -> None:
+        """Set the ``add`` bits and clear the ``clear`` bits (no concurrent bit is lost).
+
+        Clearing ``IN_COLLECTIVE`` drops every holder (a finishing rank); lanes are their threads' own.
+        """
+        with self._lock:
+            flags = (self.flags | add) & ~clear
+            if clear & IN_COLLECTIVE:
+                self.holders = 0
+            self._write_flags(flags, now, ready_now=bool(flags & READY and not self.flags & READY))
+
+    def _write_flags(self, flags: int, now: float, ready_now: bool = False) -> None:
+        """Caller holds the lock."""
+        self.flags = flags
+        seq = self._open()
+        try:
+            self._u32[_I_FLAGS] = flags
+            f64 = self._f64
+            f64[_D_TS_HEARTBEAT] = now
+            if ready_now:
+                f64[_D_TS_READY] = now
+        finally:
+            self._close(seq)
+
+    def set_phase(self, name: str, now: float) -> None:
+        with self._lock:
+            seq = self._open()
+            try:
+                _TEXT32.pack_into(self._map, self._base + OFF_PHASE, _encode(name, 32))
+                self._f64[_D_TS_HEARTBEAT] = now
+            finally:
+                self._close(seq)
+
+    # -- steps ----------------------------------------------------------------
+    def step_begin(self, now: float) -> None:
+        with self._lock:
+            self.flags = flags = self.flags | IN_STEP | INSTRUMENTED
+            self.ts_step_begin = now
+            seq = self._open()
+            try:
+                self._u32[_I_FLAGS] = flags
+                f64 = self._f64
+                f64[_D_TS_HEARTBEAT] = now
+                f64[_D_TS_STEP_BEGIN] = now
+            finally:
+                self._close(seq)
+
+    def step_end(self, now: float) -> None:
+        with self._lock:
+            self.flags = flags = self.flags & ~IN_STEP
+            self.step = step = self.step + 1
+            self.last_step_s = last = now - self.ts_step_begin
+            seq = self._open()
+            try:
+                self._u32[_I_FLAGS] = flags
+                self._u64[_Q_STEP] = step
+                f64 = self._f64
+                f64[_D_TS_HEARTBEAT] = now
+                f64[_D_LAST_STEP] = last
+            finally:
+                self._close(seq)
+
+    # -- collectives: the holder count ----------------------------------------
+    def collective_begin(self, op: str, desc: str, now: float) -> None:
+        """Enter a collective without a lane: one more holder, one more collective counted."""
+        with self._lock:
+            self.holders += 1
+            self.flags = flags = self.flags | IN_COLLECTIVE
+            self.coll_seq = coll_seq = self.coll_seq + 1
+            self.text_lane = None
+            seq = self._open()
+            try:
+                self._write_text(op, desc)
+                self._u32[_I_FLAGS] = flags
+                self._u64[_Q_COLL_SEQ] = coll_seq
+                f64 = self._f64
+                f64[_D_TS_HEARTBEAT] = now
+                f64[_D_TS_COLL_BEGIN] = now
+            finally:
+                self._close(seq)
+
+    def collective_hold(self, n: int, now: float) -> None:
+        """``n`` more holders without entering a collective (work objects in flight)."""
+        with self._lock:
+            self.holders += n
+            if self.holders > 0 and not self.flags & IN_COLLECTIVE:
+                self._write_flags(self.flags | IN_COLLECTIVE, now)
+
+    def collective_end(self, now: float, n: int = 1) -> None:
+        """``n`` holders leave; the flag clears when none is left."""
+        with self._lock:
+            held = self.holders - n
+            self.holders = held if held > 0 else 0
+            if held <= 0:
+                self._write_flags(self.flags & ~IN_COLLECTIVE, now)
+
+    # -- collectives: lanes ---------------------------------------------------
+    def lane(self) -> Lane | None:
+        """A lane for the calling thread (keep it in a thread-local), or None when all are taken."""
+        with self._lock:
+            if not self._free_lanes:
+                return None
+            index = self._free_lanes.pop()
+            lane = Lane(self, index, int(self._u64[_Q_LANE0 + index]) & ~1)  # a freed lane keeps counting
+            self.lanes.append(lane)
+            return lane
+
+    def release_lane(self, lane: Lane) -> None:
+        """The lane's thread ended: the lane goes back (outside any collective) for another thread."""
+        if os.getpid() != self._pid:
+            return  # a forked child dropping its copy of the parent's lanes: the slot is not ours
+        with self._lock:
+            if lane.writer is not self or lane not in self.lanes:
+                return
+            self.lanes.remove(lane)
+            lane.value &= ~1
+            self._u64[_Q_LANE0 + lane.index] = lane.value
+            if self.text_lane is lane:
+                self.text_lane = None
+            self._free_lanes.append(lane.index)
+
+    def show(self, lane: Lane, now: float) -> None:
+        """Make coll_op/coll_desc/ts_coll_begin describe ``lane``'s collective (a call's
+        description stays empty until ``describe_late`` writes it)."""
+        with self._lock:
+            self.text_lane = lane
+            self.described = -1
+            seq = self._open()
+            try:
+                self._write_text(lane.op, lane.desc if lane.desc is not None else "")
+                f64 = self._f64
+                f64[_D_TS_COLL_BEGIN] = lane.ts
+                f64[_D_TS_HEARTBEAT] = now
+            finally:
+                self._close(seq)
+
+    def lane_left(self, lane: Lane, now: float) -> None:
+        """``lane`` left and the text describes it: describe another lane still inside, if any."""
+        for other in list(self.lanes):
+            if other is not lane and other.value & 1:
+                self.show(other, now)
+                return
+
+    def describe_late(self, describe: Callable[[tuple, dict], str]) -> bool:
+        """Write the description of the collective the text shows, if it still runs and has none yet.
+
+        Called from another thread than the lane's (``works``' monitor): the
+        hot path records a call's arguments, not their description (and a
+        wait's description only if the slot shows none).  The
+        lane's thread takes no lock, so a call that ended meanwhile is
+        detected afterwards and its description cleared (the next pass
+        describes the next call).  Returns whether it wrote one.
+        """
+        lane = self.text_lane
+        if lane is None or lane.writer is not self:
+            return False
+        value, desc, args, kwargs = lane.value, lane.desc, lane.args, lane.kwargs
+        if not value & 1 or value == self.described or (desc is None and args is None):
+            return False
+        if desc is None:
+            try:
+                desc = describe(args, kwargs or {})
+            except Exception:
+                desc = ""
+        with self._lock:
+            if self.text_lane is not lane or lane.value != value:
+                return False
+            self.described = value
+            self._text_update(self.op, desc)
+        if lane.value != value:  # it ended while we wrote: the text is not its successor's
+            with self._lock:
+                if self.described == value:
+                    self._text_update(self.op, "")
+        return True
+
+    def _text_update(self, op: str, desc: str) -> None:
+        """Caller holds the lock."""
+        seq = self._open()
+        try:
+            self._write_text(op, desc)
+        finally:
+            self._close(seq)
+
+    def _write_text(self, op: str, desc: str) -> None:
+        """Caller holds the lock and is inside an update."""
+        if op != self.op:
+            _TEXT32.pack_into(self._map, self._base + OFF_COLL_OP, _encode(op, 32))
+            self.op = op
+        if desc != self.desc:
+            _TEXT64.pack_into(self._map, self._base + OFF_COLL_DESC, _encode(desc, DESC_SIZE))
+            self.desc = desc
+
+
+class Lane:
+    """One thread's way into collectives: its own u64 in the slot, written by that thread only.
+
+    ``call`` (a collective call, counted; described late, if it lasts),
+    ``enter`` (the same, described by the caller) or ``wait`` (blocking on
+    work issued earlier, not counted again), then ``leave``.  The value is
+    ``(collectives entered << 1) | inside``.  ``depth`` is for callers: calls
+    made inside a collective call (``send`` runs ``isend``) are part of it and
+    must not enter again.  The slot's text is rewritten (under the writer's
+    lock) only when it changes, which in a model's steady state is never.
+    """
+
+    __slots__ = ("writer", "index", "value", "depth", "op", "desc", "args", "kwargs", "ts", "_u64", "_f64", "_at")
+
+    def __init__(self, writer: SlotWriter, index: int, value: int):
+        self.writer = writer
+        self.index = index
+        self.value = value
+        self.depth = 0
+        self.op = ""
+        self.desc: str | None = ""  # None: a call, described late from args/kwargs
+        self.args: tuple | None = None  # a call's arguments, held only until leave()
+        self.kwargs: dict | None = None
+        self.ts = 0.0
+        self._u64 = writer._u64
+        self._f64 = writer._f64
+        self._at = _Q_LANE0 + index
+
+    def call(self, op: str, args: tuple, kwargs: dict, now: float) -> None:
+        """A collective call with these arguments."""
+        self.depth = 1
+        self.op = op
+        self.desc = None
+        self.args = args
+        self.kwargs = kwargs
+        self.ts = now
+        w = self.writer
+        w.text_lane = self
+        if op is not w.op or w.desc:
+            w.show(self, now)
+        else:
+            f64 = self._f64
+            f64[_D_TS_COLL_BEGIN] = now
+            f64[_D_TS_HEARTBEAT] = now
+        self.value = value = self.value + 3  # one more collective, and inside
+        self._u64[self._at] = value
+
+    def enter(self, op: str, desc: str, now: float) -> None:
+        """A collective described by the caller (the runtime API)."""
+        self.depth = 1
+        self.op = op
+        self.desc = desc
+        self.ts = now
+        w = self.writer
+        w.text_lane = self
+        if op != w.op or desc != w.desc:
+            w.show(self, now)
+        else:
+            f64 = self._f64
+            f64[_D_TS_COLL_BEGIN] = now
+            f64[_D_TS_HEARTBEAT] = now
+        self.value = value = self.value + 3
+        self._u64[self._at] = value
+
+    def wait(self, op: str, desc: str | None, args: tuple | None, now: float) -> None:
+        """Blocking on work issued earlier by ``op``: inside, not counted again.
+
+        Its issuing call left the op in the slot with an empty description:
+        the description (``desc``, or formatted from ``args``) is written late,
+        as a call's, if the wait lasts.
+        """
+        self.depth = 1
+        self.op = op
+        self.desc = desc
+        self.args = args
+        self.kwargs = None
+        self.ts = now
+        w = self.writer
+        w.text_lane = self
+        if op is not w.op or w.desc:
+            w.show(self, now)
+        else:
+            f64 = self._f64
+            f64[_D_TS_COLL_BEGIN] = now
+            f64[_D_TS_HEARTBEAT] = now
+        self.value = value = self.value + 1
+        self._u64[self._at] = value
+
+    def leave(self) -> None:
+        self.value = value = self.value - 1
+        self._u64[self._at] = value
+        self.depth = 0
+        self.args = self.kwargs = None
+        w = self.writer
+        if w.text_lane is self and len(w.lanes) > 1:
+            w.lane_left(self, self.ts)
