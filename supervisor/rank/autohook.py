@@ -3,15 +3,35 @@
 Installed by the ``sitecustomize`` the supervisor puts on the ranks'
 PYTHONPATH.  Importing torch costs seconds, so nothing is imported here: a
 meta-path finder waits until the program itself imports ``torch.distributed``
-and then wraps
+and then wraps every way a rank waits on its peers:
 
 * ``init_process_group``: when the process joins the default group it claims
   the heartbeat slot of its global rank (this is how tree mode finds ranks
   that a launcher such as torchrun, vLLM or SGLang spawned);
-* the collectives: each call marks "in collective <op> <shapes>" in the slot
-  and bumps the collective sequence number;
+* the collectives (``collectives.COLLECTIVES``: tensor and object
+  collectives, ``barrier``/``monitored_barrier``, ``send``/``recv``/
+  ``isend``/``irecv``, ``batch_isend_irecv``): each call marks the rank "in
+  collective <op>" in the slot while it runs and bumps the collective count;
+* work objects (``works``): a call that returns work (``async_op=True``,
+  ``isend``/``irecv``, ``batch_isend_irecv``) leaves it in flight until it is
+  waited on, observed complete or collected, and a thread blocked in
+  ``Work.wait()`` or ``Work.get_future().wait()`` is "in collective";
+* ``_coalescing_manager``: the block's exit is the collective (it issues the
+  coalesced work; with ``async_ops=True`` its works are tracked as above);
 * the functional collectives (DTensor, transformers' ``tp_plan``): issuing
   counts as a collective, blocking in ``wait_tensor`` is "in collective".
+
+Several threads may be in collectives at once: each thread enters through
+its own lane of the slot (``slot_writer.Lane``), so one thread leaving never
+hides another still inside.  Calls made inside a wrapped call (``send`` runs
+``isend``, object collectives run tensor ones) are part of it, not counted
+again.
+
+The per-call path is a few stores and takes no lock: it records the call's
+arguments (until it returns) rather than their description, and the rank's
+monitor thread (``works.Monitor``) writes the shapes into the slot only for
+a call that lasts (``SlotWriter.describe_late``); bench/bench_heartbeat.py
+measures it.
 
 In spawn mode the slot is claimed at startup already (its index is in the
 environment), so ranks that never join a group still report liveness.
@@ -25,45 +45,102 @@ import importlib.machinery
 import os
 import sys
 import threading
+import time
 
-from . import runtime
-from .collectives import COLLECTIVES
+from . import runtime, works
+from .collectives import COALESCING_MANAGER, COLLECTIVES, cached_describe
 
 _installed = False
-_depth = threading.local()
-
-
-def describe(args: tuple, kwargs: dict) -> str:
-    """Shapes and dtype of the first tensor (or tensor list) argument."""
-    for value in list(args) + list(kwargs.values()):
-        shape = getattr(value, "shape", None)
-        if shape is not None:
-            dims = "x".join(str(d) for d in shape) or "scalar"
-            return f"{dims} {str(getattr(value, 'dtype', '')).replace('torch.', '')}"
-        if isinstance(value, (list, tuple)) and value:
-            first = value[0]
-            shape = getattr(first, "shape", None)
-            if shape is not None:
-                dims = "x".join(str(d) for d in shape) or "scalar"
-                dtype = str(getattr(first, "dtype", "")).replace("torch.", "")
-                return f"{len(value)}*[{dims} {dtype}]"
-            return f"{len(value)} objects"
-    return ""
+_monotonic = time.monotonic
+_rt = runtime.state  # the slot writer is _rt.writer (None until claimed, and in a forked child)
+_thread = runtime.thread_state  # per thread: its lane into the slot (runtime.lane)
+_monitor = works.monitor  # describes long calls, publishes works in flight; the hot path only wakes it
+_funcol = threading.local()  # per thread: (op, desc) of the last functional collective issued
+def _call_counted(name: str, cache: dict, fn, args: tuple, kwargs: dict):
+    """A collective call on a thread without a lane (all taken): through the holder count."""
+    t = _thread
+    w = _rt.writer
+    if w is None or t.depth:
+        return fn(*args, **kwargs)
+    t.depth = 1
+    w.collective_begin(name, cached_describe(cache, args, kwargs), _monotonic())
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        t.depth = 0
+        w.collective_end(_monotonic())
+    if result is not None:
+        works.issued(result, name, args, kwargs, cache)
+    return result
 
 
 def _wrap_collective(name: str, fn):
+    cache: dict[tuple, str] = {}  # descriptions, by shape and dtype (for the paths that need one at once)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        depth = getattr(_depth, "n", 0)
-        if depth:
+        ln = _thread.lane
+        if ln is None or ln.writer is not _rt.writer:
+            ln = runtime.lane()
+            if ln is None:
+                return _call_counted(name, cache, fn, args, kwargs)
+        if ln.depth:  # inside another collective call of this thread: part of it
             return fn(*args, **kwargs)
-        _depth.n = 1
-        runtime.begin_collective(name, describe(args, kwargs))
+        ln.call(name, args, kwargs, _monotonic())
+        if not _monitor.awake:
+            _monitor.wake()
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         finally:
-            runtime.end_collective()
-            _depth.n = 0
+            ln.leave()
+        if result is not None:  # work to wait for later: in flight until then (works)
+            works.issued(result, name, args, kwargs, cache)
+        return result
+
+    wrapper.__tp_supervise_wrapped__ = True
+    return wrapper
+
+
+class _Coalescing:
+    """A ``_coalescing_manager`` block: its exit issues (and, unless async, waits for) the coalesced work."""
+
+    __slots__ = ("inner", "manager")
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.manager = None
+
+    def __enter__(self):
+        self.manager = self.inner.__enter__()
+        return self.manager
+
+    def __exit__(self, *exc):
+        ln = _thread.lane
+        if ln is None or ln.writer is not _rt.writer:
+            ln = runtime.lane()
+            if ln is None:
+                return _call_counted(COALESCING_MANAGER, {}, self._exit, exc, {})
+        if ln.depth:
+            return self.inner.__exit__(*exc)
+        ln.enter(COALESCING_MANAGER, "", _monotonic())
+        try:
+            return self._exit(*exc)
+        finally:
+            ln.leave()
+
+    def _exit(self, *exc):
+        suppress = self.inner.__exit__(*exc)
+        works.issued(list(getattr(self.manager, "works", None) or ()), COALESCING_MANAGER, (), {}, {})
+        return suppress
+
+
+def _wrap_coalescing(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        inner = fn(*args, **kwargs)
+        ln = _thread.lane
+        nested = (ln is not None and ln.depth) or _thread.depth  # batch_isend_irecv uses one itself
+        return inner if nested else _Coalescing(inner)
 
     wrapper.__tp_supervise_wrapped__ = True
     return wrapper
@@ -148,11 +225,8 @@ def _die_with_parent() -> None:
 
 
 def patch(dist_module) -> None:
-    """Wrap init and the collectives of ``torch.distributed`` (idempotent)."""
-    try:
-        c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    except Exception:
-        c10d = None
+    """Wrap init, the collectives and the work objects of ``torch.distributed`` (idempotent)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
     targets = [m for m in (dist_module, c10d) if m is not None]
     for module in targets:
         init = getattr(module, "init_process_group", None)
@@ -161,17 +235,24 @@ def patch(dist_module) -> None:
         destroy = getattr(module, "destroy_process_group", None)
         if destroy is not None and not getattr(destroy, "__tp_supervise_wrapped__", False):
             setattr(module, "destroy_process_group", _wrap_destroy(destroy))
+    # One wrapper per function, set in both modules: torch compares them by
+    # identity (``P2POp`` checks ``op in (isend, irecv)``, the coalescing
+    # manager ``op is all_reduce``).
     wrapped: dict[int, object] = {}
-    for name in COLLECTIVES:
+    names = [(name, _wrap_collective) for name in COLLECTIVES] + [(COALESCING_MANAGER, None)]
+    for name, _ in names:
         for module in targets:
             fn = getattr(module, name, None)
             if fn is None or getattr(fn, "__tp_supervise_wrapped__", False):
                 continue
             new = wrapped.get(id(fn))
             if new is None:
-                new = _wrap_collective(name, fn)
+                new = _wrap_coalescing(fn) if name == COALESCING_MANAGER else _wrap_collective(name, fn)
                 wrapped[id(fn)] = new
             setattr(module, name, new)
+    torch_c = sys.modules.get("torch._C")
+    if c10d is not None and torch_c is not None:
+        works.install(c10d, torch_c)
 
 
 # Functional collectives (DTensor, transformers' tp_plan, torch.compile'd
@@ -189,17 +270,18 @@ FUNCOL_ISSUE = (
     "reduce_scatter_tensor_coalesced",
     "permute_tensor",
 )
-_last_issued = threading.local()
 
 
 def _wrap_funcol_issue(name: str, fn):
     op = f"funcol.{name}"
+    cache: dict[tuple, str] = {}
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        desc = describe(args, kwargs)
-        _last_issued.value = (op, desc)
-        runtime.begin_collective(op, desc)
+        if _rt.writer is None:
+            return fn(*args, **kwargs)
+        _funcol.last = text = (op, cached_describe(cache, args, kwargs))
+        runtime.begin_collective(*text)
         try:
             return fn(*args, **kwargs)
         finally:
@@ -210,10 +292,17 @@ def _wrap_funcol_issue(name: str, fn):
 
 
 def _wrap_funcol_wait(fn):
+    wait_names: dict[str, str] = {}
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        op, desc = getattr(_last_issued, "value", ("funcol.wait_tensor", ""))
-        runtime.begin_collective(op + ".wait", desc)
+        if _rt.writer is None:
+            return fn(*args, **kwargs)
+        op, desc = getattr(_funcol, "last", ("funcol.wait_tensor", ""))
+        name = wait_names.get(op)
+        if name is None:
+            name = wait_names[op] = op + ".wait"
+        runtime.begin_collective(name, desc)
         try:
             return fn(*args, **kwargs)
         finally:
