@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from . import spec as specs
+from .nodes import HandshakeError
 from .outcome import EXIT_USAGE
 from .spec import EngineOptions, LaunchSpec, UsageError
 
@@ -43,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index in 0..nnodes-1")
     g.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="address of node 0, for the ranks' rendezvous")
     g.add_argument("--master-port", "--master_port", type=int, help="rendezvous port (default: a free port)")
+    g.add_argument("--store-port", type=int, help="multi-node: port of node 0's supervisor store (TCPStore); default --master-port + 1")
+    g.add_argument("--run-id", help="id of the run, the same on every node (default: node 0 picks one; TORCHELASTIC_RUN_ID carries it)")
+    g.add_argument("--rendezvous-timeout", type=_seconds, default=specs.DEFAULT_RENDEZVOUS_TIMEOUT_S, help="multi-node: every node must have registered by then (exit 83, naming the missing ones)")
+    g.add_argument("--join-token", help="multi-node: a shared secret every node must give (compared as a digest, never logged); also read from SUPERVISE_JOIN_TOKEN")
+    g.add_argument("--fingerprint-env", default="", metavar="KEYS", help="multi-node: comma-separated environment variables that must be equal on every node (with the command, --nproc-per-node and the versions)")
     g.add_argument("--standalone", action="store_true", help="single node, rendezvous on localhost with a free port (torchrun's --standalone)")
     g.add_argument("--tree", action="store_true", help="COMMAND is itself a launcher (torchrun, vllm serve --tp N, ...); its ranks are found when they join torch.distributed")
     g.add_argument("--engine-metrics-url", metavar="URL", help="also read progress from the engine's own Prometheus endpoint (vLLM/SGLang generation-token and running-request counters): for engines whose collectives never reach Python (CUDA graphs)")
@@ -155,6 +161,11 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         metrics_addr=specs.parse_hostport(args.metrics_addr, "--metrics-addr"),
         metrics_linger=args.metrics_linger,
         metrics_textfile=args.metrics_textfile,
+        store_port=args.store_port,
+        run_id=args.run_id,
+        rendezvous_timeout=args.rendezvous_timeout,
+        join_token=args.join_token or os.environ.get("SUPERVISE_JOIN_TOKEN") or None,
+        fingerprint_env=tuple(k.strip() for k in args.fingerprint_env.split(",") if k.strip()),
         consensus=args.consensus,
         consensus_inband=args.consensus_inband,
         max_restarts=args.max_restarts,
@@ -181,9 +192,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from .core import Supervisor
 
+    base_env = dict(os.environ)  # before anything of ours touches os.environ
     _explain_launch(args, spec)
-    base_env = dict(os.environ)
-    return Supervisor(spec, base_env).run()
+    link = None
+    if spec.nnodes > 1:
+        try:
+            link = join_nodes(spec)
+        except HandshakeError as exc:
+            print(f"supervise: error: {exc}", file=sys.stderr)
+            return exc.code
+    run_id = link[1].run_id if link else spec.run_id
+    return Supervisor(spec, base_env, run_id=run_id, nodes=link).run()
+
+
+def join_nodes(spec: LaunchSpec):
+    """Multi-node: host or reach node 0's store, and pass the handshake before any rank starts."""
+    import time
+
+    import structlog
+
+    from . import nodes
+    from .outcome import new_run_id
+
+    log = structlog.get_logger("supervise")
+    deadline = time.monotonic() + spec.rendezvous_timeout
+    host, port = spec.master_addr, spec.resolved_store_port
+    log.info("joining the nodes", node_rank=spec.node_rank, nnodes=spec.nnodes, store=f"{host}:{port}",
+             hosts_store=spec.node_rank == 0)
+    store = nodes.connect(host, port, spec.node_rank == 0, deadline)
+    command = list(spec.command) if not spec.builtin else ["(built-in engine)", *spec.engine.argv()]
+    fp = nodes.fingerprint(command, spec.nproc_per_node, spec.fingerprint_env)
+    group = nodes.handshake(store, nnodes=spec.nnodes, node_rank=spec.node_rank,
+                            run_id=spec.run_id or new_run_id(), fp=fp, token=spec.join_token, deadline=deadline,
+                            store_addr=f"{host}:{port}")
+    log.info("every node joined", run_id=group.run_id, nnodes=group.nnodes, node_rank=group.node_rank,
+             hosts=[group.hosts[n] for n in sorted(group.hosts)])
+    return store, group
 
 
 def _explain_launch(args: argparse.Namespace, spec: LaunchSpec) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import shutil
 import signal
 import threading
@@ -51,6 +52,7 @@ from .outcome import (
     EXIT_HANG,
     EXIT_INTERNAL,
     EXIT_OK,
+    EXIT_PEER,
     EXIT_RANK,
     EXIT_STARTUP,
     EXIT_TEARDOWN,
@@ -62,6 +64,7 @@ from .outcome import (
     new_run_id,
     run_dir_for,
 )
+from . import nodes as nodes_mod
 from . import signals
 from .cgroup import RunCgroup
 from .rank.net import free_port
@@ -79,10 +82,17 @@ SIGQUIT_DUMP_WAIT_S = 15.0  # the on-demand capture's own deadlines are shorter
 
 
 class Supervisor:
-    def __init__(self, spec: LaunchSpec, base_env: Mapping[str, str], run_id: str | None = None):
+    def __init__(self, spec: LaunchSpec, base_env: Mapping[str, str], run_id: str | None = None,
+                 nodes: "tuple[nodes_mod.Store, nodes_mod.NodeGroup] | None" = None):
         self.spec = spec
         self.base_env = dict(base_env)
         self.run_id = run_id or new_run_id()
+        # What this node's run owns on this host (run dir, cgroup, registry entry, process marker): the run id
+        # alone on one node; with several nodes (several may share a host) the node rank too.
+        self.run_key = self.run_id if spec.nnodes == 1 else f"{self.run_id}.n{spec.node_rank}"
+        self.nodes = nodes
+        self.node_link: nodes_mod.NodeLink | None = None
+        self.incident_id: str | None = None  # shared by every node's bundle of one incident
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.post: Callable[[object], None] = self.events.put
         self.state = EngineState.STARTING
@@ -114,6 +124,8 @@ class Supervisor:
             ConsensusAgreed: self._on_agreed,
             ControlRequest: self._on_control,
             SignalReceived: self._on_signal_event,
+            nodes_mod.PeerFailed: self._on_peer_failed,
+            nodes_mod.NodeLost: self._on_node_lost,
         }
         self.last_teardown: TeardownResult | None = None
         self.suspicions: set[str] = set()  # why the engine is SUSPECT: "hang", "divergence"
@@ -121,14 +133,14 @@ class Supervisor:
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
         procs.make_subreaper()
-        self.run_dir = run_dir_for(self.run_id)
+        self.run_dir = run_dir_for(self.run_key)
         nslots = self.spec.nproc_per_node
         self.heartbeat = HeartbeatSegment(self.run_dir / "heartbeat", nslots, self.run_id, time.monotonic())
         self.death_r, self.death_w = os.pipe()
         os.set_inheritable(self.death_r, False)
         os.set_inheritable(self.death_w, False)
         master_port = self.spec.master_port or free_port(self.spec.master_addr)
-        self.cgroup, why_not = RunCgroup.create(self.run_id)
+        self.cgroup, why_not = RunCgroup.create(self.run_key)
         if self.cgroup is not None:
             log.info("process tracking", mechanism=self.cgroup.describe())
         else:
@@ -146,9 +158,10 @@ class Supervisor:
             master_port=master_port,
             zero_code_hook=self.spec.zero_code_hook,
             max_restarts=self.spec.max_restarts,
+            run_key=self.run_key,
             cgroup_procs=self.cgroup.procs_file if self.cgroup is not None else None,
         )
-        self.services = Services(self.spec, self.run_id, self.run_dir, self.post)
+        self.services = Services(self.spec, self.run_id, self.run_dir, self.post, run_key=self.run_key)
         self.desk = IncidentDesk(
             self.spec,
             self.run_id,
@@ -165,6 +178,9 @@ class Supervisor:
             post=self.post,
             on_tick=self.services.on_tick,
         )
+        if self.nodes is not None:
+            self.node_link = nodes_mod.NodeLink(self.nodes[0], self.nodes[1], self.post)
+            self.sources.append(self.node_link)
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
             source.start()
@@ -314,7 +330,50 @@ class Supervisor:
         handler(ev)
 
     def _finish(self, outcome: Outcome) -> None:
+        first = self.attempt.outcome is None
         self.attempt.finish(outcome)
+        if first and self.node_link is not None and outcome.reason not in ("peer_failed", "node_lost"):
+            self._tell_the_nodes(outcome)
+
+    # -- multi-node: this node's fate goes on the fault bus; the others' arrives as events
+    def _tell_the_nodes(self, outcome: Outcome) -> None:
+        if outcome.code == EXIT_OK and outcome.reason == "clean":
+            self.node_link.finished()
+            return
+        self.incident_id = self.incident_id or f"{self.run_id}-{secrets.token_hex(4)}"
+        fault = nodes_mod.Fault(node=self.spec.node_rank, rank=outcome.culprit, reason=outcome.reason,
+                                incident_id=self.incident_id, verdict=outcome.reason)
+        self.node_link.publish_fault(fault)  # an enqueue: the node-link thread talks to the store
+
+    def _on_peer_failed(self, ev: "nodes_mod.PeerFailed") -> None:
+        fault = ev.fault
+        if self.attempt.outcome is not None:
+            return
+        self.incident_id = fault.incident_id
+        if fault.reason == "shutdown":
+            log.info("node stopped on a signal: graceful shutdown of this node too", node=fault.node)
+            self._finish(Outcome(EXIT_OK, "shutdown"))
+            return
+        who = f"rank {fault.rank} on node {fault.node}" if fault.rank is not None else f"node {fault.node}"
+        verdict = f"{who} failed first ({fault.reason}); this node's ranks were torn down with the group"
+        log.error("peer node failed: tearing this node down", node=fault.node, rank=fault.rank, reason=fault.reason,
+                  incident_id=fault.incident_id)
+        self._peer_incident("peer_failed", fault.node, fault.rank, verdict)
+
+    def _on_node_lost(self, ev: "nodes_mod.NodeLost") -> None:
+        if self.attempt.outcome is not None:
+            return
+        self.incident_id = self.incident_id or f"{self.run_id}-{secrets.token_hex(4)}"
+        verdict = f"node {ev.node} was lost: {ev.detail}; this node's ranks were torn down with the group"
+        log.error("peer node lost: tearing this node down", node=ev.node, detail=ev.detail)
+        self._peer_incident("node_lost", ev.node, None, verdict)
+
+    def _peer_incident(self, reason: str, node: int, rank: int | None, verdict: str) -> None:
+        self.transition(Event.RANK_EXIT)
+        extra = {"culprit_ranks": [rank] if rank is not None else [], "verdict": verdict,
+                 "incident_id": self.incident_id, "culprit_node": node}
+        self.desk.peer_incident(reason, extra, self.attempt.view)
+        self._finish(Outcome(EXIT_PEER, reason, culprit=rank))
 
     def _on_signal_event(self, ev: SignalReceived) -> None:
         name = exits.signal_name(ev.signum)
@@ -492,7 +551,7 @@ class Supervisor:
         policy = KillPolicy(grace_s=self.spec.kill_grace, immediate=immediate, hurry=self.hurry)
         result = teardown(
             handles,
-            self.run_id,
+            self.run_key,
             policy,
             wait_ranks_reaped=lambda deadline: self.monitor.wait_all_exited(keys, deadline),
             gpu_holders=self.services.gpu_check(),

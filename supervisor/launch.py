@@ -31,6 +31,7 @@ from .exits import ExitInfo
 
 HOOK_DIR = Path(__file__).resolve().parent / "rank" / "_hook"  # holds sitecustomize.py and nothing else
 STACK_SIGNAL = signal.SIGRTMIN + 3
+ENV_RUN_KEY = "SUPERVISE_RUN_KEY"  # the marker teardown and the sweep look for (supervisor/procs.py)
 ROLE_NAME = "default"  # torchrun's role name when none is given
 FR_BUFFER_DEFAULT = "2000"
 
@@ -51,6 +52,7 @@ class RunContext:
     master_port: int
     zero_code_hook: bool
     max_restarts: int = 0
+    run_key: str = ""  # what marks this node's processes of the run (run id, plus the node rank on several nodes)
     cgroup_procs: str | None = None  # the run's cgroup.procs: ranks join it before exec (supervisor/cgroup.py)
 
 
@@ -137,6 +139,7 @@ def rank_env(
     env.update(
         {
             runtime.ENV_RUN_ID: ctx.run_id,
+            ENV_RUN_KEY: ctx.run_key or ctx.run_id,
             runtime.ENV_RUN_DIR: str(ctx.run_dir),
             runtime.ENV_HEARTBEAT: str(ctx.heartbeat_path),
             runtime.ENV_DEATH_FD: f"{ctx.death_fd}:{os.fstat(ctx.death_fd).st_ino}",

@@ -2,8 +2,10 @@
 
 A process belongs to the run when it descends from the supervisor (we are a
 child subreaper, so double-forked and ``setsid`` escapees reparent to us) or
-when its environment carries ``SUPERVISE_RUN_ID=<run id>`` (covers processes
-that left the tree some other way).
+when its environment carries ``SUPERVISE_RUN_KEY=<run key>`` (covers processes
+that left the tree some other way; the key is the run id, plus the node rank
+when the run spans nodes, so two nodes of one run on one host never touch each
+other's processes).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ MARKER_SCAN_TIMEOUT_S = 2.0
 
 
 def _marked(run_id: str, skip: set[int]) -> set[int]:
-    marker = f"SUPERVISE_RUN_ID={run_id}".encode()
+    marker = f"SUPERVISE_RUN_KEY={run_id}".encode()  # supervisor.launch.ENV_RUN_KEY
     found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) not in skip and has_run_marker(int(entry), marker):

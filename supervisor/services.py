@@ -47,9 +47,11 @@ TEXTFILE_TIMEOUT_S = 2.0  # a --metrics-textfile write never holds the main thre
 
 
 class Services:
-    def __init__(self, spec: "LaunchSpec", run_id: str, run_dir: Path, post: Callable[[object], None]):
+    def __init__(self, spec: "LaunchSpec", run_id: str, run_dir: Path, post: Callable[[object], None],
+                 run_key: str | None = None):
         self.spec = spec
         self.run_id = run_id
+        self.run_key = run_key or run_id  # names this node's registry entry (several nodes may share a host)
         self.run_dir = run_dir
         self.post = post
         slot_ranks = [spec.rank_offset + i for i in range(spec.nproc_per_node)]
@@ -85,7 +87,7 @@ class Services:
 
         sweep_stale()
         self.control = ControlServer(
-            self.run_id,
+            self.run_key,
             self._control_request,
             {
                 "metrics": self.metrics_url,

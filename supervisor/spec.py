@@ -31,6 +31,7 @@ DEFAULT_DUMP_TIMEOUT_S = 10.0  # a fatal dump never delays the teardown longer t
 # After a fault, /metrics stays up this long: two scrapes of docs/prometheus/prometheus.yml (5 s) and a
 # margin, so the final counts (a hang, a death, a divergence) reach Prometheus with default flags.
 DEFAULT_FAULT_LINGER_S = 11.0
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0  # multi-node: every node must have registered by then (exit 83)
 DEFAULT_METRICS_ADDR = "127.0.0.1:9180"
 DEFAULT_ENGINE_PORT = 8000
 DEFAULT_DUMP_KEEP = 50
@@ -135,6 +136,11 @@ class LaunchSpec:
     command: tuple[str, ...]  # empty: the built-in engine
     nproc_per_node: int
     nnodes: int = 1
+    store_port: int | None = None  # multi-node: node 0's TCPStore (default: master_port + 1)
+    run_id: str | None = None  # shared by every node; node 0 decides when not given
+    rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
+    join_token: str | None = field(default=None, repr=False)  # never logged; compared as an HMAC digest
+    fingerprint_env: tuple[str, ...] = ()
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port is chosen at launch
@@ -192,6 +198,19 @@ class LaunchSpec:
                 f"--nnodes {self.nnodes} needs --master-port: every node must use the same rendezvous port "
                 "(a free port picked on each node would never meet)"
             )
+        if self.nnodes > 1 and self.max_restarts > 0:
+            raise UsageError("--max-restarts with --nnodes > 1 is not supported yet: restarts would have to be "
+                             "agreed by every node; restart the whole job from your scheduler")
+        if self.store_port is not None and not 1 <= self.store_port <= 65535:
+            raise UsageError(f"--store-port {self.store_port}: must be between 1 and 65535")
+        if self.nnodes > 1 and self.master_port is not None and self.resolved_store_port == self.master_port:
+            raise UsageError(f"--store-port {self.store_port} is the ranks' --master-port: the supervisors' store "
+                             "and the ranks' rendezvous need different ports")
+        if not 0 < self.rendezvous_timeout < math.inf:
+            raise UsageError(f"--rendezvous-timeout {self.rendezvous_timeout}: must be > 0 seconds")
+        if self.run_id is not None and not re.fullmatch(r"[0-9A-Za-z][0-9A-Za-z._-]{0,47}", self.run_id):
+            raise UsageError(f"--run-id {self.run_id!r}: use 1-48 letters, digits, '.', '_' or '-' "
+                             "(it names files and cgroups)")
         if not 0 <= self.kill_grace < math.inf:
             raise UsageError(f"--kill-grace {self.kill_grace}: must be >= 0 seconds")
         if self.soft_timeout is not None and self.hard_timeout is not None and self.soft_timeout >= self.hard_timeout:
@@ -251,6 +270,12 @@ class LaunchSpec:
     @property
     def builtin(self) -> bool:
         return not self.command
+
+    @property
+    def resolved_store_port(self) -> int | None:
+        if self.store_port is not None:
+            return self.store_port
+        return None if self.master_port is None else self.master_port + 1
 
     @property
     def world_size(self) -> int:
@@ -357,6 +382,8 @@ def preflight(spec: LaunchSpec) -> None:
         _check_port_free(spec.metrics_addr[0], spec.metrics_addr[1], "--metrics-addr")
     if spec.node_rank == 0 and spec.master_port is not None and _is_local(spec.master_addr):
         _check_port_free(spec.master_addr, spec.master_port, "--master-port")
+        if spec.nnodes > 1:
+            _check_port_free(spec.master_addr, spec.resolved_store_port, "--store-port")
     if spec.builtin and spec.engine.port != 0:
         _check_port_free(spec.engine.host, spec.engine.port, "--port")
 

@@ -1,0 +1,467 @@
+"""Multi-node: one supervisor per node, one fate for the whole TP group.
+
+Node 0's supervisor hosts a torch.distributed ``TCPStore`` (the store
+torchrun's c10d rendezvous uses) on ``--store-port`` (default: the ranks'
+``--master-port`` + 1, so the two never collide); every supervisor, node 0
+included, is a client of it.  Nothing here is a protocol of our own: keys,
+counters (``add``) and first-writer-wins (``compare_set``) of that store.
+
+Key layout (version 1, every key under ``tpsv/v1/``)::
+
+    run_id              node 0: the run id every node uses (``--run-id``, or node 0's own)
+    node/<R>/claims     add-counter; above 1: two supervisors said ``--node-rank R``
+    node/<R>/info       JSON {host, pid, fingerprint, token}: what node R registered
+    refused             the first refusal (duplicate, mismatch, token), so every node says the same
+    ready               add-counter of nodes that validated the group: the start barrier
+    beat/<R>            add-counter, +1 every BEAT_S: node R's supervisor is alive
+    fault               the first fatal incident of any node (compare_set): JSON {node, rank,
+                        reason, incident_id, verdict}; everyone else tears down, exit 84
+    incident/<id>/<R>   node R's summary of its own ranks for incident <id>
+    done/<R>            node R finished cleanly (its store loss or silence is not a loss)
+
+Handshake (``handshake``), before any rank starts, bounded by
+``--rendezvous-timeout``: every node registers; refused on every node, with
+what to change and nothing started: a duplicate ``--node-rank``, a
+fingerprint mismatch (command and arguments, ``--nproc-per-node``,
+tp-supervise, Python and torch versions, ``--fingerprint-env`` keys: the
+error says ``mismatch`` and lists the differing fields per node), a wrong
+``--join-token`` (compared as an HMAC digest, never logged).  A node missing
+after the timeout is exit 83, with a progress line every few seconds naming
+the missing node ranks and the store address.
+
+After it, ``NodeLink`` (a thread, one more event source of the main loop)
+heartbeats into the store, watches the other nodes' beats and the fault
+key, and posts ``PeerFailed`` / ``NodeLost``; the main thread's
+``publish_fault`` only enqueues.  Every store call runs on that thread with
+the store's timeout: none sits on a path that can block a teardown.  The
+``Store`` protocol is the small interface another store (etcd) would
+implement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import platform
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable, Mapping, Protocol, Sequence
+
+import structlog
+
+log = structlog.get_logger("supervise.nodes")
+
+PREFIX = "tpsv/v1/"
+STORE_TIMEOUT_S = 3.0  # every store call: a peer that stopped answering is lost, not waited for
+BEAT_S = 0.25  # heartbeat and fault-bus poll period
+NODE_LOST_S = 4.0  # a node whose beat counter stood still this long is lost
+PROGRESS_EVERY_S = 3.0  # handshake progress lines
+STORE_LINGER_S = 5.0  # node 0 keeps the store up this long at its exit, until every node read the end
+POLL_S = 0.1
+TOKEN_MESSAGE = b"tp-supervise join token v1"
+
+
+class Store(Protocol):
+    """What the supervisors need of a distributed key-value store (TCPStore today; etcd could follow)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+    def get_nowait(self, key: str) -> bytes | None: ...
+    def add(self, key: str, amount: int) -> int: ...
+    def first_writer(self, key: str, value: bytes) -> bytes: ...
+
+
+class TorchStore:
+    """``torch.distributed.TCPStore`` behind ``Store``; node 0 hosts it (``is_master``)."""
+
+    def __init__(self, host: str, port: int, is_master: bool, timeout_s: float = STORE_TIMEOUT_S,
+                 connect_timeout_s: float | None = None):
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d prints a C++ backtrace per lost connection
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore(host, port, None, is_master, timedelta(seconds=connect_timeout_s or timeout_s),
+                               wait_for_workers=False)
+        self._store.set_timeout(timedelta(seconds=timeout_s))
+        self.port = self._store.port
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(PREFIX + key, value)
+
+    def get_nowait(self, key: str) -> bytes | None:
+        full = PREFIX + key
+        if not self._store.check([full]):
+            return None
+        return bytes(self._store.get(full))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._store.add(PREFIX + key, amount))
+
+    def first_writer(self, key: str, value: bytes) -> bytes:
+        """Set ``key`` unless someone did first; returns the value that won."""
+        return bytes(self._store.compare_set(PREFIX + key, "", value))
+
+
+def default_store_port(master_port: int) -> int:
+    return master_port + 1
+
+
+def token_digest(token: str | None) -> str:
+    """What a node registers instead of its join token (an HMAC: the token itself never leaves the node)."""
+    if not token:
+        return ""
+    return hmac.new(token.encode(), TOKEN_MESSAGE, hashlib.sha256).hexdigest()
+
+
+def fingerprint(command: Sequence[str], nproc_per_node: int, env_keys: Sequence[str],
+                environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What must be equal on every node of one TP group."""
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    out = {
+        "command": " ".join(command),
+        "nproc_per_node": str(nproc_per_node),
+        "tp_supervise": version("tp-supervise"),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+    }
+    for key in env_keys:
+        out[f"env:{key}"] = environ.get(key, "(unset)")
+    return out
+
+
+def mismatches(infos: Mapping[int, dict]) -> list[str]:
+    """Fingerprint fields that differ across nodes, one line per field naming each node's value."""
+    fields = sorted({k for info in infos.values() for k in info.get("fingerprint", {})})
+    out = []
+    for name in fields:
+        values = {node: info.get("fingerprint", {}).get(name, "(missing)") for node, info in sorted(infos.items())}
+        if len(set(values.values())) > 1:
+            shown = "; ".join(f"node {node}: {value!r}" for node, value in values.items())
+            out.append(f"{name}: {shown}")
+    return out
+
+
+class HandshakeError(RuntimeError):
+    """The group cannot start; ``code`` is the exit code (64 refused, 83 timeout)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """What the handshake established: the shared run id and this node's place."""
+
+    run_id: str
+    nnodes: int
+    node_rank: int
+    store_addr: str
+    hosts: Mapping[int, str] = field(default_factory=dict)
+
+
+def handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None, fp: Mapping[str, str],
+              token: str | None, deadline: float, store_addr: str,
+              progress: Callable[[str, dict], None] | None = None) -> NodeGroup:
+    """Register, validate every node, pass the start barrier; raises HandshakeError (64 or 83)."""
+    from .outcome import EXIT_STARTUP, EXIT_USAGE
+
+    say = progress or (lambda event, fields: log.info(event, **fields))
+    if node_rank == 0:
+        shared = store.first_writer("run_id", (run_id or "").encode()).decode()
+        if not shared:
+            raise HandshakeError("node 0 could not publish a run id", EXIT_USAGE)
+    host = socket.gethostname()
+    claims = store.add(f"node/{node_rank}/claims", 1)
+    info = {"host": host, "pid": os.getpid(), "fingerprint": dict(fp), "token": token_digest(token)}
+    if claims > 1:
+        other = store.get_nowait(f"node/{node_rank}/info")
+        who = json.loads(other)["host"] if other else "another supervisor"
+        _refuse(store, f"duplicate --node-rank {node_rank}: {who} registered as node {node_rank} first; give "
+                f"every node its own --node-rank in 0..{nnodes - 1}")
+    store.set(f"node/{node_rank}/info", json.dumps(info).encode())
+    next_progress = time.monotonic() + PROGRESS_EVERY_S
+    while True:
+        refused = store.get_nowait("refused")
+        if refused:
+            raise HandshakeError(refused.decode(), EXIT_USAGE)
+        infos = {}
+        for node in range(nnodes):
+            raw = store.get_nowait(f"node/{node}/info")
+            if raw is not None:
+                infos[node] = json.loads(raw)
+            if store.add(f"node/{node}/claims", 0) > 1:
+                _refuse(store, f"duplicate --node-rank {node}: two supervisors registered as node {node}; "
+                        f"give every node its own --node-rank in 0..{nnodes - 1}")
+        missing = [node for node in range(nnodes) if node not in infos]
+        if not missing:
+            break
+        now = time.monotonic()
+        if now >= deadline:
+            raise HandshakeError(
+                f"rendezvous timeout: node rank(s) {missing} never registered at the store {store_addr}; start a "
+                f"supervise serve with --node-rank {missing[0]} (same --master-addr/--master-port), or raise "
+                "--rendezvous-timeout", EXIT_STARTUP)
+        if now >= next_progress:
+            next_progress = now + PROGRESS_EVERY_S
+            say("waiting for nodes", {"missing_node_ranks": missing, "store": store_addr,
+                                      "registered": sorted(infos)})
+        time.sleep(POLL_S)
+    tokens = {node: info.get("token", "") for node, info in infos.items()}
+    if len(set(tokens.values())) > 1:
+        wrong = sorted(node for node, digest in tokens.items() if digest != tokens[0])
+        _refuse(store, f"join token mismatch: node(s) {wrong} did not give node 0's --join-token; give every "
+                "node the same --join-token")
+    differing = mismatches(infos)
+    if differing:
+        _refuse(store, "fingerprint mismatch between nodes (every node must run the same job): "
+                + " | ".join(differing))
+    shared = ""
+    while not shared:
+        raw = store.get_nowait("run_id")
+        shared = raw.decode() if raw else ""
+        if not shared:
+            if time.monotonic() >= deadline:
+                raise HandshakeError(f"rendezvous timeout: node 0 published no run id at {store_addr}", EXIT_STARTUP)
+            time.sleep(POLL_S)
+    store.add("ready", 1)
+    while store.add("ready", 0) < nnodes:
+        refused = store.get_nowait("refused")
+        if refused:
+            raise HandshakeError(refused.decode(), EXIT_USAGE)
+        if time.monotonic() >= deadline:
+            raise HandshakeError(f"rendezvous timeout: not every node passed the start barrier at {store_addr}",
+                                 EXIT_STARTUP)
+        time.sleep(POLL_S)
+    return NodeGroup(run_id=shared, nnodes=nnodes, node_rank=node_rank, store_addr=store_addr,
+                     hosts={node: info["host"] for node, info in infos.items()})
+
+
+def _refuse(store: Store, message: str) -> None:
+    from .outcome import EXIT_USAGE
+
+    won = store.first_writer("refused", message.encode()).decode()
+    raise HandshakeError(won or message, EXIT_USAGE)
+
+
+# -- after the handshake: fault bus and liveness ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fatal incident on some node, as the fault bus carries it."""
+
+    node: int
+    rank: int | None
+    reason: str
+    incident_id: str
+    verdict: str
+
+    def encode(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Fault":
+        data = json.loads(raw)
+        return cls(int(data["node"]), data.get("rank"), str(data["reason"]), str(data["incident_id"]),
+                   str(data.get("verdict", "")))
+
+
+@dataclass(frozen=True)
+class PeerFailed:
+    """Event: another node published a fatal incident."""
+
+    fault: Fault
+    at: float
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """Event: a node's supervisor stopped beating (or node 0's store is gone)."""
+
+    node: int
+    detail: str
+    at: float
+
+
+class NodeLink:
+    """Thread ``node-link``: beats, watches the others and the fault bus, and publishes what the main thread hands it."""
+
+    def __init__(self, store: Store, group: NodeGroup, post: Callable[[object], None]):
+        self.store = store
+        self.group = group
+        self.post = post
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="node-link", daemon=True)
+        self._seen: dict[int, tuple[int, float]] = {}  # node -> (beat count, when it last changed)
+        self._store_ok_at = time.monotonic()
+        self._reported: set[int] = set()
+        self._fault_posted = False
+
+    # -- main thread --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the link; node 0 (the store's host) first gives the others a bounded moment to read what is
+        there (a fault, the end of the run) before its exit takes the store away."""
+        self._stop.set()
+        self._thread.join(STORE_TIMEOUT_S + 1.0)
+        self._drain_outbox_safely()  # what the main thread handed over last (the thread has stopped)
+        if self.group.node_rank != 0:
+            return
+        deadline = time.monotonic() + STORE_LINGER_S
+        while time.monotonic() < deadline:
+            try:
+                if all(self.store.get_nowait(f"done/{n}") is not None for n in range(1, self.group.nnodes)):
+                    return
+            except Exception:
+                return
+            time.sleep(POLL_S)
+
+    def _drain_outbox_safely(self) -> None:
+        try:
+            self._drain_outbox()
+        except Exception as exc:
+            log.warning("node link: could not reach the store before stopping", error=repr(exc)[:200])
+
+    def publish_fault(self, fault: Fault) -> None:
+        """Hand a fatal incident of this node to the bus (never blocks)."""
+        self._outbox.put(("fault", fault))
+
+    def publish_summary(self, incident_id: str, summary: dict) -> None:
+        self._outbox.put(("summary", (incident_id, summary)))
+
+    def finished(self) -> None:
+        """This node ends cleanly: its silence from now on is not a loss."""
+        self._outbox.put(("done", None))
+
+    def flush(self, timeout_s: float) -> None:
+        """Give the outbox up to ``timeout_s`` to reach the store (before this node exits)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._outbox.empty() and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+
+    # -- the thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        me = self.group.node_rank
+        while not self._stop.is_set():
+            try:
+                self._drain_outbox()
+                self.store.add(f"beat/{me}", 1)
+                self._watch_fault()
+                self._watch_beats()
+                self._store_ok_at = time.monotonic()
+            except Exception as exc:  # the store is unreachable (node 0 gone) or timed out
+                silent = time.monotonic() - self._store_ok_at
+                if silent >= NODE_LOST_S and 0 not in self._reported and me != 0:
+                    self._reported.add(0)
+                    self.post(NodeLost(0, f"the store on node 0 ({self.group.store_addr}) is gone: {exc!r}"[:300],
+                                       time.monotonic()))
+            self._stop.wait(BEAT_S)
+
+    def _drain_outbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "fault":
+                self.store.first_writer("fault", item.encode())
+            elif kind == "summary":
+                incident_id, summary = item
+                self.store.set(f"incident/{incident_id}/{self.group.node_rank}",
+                               json.dumps(summary, default=str).encode())
+            elif kind == "done":
+                self.store.set(f"done/{self.group.node_rank}", b"1")
+
+    def _watch_fault(self) -> None:
+        if self._fault_posted:
+            return
+        raw = self.store.get_nowait("fault")
+        if raw is None:
+            return
+        fault = Fault.decode(raw)
+        self._fault_posted = True
+        if fault.node != self.group.node_rank:
+            self.post(PeerFailed(fault, time.monotonic()))
+            self.store.set(f"done/{self.group.node_rank}", b"seen the fault")  # node 0 may now go
+
+    def _watch_beats(self) -> None:
+        now = time.monotonic()
+        for node in range(self.group.nnodes):
+            if node == self.group.node_rank or node in self._reported:
+                continue
+            count = self.store.add(f"beat/{node}", 0)
+            last = self._seen.get(node)
+            if last is None or last[0] != count:
+                self._seen[node] = (count, now)
+                continue
+            if now - last[1] >= NODE_LOST_S and self.store.get_nowait(f"done/{node}") is None:
+                self._reported.add(node)
+                host = self.group.hosts.get(node, "?")
+                self.post(NodeLost(node, f"node {node} ({host}) stopped heartbeating {now - last[1]:.1f} s ago",
+                                   now))
+
+    def summaries(self, incident_id: str, wait_s: float) -> dict[int, dict]:
+        """Other nodes' summaries of ``incident_id`` (called from a dump worker, bounded)."""
+        deadline = time.monotonic() + wait_s
+        out: dict[int, dict] = {}
+        while True:
+            for node in range(self.group.nnodes):
+                if node == self.group.node_rank or node in out:
+                    continue
+                try:
+                    raw = self.store.get_nowait(f"incident/{incident_id}/{node}")
+                except Exception:
+                    return out
+                if raw is not None:
+                    out[node] = json.loads(raw)
+            if len(out) >= self.group.nnodes - 1 or time.monotonic() >= deadline:
+                return out
+            time.sleep(POLL_S)
+
+
+def connect(host: str, port: int, is_master: bool, deadline: float,
+            progress: Callable[[str, dict], None] | None = None) -> TorchStore:
+    """Node 0 hosts the store; the others retry connecting until ``deadline`` (node 0 may start later)."""
+    say = progress or (lambda event, fields: log.info(event, **fields))
+    from .outcome import EXIT_STARTUP, EXIT_USAGE
+
+    if is_master:
+        try:
+            return TorchStore(host if host not in ("localhost",) else "127.0.0.1", port, True)
+        except Exception as exc:
+            raise HandshakeError(f"node 0 cannot host the store on port {port} ({exc}); free the port or choose "
+                                 "another with --store-port", EXIT_USAGE) from None
+    last = None
+    next_progress = time.monotonic() + PROGRESS_EVERY_S
+    while time.monotonic() < deadline:
+        if time.monotonic() >= next_progress:
+            next_progress = time.monotonic() + PROGRESS_EVERY_S
+            say("waiting for nodes", {"missing_node_ranks": [0], "store": f"{host}:{port}",
+                                      "detail": "node 0 hosts the store and has not answered yet"})
+        try:
+            return TorchStore(host, port, False, connect_timeout_s=max(0.5, min(STORE_TIMEOUT_S,
+                                                                                deadline - time.monotonic())))
+        except Exception as exc:
+            last = exc
+            time.sleep(0.5)
+    raise HandshakeError(f"rendezvous timeout: node 0's store at {host}:{port} never answered ({last}); start node 0 "
+                         "(supervise serve --node-rank 0) or check --master-addr/--store-port", EXIT_STARTUP)
+
+
+__all__ = ["Fault", "HandshakeError", "NodeGroup", "NodeLink", "NodeLost", "PeerFailed", "Store", "TorchStore",
+           "connect", "default_store_port", "fingerprint", "handshake", "mismatches", "token_digest"]

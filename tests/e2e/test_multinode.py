@@ -1,0 +1,125 @@
+"""Two supervisors on one host as two nodes of one TP group (issue 12), with torch-free fake ranks.
+
+Node 0 hosts the supervisors' TCPStore on --master-port + 1.  A fatal
+incident on one node takes the other down within moments (exit 84, naming
+the node and global rank that failed first); a SIGKILLed supervisor is a
+lost node; a bad group is refused on every node before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tp_supervise.supervisor.rank.net import free_port
+from tests.conftest import fake_rank, marked_pids
+from tests.live import wait_for
+
+pytestmark = pytest.mark.e2e
+
+EXIT_TIMEOUT_S = 60
+
+
+def two_nodes(supervise, tmp_path, node_args, ranks_args, nnodes=2, node_ranks=None):
+    port = free_port()
+    runs = []
+    for i, node_rank in enumerate(node_ranks if node_ranks is not None else range(nnodes)):
+        args = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-port", str(port),
+                "--nproc-per-node", "1", "--kill-grace", "2", *node_args(i)]
+        runs.append(supervise(args, fake_rank(*ranks_args(i)), dump_dir=tmp_path / f"dumps-{i}"))
+    return runs
+
+
+def wait_joined(tmp_path, nodes: int, timeout: float = 60.0) -> None:
+    """Every node passed the handshake and runs its ranks: each registered its control socket."""
+    wait_for(lambda: len(list((tmp_path / "registry").glob("*.json"))) >= nodes, timeout, f"{nodes} nodes running")
+    time.sleep(1.0)
+
+
+def summary(run, reason):
+    return run.summary(reason)
+
+
+def test_a_rank_exit_on_node_1_takes_node_0_down_with_84(supervise, tmp_path):
+    node0, node1 = two_nodes(supervise, tmp_path, lambda i: [],
+                             lambda i: ("--all", "loop", "--on", "1=exit:3", "--delay", "2"))
+    assert node1.wait(EXIT_TIMEOUT_S) == 80, node1.stderr[-3000:]
+    assert node0.wait(EXIT_TIMEOUT_S) == 84, node0.stderr[-3000:]
+    # one run id on both nodes
+    assert node0.run_id() == node1.run_id()
+    lost = node0.events("peer node failed")
+    assert lost and lost[0]["node"] == 1 and lost[0]["rank"] == 1
+    peer = summary(node0, "peer_failed")
+    assert "rank 1 on node 1" in peer["verdict"] and peer["culprit_ranks"] == [1]
+    assert peer["incident_id"] and peer["node_rank"] == 0
+    # node 0 tore down within moments of node 1's fault (not after a collective timeout)
+    assert node0.ended - node1.ended < 10
+
+
+def test_a_sigkilled_node_1_is_a_lost_node(supervise, tmp_path):
+    node0, node1 = two_nodes(supervise, tmp_path, lambda i: [], lambda i: ("--all", "loop"))
+    wait_joined(tmp_path, 2)
+    os.kill(node1.proc.pid, signal.SIGKILL)
+    node1.proc.wait(timeout=10)
+    assert node0.wait(EXIT_TIMEOUT_S) == 84, node0.stderr[-3000:]
+    lost = node0.events("peer node lost")
+    assert lost and lost[0]["node"] == 1
+    assert summary(node0, "node_lost")["reason"] == "node_lost"
+
+
+def test_node_0_lost_takes_the_store_and_the_others_exit_84(supervise, tmp_path):
+    node0, node1 = two_nodes(supervise, tmp_path, lambda i: [], lambda i: ("--all", "loop"))
+    wait_joined(tmp_path, 2)
+    os.kill(node0.proc.pid, signal.SIGKILL)
+    node0.proc.wait(timeout=10)
+    assert node1.wait(EXIT_TIMEOUT_S) == 84, node1.stderr[-3000:]
+    lost = node1.events("peer node lost")
+    assert lost and lost[0]["node"] == 0 and "store" in lost[0]["detail"]
+
+
+def test_a_clean_finish_on_both_nodes_exits_0(supervise, tmp_path):
+    node0, node1 = two_nodes(supervise, tmp_path, lambda i: [], lambda i: ("--all", "finish", "--steps", "20"))
+    assert node1.wait(EXIT_TIMEOUT_S) == 0, node1.stderr[-3000:]
+    assert node0.wait(EXIT_TIMEOUT_S) == 0, node0.stderr[-3000:]
+    assert node0.bundles() == [] and node1.bundles() == []
+
+
+def test_a_stop_signal_on_one_node_stops_the_group_gracefully(supervise, tmp_path):
+    node0, node1 = two_nodes(supervise, tmp_path, lambda i: [], lambda i: ("--all", "loop"))
+    wait_joined(tmp_path, 2)
+    node1.proc.send_signal(signal.SIGTERM)
+    assert node1.wait(EXIT_TIMEOUT_S) == 0, node1.stderr[-3000:]
+    assert node0.wait(EXIT_TIMEOUT_S) == 0, node0.stderr[-3000:]
+
+
+@pytest.mark.parametrize("problem", ["duplicate", "mismatch"])
+def test_a_bad_group_is_refused_on_every_node_and_nothing_starts(supervise, tmp_path, problem):
+    if problem == "duplicate":
+        runs = two_nodes(supervise, tmp_path, lambda i: ["--rendezvous-timeout", "30"], lambda i: ("--all", "loop"),
+                         nnodes=3, node_ranks=[0, 1, 1])
+        needle = "duplicate --node-rank 1"
+    else:
+        runs = two_nodes(supervise, tmp_path, lambda i: ["--fingerprint-env", "MODEL_REV"],
+                         lambda i: ("--all", "loop", "--steps", str(10 + i)))
+        needle = "mismatch"
+    codes = [run.wait(EXIT_TIMEOUT_S) for run in runs]
+    assert codes == [64] * len(runs), [run.stderr[-1500:] for run in runs]
+    for run in runs:
+        assert needle in run.stderr, run.stderr[-2000:]
+        assert not run.events("rank started"), "a rank was started before the group was agreed"
+    if problem == "mismatch":
+        assert "command: node 0:" in runs[0].stderr and "--steps 10" in runs[0].stderr and "--steps 11" in runs[0].stderr
+    assert marked_pids(supervise.mark) == []
+
+
+def test_a_missing_node_is_exit_83_naming_it(supervise, tmp_path):
+    port = free_port()
+    run = supervise(["--nnodes", "2", "--node-rank", "0", "--master-port", str(port), "--nproc-per-node", "1",
+                     "--rendezvous-timeout", "8"], fake_rank("--all", "loop"))
+    assert run.wait(EXIT_TIMEOUT_S) == 83, run.stderr[-3000:]
+    assert "node rank(s) [1] never registered" in run.stderr
+    waiting = run.events("waiting for nodes")
+    assert waiting and waiting[0]["missing_node_ranks"] == [1]
