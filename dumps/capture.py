@@ -11,6 +11,12 @@ Methods (``capture_all(method=…)``):
                   we send that signal and read the bytes it appends;
 ``none``          no stacks: /proc and heartbeat evidence only.
 
+A rank that is dead (or dies during the capture) may still have written its
+stacks as it died: where the rank side enables ``faulthandler`` for fatal
+signals on its stack file, a C++ abort (gloo's ``std::terminate`` on a
+collective mismatch), a segfault or a bus error leaves a "Fatal Python
+error" dump there, which is read back as that rank's stacks.
+
 py-spy is looked up as ``$SUPERVISE_PYSPY`` when set (a path; a path that
 does not exist, or ``off``, makes py-spy unavailable, which is how tests
 and containers without ptrace force the fallback), else ``py-spy`` on
@@ -76,6 +82,10 @@ FAULTHANDLER_POLL_S = 0.005
 MIN_CPU_WINDOW_S = 0.1
 # Wait for a rank's capture thread this much past its own end time (kill + reap).
 JOIN_GRACE_S = 0.05
+# faulthandler's header of a dump written by a fatal signal handler (not by our stack signal).
+FATAL_DUMP_MARK = "Fatal Python error:"
+# Only the end of a stack file is read for a death dump (on-demand dumps come before it).
+DEATH_DUMP_TAIL_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -202,6 +212,33 @@ def _ends_line(path: str, size: int) -> bool:
         return False
 
 
+def _death_stacks(run_dir: Path, target: RankTarget) -> _Attempt:
+    """The stacks a dead rank wrote itself as it died, if it did (see the module doc)."""
+    if target.pid is None:
+        return _Attempt(None, "stacks at death: no pid")
+    path = stack_file_path(run_dir, target.slot, target.pid)
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - DEATH_DUMP_TAIL_BYTES))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return _Attempt(None, "stacks at death: no stack file")
+    at = text.rfind(FATAL_DUMP_MARK)
+    if at < 0:
+        return _Attempt(None, "stacks at death: none written")
+    dump = text[at:]
+    what = dump.splitlines()[0][len(FATAL_DUMP_MARK) :].strip()
+    threads = st.parse_faulthandler(dump)
+    if not threads:
+        return _Attempt(None, "stacks at death: the dump had no thread")
+    return _Attempt(threads, f"faulthandler at death ({what})" if what else "faulthandler at death")
+
+
+def _gone(pid: int | None) -> bool:
+    proc = read_proc(pid) if pid else None
+    return proc is None or proc.state in ("Z", "X")
+
+
 # -- one rank -------------------------------------------------------------------
 
 
@@ -224,12 +261,20 @@ def _stack_signal(target: RankTarget) -> int:
 
 def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, start: float, end: float):
     """(threads, method, error, attempts) for one rank; never raises."""
+    dead = None
     if not target.alive or target.pid is None:
-        return [], "none", "rank is not running", ()
-    if proc is None:
-        return [], "none", "process gone", ()
-    if proc.state in ("Z", "X"):
-        return [], "none", f"process is a zombie (state {proc.state}): no stacks", ()
+        dead = "rank is not running"
+    elif proc is None:
+        dead = "process gone"
+    elif proc.state in ("Z", "X"):
+        dead = f"process is a zombie (state {proc.state}): no stacks"
+    if dead is not None:
+        if plan.method == "none":
+            return [], "none", dead, ()
+        got = _death_stacks(plan.run_dir, target)
+        if got.threads is not None:
+            return got.threads, got.note, None, (got.note,)
+        return [], "none", dead, ()
     if plan.method == "none":
         return [], "none", "stack capture off (method none)", ()
     frozen_here = plan.frozen is not None and target.rank in plan.frozen.stopped
@@ -266,6 +311,11 @@ def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, star
             notes.append(got.note)
             if got.threads is not None:
                 return got.threads, got.note, None, tuple(notes)
+    if _gone(target.pid):  # it died during the capture: it may have written its stacks as it did
+        got = _death_stacks(plan.run_dir, target)
+        notes.append(got.note)
+        if got.threads is not None:
+            return got.threads, got.note, None, tuple(notes)
     waited = time.monotonic() - start
     timed_out = any("timeout" in n for n in notes)
     reason = f"no stacks (timeout after {waited:.2f} s)" if timed_out else "no stacks"

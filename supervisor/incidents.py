@@ -233,7 +233,7 @@ class IncidentDesk:
 
     def _report(self, job: DumpJob, result: IncidentResult, extra_summary: dict) -> None:
         job.result = result
-        late = job.claim_report() is False
+        late = not job.claim_report()  # settle() already counted it as not written in time
         if not late:
             self.on_dump(job.reason, result.ok, result.duration_s)
         diag = result.diagnosis
@@ -264,15 +264,16 @@ class IncidentDesk:
         reason = job.reason
         summary = dict(self._base_summary(attempt), **extra_summary)
         try:
+            targets = self.targets(attempt)
             captured = capture_incident(
-                self.targets(attempt),
+                targets,
                 reason=reason,
                 run_dir=self.run_dir,
                 method=self.spec.stack_method,
                 native=self.spec.native_stacks,
                 deadline_s=capture_s,
                 previous_cpu=self.previous_cpu,
-                freeze=freeze,
+                freeze=freeze and not job.abandoned,  # never stop ranks the teardown is already ending
             )
             self.previous_cpu = captured.samples or self.previous_cpu
             job.culprits = list(getattr(captured.diagnosis, "culprit_ranks", []) or [])
