@@ -49,7 +49,9 @@ class MalformedBundle(ValueError):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="supervise analyze", description="Render an incident bundle.")
-    p.add_argument("bundle", type=Path, help="bundle directory (<dump-dir>/<time>-<reason>[-N])")
+    p.add_argument("bundles", type=Path, nargs="+", metavar="bundle",
+                   help="bundle directory (<dump-dir>/<time>-<reason>[-N]); several: the bundles of one incident "
+                        "from several nodes, rendered as one")
     p.add_argument("--json", action="store_true", help="print summary.json-compatible JSON")
     p.add_argument("--no-stacks", action="store_true", help="leave the grouped stacks out")
     return p
@@ -195,26 +197,61 @@ def read_stacks(path: Path) -> tuple[dict[int, str], list[str]]:
     return stacks_from_files(files), refused
 
 
+def _origin_first(summaries: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
+    """The node where the incident began first (its reason is not a peer's), then the others by node rank."""
+    def key(item):
+        reason = item[1].get("reason")
+        return (reason in ("peer_failed", "node_lost"), item[1].get("node_rank") or 0)
+
+    return sorted(summaries, key=key)
+
+
+def merged(summaries: list[tuple[Path, dict]]) -> dict:
+    """Several nodes' bundles of one incident as one record (``--json``)."""
+    ordered = _origin_first(summaries)
+    origin = ordered[0][1]
+    ids = sorted({str(s.get("incident_id")) for _, s in summaries if s.get("incident_id")})
+    return {
+        "incident_id": ids[0] if len(ids) == 1 else ids,
+        "run_id": origin.get("run_id"),
+        "reason": origin.get("reason"),
+        "culprit_ranks": origin.get("culprit_ranks") or [],
+        "verdict": origin.get("verdict"),
+        "nodes": {str(s.get("node_rank", i)): dict(s, bundle=str(path)) for i, (path, s) in enumerate(ordered)},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        summary = load_summary(args.bundle)
-    except NotABundle as exc:
-        print(f"supervise analyze: {exc}", file=sys.stderr)
-        return EXIT_NOT_A_BUNDLE
-    except MalformedBundle as exc:
-        print(f"supervise analyze: {args.bundle}: malformed bundle: {exc}", file=sys.stderr)
-        return EXIT_MALFORMED
+    loaded: list[tuple[Path, dict]] = []
+    for bundle in args.bundles:
+        try:
+            loaded.append((bundle, load_summary(bundle)))
+        except NotABundle as exc:
+            print(f"supervise analyze: {exc}", file=sys.stderr)
+            return EXIT_NOT_A_BUNDLE
+        except MalformedBundle as exc:
+            print(f"supervise analyze: {bundle}: malformed bundle: {exc}", file=sys.stderr)
+            return EXIT_MALFORMED
     if args.json:
-        json.dump(summary, sys.stdout, indent=2)
+        json.dump(loaded[0][1] if len(loaded) == 1 else merged(loaded), sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK
-    stacks, refused = ({}, []) if args.no_stacks else read_stacks(args.bundle)
     console = Console(highlight=False)
-    console.print(data(f"bundle {args.bundle}", style="dim"))
-    if refused:
-        summary = dict(summary, errors=[*(summary.get("errors") or []), *refused])
-    render(summary, console, stacks or None)
+    if len(loaded) > 1:
+        whole = merged(loaded)
+        ids = whole["incident_id"]
+        console.print(data(f"incident {ids if isinstance(ids, str) else ' / '.join(ids)}: "
+                           f"{len(loaded)} node bundles", style="bold"))
+        if not isinstance(ids, str):
+            console.print(data("! these bundles belong to different incidents", style="yellow"))
+    for bundle, summary in _origin_first(loaded):
+        stacks, refused = ({}, []) if args.no_stacks else read_stacks(bundle)
+        node = summary.get("node_rank")
+        console.print(data(f"bundle {bundle}" + (f" (node {node})" if node is not None else ""), style="dim"))
+        if refused:
+            summary = dict(summary, errors=[*(summary.get("errors") or []), *refused])
+        render(summary, console, stacks or None)
     return EXIT_OK
 
 

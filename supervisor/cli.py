@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--timeout", type=_seconds, default=30.0)
 
     analyze = sub.add_parser("analyze", help="render an incident bundle")
-    analyze.add_argument("bundle", type=Path)
+    analyze.add_argument("bundle", type=Path, nargs="+", help="a bundle, or several nodes' bundles of one incident")
     analyze.add_argument("--json", action="store_true")
 
     drill = sub.add_parser("drill", help="run the fault matrix against the built-in engine")
@@ -279,7 +279,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_analyze(args: argparse.Namespace) -> int:
     from tp_supervise.dumps import analyze
 
-    argv = [str(args.bundle)] + (["--json"] if args.json else [])
+    argv = [str(b) for b in args.bundle] + (["--json"] if args.json else [])
     return analyze.main(argv)
 
 

@@ -340,7 +340,7 @@ class Supervisor:
         if outcome.code == EXIT_OK and outcome.reason == "clean":
             self.node_link.finished()
             return
-        self.incident_id = self.incident_id or f"{self.run_id}-{secrets.token_hex(4)}"
+        self.incident_id = self.desk.last_incident_id or f"{self.run_id}-{secrets.token_hex(4)}"
         fault = nodes_mod.Fault(node=self.spec.node_rank, rank=outcome.culprit, reason=outcome.reason,
                                 incident_id=self.incident_id, verdict=outcome.reason)
         self.node_link.publish_fault(fault)  # an enqueue: the node-link thread talks to the store

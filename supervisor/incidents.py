@@ -36,6 +36,7 @@ mutates.
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -165,6 +166,7 @@ class IncidentDesk:
         self.writer = BundleWriter(spec.dump_dir, keep=spec.dump_keep, max_bytes=spec.dump_max_bytes)
         self.soft = _SoftWorker()
         self.jobs: list[DumpJob] = []  # in flight; main thread only
+        self.last_incident_id: str | None = None  # of the latest fatal bundle (main thread only)
         self.previous_cpu = None
 
     def close(self) -> None:
@@ -219,6 +221,12 @@ class IncidentDesk:
                 if snap.claimed:
                     out.append(RankTarget(snap.rank, slot, snap.pid, True, None, snap))
         return out
+
+    def _with_incident_id(self, extra: dict) -> dict:
+        """Every bundle names its incident; a peer's bundle of another node's incident keeps that one's id."""
+        if extra.get("incident_id"):
+            return extra
+        return dict(extra, incident_id=f"{self.run_id}-{secrets.token_hex(4)}")
 
     def _base_summary(self, attempt: "AttemptView") -> dict:
         spec = self.spec
@@ -324,6 +332,8 @@ class IncidentDesk:
     ) -> DumpJob:
         """Start a fatal dump on its own thread; return once its capture ended, or
         after ``--dump-timeout`` (or a second stop signal) without it."""
+        extra = self._with_incident_id(extra)
+        self.last_incident_id = extra["incident_id"]  # the fault bus carries it to the other nodes
         detected_at = time.monotonic() if detected_at is None else detected_at
         timeout = self.spec.dump_timeout
         job = DumpJob(reason, timeout)
@@ -365,7 +375,7 @@ class IncidentDesk:
     ) -> None:
         detected_at = time.monotonic() if detected_at is None else detected_at
         job = DumpJob(reason, self.spec.dump_timeout)
-        summary = dict(self._base_summary(attempt), **extra)
+        summary = dict(self._base_summary(attempt), **self._with_incident_id(extra))
 
         def work() -> None:
             try:

@@ -123,3 +123,27 @@ def test_a_missing_node_is_exit_83_naming_it(supervise, tmp_path):
     assert "node rank(s) [1] never registered" in run.stderr
     waiting = run.events("waiting for nodes")
     assert waiting and waiting[0]["missing_node_ranks"] == [1]
+
+
+def test_both_nodes_bundles_share_the_incident_id_and_analyze_renders_them_as_one(supervise, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    node0, node1 = two_nodes(supervise, tmp_path, lambda i: [],
+                             lambda i: ("--all", "loop", "--on", "1=exit:3", "--delay", "2"))
+    assert node1.wait(EXIT_TIMEOUT_S) == 80 and node0.wait(EXIT_TIMEOUT_S) == 84
+    origin = [b for b in node1.bundles() if "rank_exit" in b.name][0]
+    peer = [b for b in node0.bundles() if "peer_failed" in b.name][0]
+    ids = {json.loads((b / "summary.json").read_text())["incident_id"] for b in (origin, peer)}
+    assert len(ids) == 1 and None not in ids
+    out = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(peer), str(origin), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    whole = json.loads(out.stdout)
+    assert whole["incident_id"] == ids.pop() and whole["reason"] == "rank_exit" and whole["culprit_ranks"] == [1]
+    assert set(whole["nodes"]) == {"0", "1"}
+    shown = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(peer), str(origin)],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "2 node bundles" in shown.stdout
+    assert shown.stdout.index("(node 1)") < shown.stdout.index("(node 0)")  # where it began comes first
