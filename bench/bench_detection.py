@@ -6,7 +6,7 @@
 Each run starts ``supervise serve --tp 2`` (the built-in engine, CPU, gloo)
 with NO timeout flags, so the soft and hard thresholds are the adaptive ones,
 drives it with concurrent completion requests, and injects ``KIND@1:STEP``
-with STEP far enough in that the learner's warm-up (100 samples) is over
+with STEP far enough in that the learner's warm-up (50 progress events, 3 steps) is over
 before the fault.  Measured, per run:
 
 * fault -> soft verdict ("hang suspected") and fault -> hard verdict ("hang"):
@@ -331,8 +331,9 @@ def reading(results: list[RunResult]) -> str:
     floor_bound = all(r.hard_threshold_s == params.hard_floor for r in valid)
     basis = statistics.median(r.basis_s for r in valid if r.basis_s is not None)
     text = [
-        f"Reading: the p99 step is {p99 * 1000:.0f} ms, but the learner's own p99 (its basis) is "
-        f"{basis * 1000:.0f} ms: its gap samples are measured on the 0.1 s watchdog tick and cannot be shorter. "
+        f"Reading: the p99 step is {p99 * 1000:.0f} ms and the learner's own p99 (its basis) is "
+        f"{basis * 1000:.0f} ms: its samples are the ranks' own step durations and collective intervals "
+        f"(rank clocks, not the 0.1 s watchdog tick) and the stalls that ended in progress. "
         f"{params.hard_multiplier:.0f} x basis (the hard multiplier) is {params.hard_multiplier * basis:.2f} s"
     ]
     if floor_bound:
@@ -401,14 +402,14 @@ def markdown(results: list[RunResult], cfg: dict) -> str:
 Command: `.venv/bin/python -m {cfg['command']}` (CPU, gloo, TP=2, the default random tiny model,
 broadcast control plane, {LOAD_THREADS} client threads x {MAX_TOKENS}-token requests, **no timeout flags**: the
 adaptive thresholds; the fault `KIND@{FAULT_RANK}:{cfg['fault_step']}` lands well after the learner's
-100-sample warm-up, which every run below checks). {cfg['when']}, 1-minute load average {cfg['load'][0]:.1f}
+warm-up, which every run below checks). {cfg['when']}, 1-minute load average {cfg['load'][0]:.1f}
 before and {cfg['load'][1]:.1f} after (shared 2-core machine).
 
 Fault instant: the rank's own `inject:` log line (`stop` logs just before SIGSTOP, `hang_collective` when it
 skips the all_reduce); verdicts: the supervisor's `hang suspected:` / `hang:` log events; same host clock.
 p99 step: `histogram_quantile(0.99, supervise_step_duration_seconds)` over both ranks, scraped just before the
 fault (bucket bound in brackets: the histogram's resolution). Learner basis: its p99 over the window, which
-mixes step durations with gaps between progress events as the 0.1 s watchdog tick sees them.
+mixes the ranks' step durations and collective intervals (their own clocks) with stalls that ended in progress.
 
 | kind | exit | culprit | p99 step s | learner basis s | soft / hard threshold s | fault -> soft s | fault -> hard s | hard / p99 step | bundle stalled_s | fault -> bundle written s | fault -> supervisor exit s | goal s | goal met |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|

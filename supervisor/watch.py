@@ -10,7 +10,6 @@ thread can touch.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -141,7 +140,7 @@ class WatchdogThread:
 
     def _new_attempt(self, started_at: float) -> None:
         """Forget progress history and claims; keep what was learned about step times."""
-        self.state = dataclasses.replace(policy.WatchdogState.initial(started_at), window=self.state.window)
+        self.state = self.state.next_attempt(started_at)
         self.watching = started_at
         self.all_ready_posted = False
         self.known_pids = {}

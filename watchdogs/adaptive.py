@@ -1,13 +1,30 @@
 """Adaptive hang thresholds: learned from how long a busy group normally goes without progress.
 
-Samples are durations in seconds:
+Samples are durations in seconds, taken from what the ranks report in their
+heartbeat slots (precise, rank-side ``time.monotonic()`` instants), not from
+the supervisor's 0.1 s tick:
 
-* the gap between two progress events while the group was busy (the exact
-  quantity the hang rule compares with the timeout, at the resolution of the
-  supervisor's tick), and
-* the step durations ranks report (``last_step_s``), which are precise.
+* **progress intervals**: between two observations a rank entered ``n``
+  collectives, the latest at ``ts_coll`` (it was at ``ts_coll'`` before), so
+  its collectives were ``(ts_coll - ts_coll') / n`` s apart on average; one
+  sample, worth ``n`` progress events.  An interval that spans a *quiet*
+  observation (nobody busy, nothing progressed: an idle engine) is not
+  learned, so idling never raises the thresholds;
+* **step durations** (``last_step_s``) of ranks that report steps, worth one
+  event per completed step;
+* the length of a **busy stall that ended in progress**, as the hang rule
+  measured it (tick resolution, an over-estimate by less than a tick): a
+  legitimate long gap (a long first step, a prefill) raises the bar;
+* only when an observation yields none of these (progress known only from an
+  engine's token counter): the time between two progressing observations.
 
-After ``warmup_samples`` samples the thresholds are::
+Warm-up counts the group's **progress events** (collectives entered and
+steps completed, the most any rank made: the ranks of a TP group progress
+together), not samples or ticks: the learned thresholds apply once
+``warmup_events`` events were measured and, when ranks report steps,
+``warmup_steps`` steps of the group completed (the first steps, a compile or
+a long prefill, are never judged by a rhythm that does not know them).  Until then the conservative ``warmup_soft``/``warmup_hard`` apply.
+After warm-up::
 
     soft = clamp(max(soft_multiplier * pXX, soft_max_multiplier * window_max), soft_floor, soft_ceiling)
     hard = clamp(max(hard_multiplier * pXX, hard_max_multiplier * window_max), hard_floor, hard_ceiling)
@@ -16,8 +33,7 @@ where pXX is the ``percentile`` of the last ``window_samples`` samples and
 window_max their maximum.  The percentile term keeps detection within a few
 normal step times; the max term keeps rare but legitimate long gaps (a long
 prefill, a GC pause) from looking like hangs; the window lets thresholds follow
-an engine whose step time drifts.  Before warm-up the conservative
-``warmup_soft``/``warmup_hard`` apply.
+an engine whose step time drifts.
 
 Everything here is pure: values in, values out.
 """
@@ -26,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 PERCENT = 100.0
 
@@ -35,7 +51,8 @@ PERCENT = 100.0
 class AdaptiveParams:
     """How adaptive thresholds are derived (defaults documented in docs/watchdogs.md)."""
 
-    warmup_samples: int = 100
+    warmup_events: int = 50
+    warmup_steps: int = 3
     window_samples: int = 2000
     percentile: float = 99.0
     soft_multiplier: float = 4.0
@@ -51,12 +68,10 @@ class AdaptiveParams:
     change_ratio: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.warmup_samples < 1:
-            raise ValueError(f"warmup_samples must be >= 1, got {self.warmup_samples}")
-        if self.window_samples < self.warmup_samples:
-            raise ValueError(
-                f"window_samples ({self.window_samples}) must be >= warmup_samples ({self.warmup_samples})"
-            )
+        for name in ("warmup_events", "warmup_steps", "window_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not 0.0 < self.percentile <= PERCENT:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
         for name in ("soft_multiplier", "soft_max_multiplier"):
@@ -91,7 +106,47 @@ class Thresholds:
     learned: bool  # False: still warming up, the warm-up defaults apply
     basis_s: float  # the percentile of the window (0 while warming up)
     window_max_s: float
-    samples: int
+    samples: int  # in the window
+    events: int = 0  # progress events learned from (warm-up counts these)
+    steps: int = 0  # steps of the group learned from
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One rank's progress as one observation saw it: where its next interval starts."""
+
+    pid: int
+    step: int
+    coll_seq: int
+    ts_coll: float  # when its latest collective began (rank-reported, monotonic; 0: none yet)
+    last_step_s: float  # duration of its latest completed step (0: none yet)
+
+    @classmethod
+    def of(cls, slot) -> "Mark":
+        """The mark of one heartbeat slot read (a ``supervisor.rank.heartbeat.SlotSnapshot``)."""
+        return cls(slot.pid, slot.step, slot.coll_seq, slot.ts_coll_begin, slot.last_step_s)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one observation teaches: samples (seconds) and the progress events behind them."""
+
+    samples: tuple[float, ...] = ()
+    events: int = 0  # progress events measured (of the group: the most any rank made)
+    steps: int = 0  # steps the group completed (the most any rank did)
+
+
+@dataclass(frozen=True)
+class Learned:
+    """Everything learned so far: the sliding window and the events behind it.
+
+    Survives a restart of the ranks (the engine's rhythm does not change with
+    its pids); the marks the next intervals start from do not.
+    """
+
+    window: tuple[float, ...] = ()
+    events: int = 0
+    steps: int = 0
 
 
 def clamp(value: float, low: float, high: float) -> float:
@@ -122,9 +177,84 @@ def extend_window(window: tuple[float, ...], samples: Iterable[float], params: A
     return merged
 
 
-def thresholds(window: tuple[float, ...], params: AdaptiveParams) -> Thresholds:
-    """Soft/hard thresholds for a window of samples."""
-    if len(window) < params.warmup_samples:
+def rank_progress(before: Mark | None, after: Mark, quiet_at: float) -> Observed:
+    """What one rank's progress between two observations teaches.
+
+    ``before`` is the rank's mark at the previous observation (None: not seen
+    yet); ``quiet_at`` the time of the latest quiet observation (nobody busy,
+    no progress), which an interval must not span.  A new pid in the slot is
+    a new process: nothing is measured across it.
+    """
+    if before is None or before.pid != after.pid:
+        return Observed()
+    samples: list[float] = []
+    events = steps = 0
+    done = after.step - before.step
+    if done > 0 and usable(after.last_step_s):
+        samples.append(after.last_step_s)
+        events += done
+        steps = done
+    entered = after.coll_seq - before.coll_seq
+    if entered > 0 and before.ts_coll > quiet_at and before.ts_coll > 0.0 and after.ts_coll > before.ts_coll:
+        samples.append((after.ts_coll - before.ts_coll) / entered)
+        events += entered
+    return Observed(tuple(samples), events, steps)
+
+
+def combine(observed: Iterable[Observed]) -> Observed:
+    """One observation of the group from its ranks': every sample; events and
+    steps are the group's, the most any rank made (they progress together)."""
+    samples: list[float] = []
+    events = steps = 0
+    for o in observed:
+        samples.extend(o.samples)
+        events = max(events, o.events)
+        steps = max(steps, o.steps)
+    return Observed(tuple(samples), events, steps)
+
+
+def observation(
+    before: Mapping[int, Mark],
+    after: Iterable[tuple[int, Mark]],
+    quiet_at: float,
+    stall_s: float | None = None,
+    untimed_gap_s: float | None = None,
+) -> Observed:
+    """What one observation of the group teaches.
+
+    ``before``/``after``: each slot's mark at the previous and at this
+    observation (``rank_progress`` of each); ``stall_s``: the length of a
+    busy stall that this observation saw end in progress (a sample, no event:
+    the ranks' own progress is counted already); ``untimed_gap_s``: for
+    progress that no rank timestamped (an engine's token counter), the time
+    since the previous progressing observation (a sample worth one event).
+    """
+    group = combine(rank_progress(before.get(slot), mark, quiet_at) for slot, mark in after)
+    extra = tuple(s for s in (stall_s, untimed_gap_s) if s is not None)
+    if not extra:
+        return group
+    return Observed(group.samples + extra, group.events + (untimed_gap_s is not None), group.steps)
+
+
+def learn(learned: Learned, observed: Observed, params: AdaptiveParams) -> Learned:
+    """``learned`` with one more observation (the same object when it teaches nothing)."""
+    window = extend_window(learned.window, observed.samples, params)
+    if window is learned.window and not observed.events and not observed.steps:
+        return learned
+    return Learned(window, learned.events + observed.events, learned.steps + observed.steps)
+
+
+def warmed_up(learned: Learned, params: AdaptiveParams, reports_steps: bool) -> bool:
+    """Enough progress seen to trust the window (``reports_steps``: some rank reports steps)."""
+    if not learned.window or learned.events < params.warmup_events:
+        return False
+    return not reports_steps or learned.steps >= params.warmup_steps
+
+
+def thresholds(learned: Learned, params: AdaptiveParams, reports_steps: bool = False) -> Thresholds:
+    """Soft/hard thresholds from what was learned (warm-up defaults until ``warmed_up``)."""
+    window = learned.window
+    if not warmed_up(learned, params, reports_steps):
         return Thresholds(
             soft=params.warmup_soft,
             hard=params.warmup_hard,
@@ -132,6 +262,8 @@ def thresholds(window: tuple[float, ...], params: AdaptiveParams) -> Thresholds:
             basis_s=0.0,
             window_max_s=max(window, default=0.0),
             samples=len(window),
+            events=learned.events,
+            steps=learned.steps,
         )
     ordered = sorted(window)
     basis = percentile(ordered, params.percentile)
@@ -142,7 +274,16 @@ def thresholds(window: tuple[float, ...], params: AdaptiveParams) -> Thresholds:
     hard = clamp(
         max(params.hard_multiplier * basis, params.hard_max_multiplier * top), params.hard_floor, params.hard_ceiling
     )
-    return Thresholds(soft=soft, hard=hard, learned=True, basis_s=basis, window_max_s=top, samples=len(window))
+    return Thresholds(
+        soft=soft,
+        hard=hard,
+        learned=True,
+        basis_s=basis,
+        window_max_s=top,
+        samples=len(window),
+        events=learned.events,
+        steps=learned.steps,
+    )
 
 
 def changed_materially(old: tuple[float, float] | None, new: tuple[float, float], ratio: float) -> bool:

@@ -36,7 +36,11 @@ ticks only ``hard`` fires (its action includes the soft one's dump).
 Thresholds: an explicit ``soft_timeout``/``hard_timeout`` is used exactly as
 given.  A missing one is adaptive (``watchdogs.adaptive``), bounded by the
 explicit one so their order holds: an adaptive hard is never below an
-explicit soft, an adaptive soft never above an explicit hard.
+explicit soft, an adaptive soft never above an explicit hard.  The learner is
+fed here, in the steady state only: each rank's progress since the previous
+observation (``adaptive.rank_progress``: its precise collective intervals and
+step durations), the length of a stall that ended in progress, and when
+neither exists the time between two progressing observations.
 """
 
 from __future__ import annotations
@@ -179,6 +183,8 @@ class Verdict:
                 "basis_seconds": self.adaptive.basis_s,
                 "window_max_seconds": self.adaptive.window_max_s,
                 "samples": self.adaptive.samples,
+                "events": self.adaptive.events,
+                "steps": self.adaptive.steps,
             },
             "busy_ranks": list(self.busy_ranks),
             "in_collective": [c.to_dict() for c in self.in_collective],
@@ -206,19 +212,28 @@ class WatchdogState:
     soft_fired: bool = False
     hard_fired: bool = False
     startup_fired: bool = False
-    window: tuple[float, ...] = ()
-    thresholds: adaptive.Thresholds | None = None  # cache: recomputed when the window changes
+    learned: adaptive.Learned = adaptive.Learned()
+    thresholds: adaptive.Thresholds | None = None  # cache: recomputed when what it depends on changes
+    reports_steps: bool = False  # some live rank reports steps (the cache's other input)
     reported: tuple[float, float] | None = None  # thresholds last flagged as changed
-    # When the previous observation also saw progress: its time.  Two progressing
-    # observations in a row bound the gap between progress events from above,
-    # which is how a program busy only in short collectives (zero-code ranks
-    # between sleeps) still yields samples every tick.
+    # Each live slot's progress as last observed: where its next interval starts.
+    marks: tuple[tuple[int, adaptive.Mark], ...] = ()
+    # The latest observation in startup, or idle without progress: no interval
+    # the learner measures may span it (idling is not a gap between progress events).
+    quiet_at: float = -math.inf
+    # When the previous observation also saw progress: its time (the fallback
+    # sample when progress carries no rank-reported timestamps).
     progressed_at: float | None = None
 
     @classmethod
     def initial(cls, now: float) -> "WatchdogState":
         """State at launch: the startup clock starts ``now``."""
         return cls(started_at=now)
+
+    def next_attempt(self, now: float) -> "WatchdogState":
+        """State for the ranks' next attempt (a restart): progress history and
+        claims forgotten, what was learned about the engine's rhythm kept."""
+        return WatchdogState(started_at=now, learned=self.learned)
 
 
 def is_pending(snap: SlotSnapshot) -> bool:
@@ -242,14 +257,11 @@ def effective_thresholds(config: WatchdogConfig, learned: adaptive.Thresholds) -
     return soft, hard, soft_src, hard_src
 
 
-def _step_samples(live: Sequence[SlotSnapshot], previous: dict[int, tuple[int, int, int]]) -> list[float]:
-    """Durations of steps that completed since the last tick (one per rank: the latest)."""
-    out = []
-    for snap in live:
-        prev = previous.get(snap.slot)
-        if prev is not None and prev[0] == snap.pid and snap.step != prev[1] and snap.last_step_s > 0.0:
-            out.append(snap.last_step_s)
-    return out
+def _marks(live: Sequence[SlotSnapshot], before: dict[int, adaptive.Mark]) -> tuple[tuple[int, adaptive.Mark], ...]:
+    """Each live slot's mark; a slot read torn keeps its previous one (its timestamps may be half-written)."""
+    out = [(s.slot, adaptive.Mark.of(s)) for s in live if not s.torn]
+    out += [(s.slot, before[s.slot]) for s in live if s.torn and s.slot in before]
+    return tuple(sorted(out, key=lambda item: item[0]))
 
 
 def _steady_kind(
@@ -303,8 +315,10 @@ def observe(
     busy = bool(busy_ranks) or ext_running
     pending = tuple(sorted(s.rank for s in live if is_pending(s)))
 
-    window = state.window
-    learned = state.thresholds
+    before = dict(state.marks)
+    marks = _marks(live, before)
+    learned = state.learned
+    quiet_at = state.quiet_at
     stall_start: float | None
     kind: VerdictKind
     soft_fired, hard_fired, startup_fired = state.soft_fired, state.hard_fired, state.startup_fired
@@ -312,29 +326,34 @@ def observe(
     if pending:
         # Startup: steady-state rules wait until every rank that must report ready did.
         stall_start = None
+        quiet_at = now
         if now - state.started_at >= config.startup_timeout:
             kind = VerdictKind.STARTUP_OVERDUE if startup_fired else VerdictKind.STARTUP_TIMEOUT
             startup_fired = True
         else:
             kind = VerdictKind.STARTUP_WAIT
     else:
-        samples = _step_samples(live, previous)
+        stall_s = gap_s = None
+        if progress and state.stall_start is not None and state.progressed_at is None:
+            stall_s = now - state.stall_start  # a busy stall of at least one tick ended in progress
+        if ext_progress and not hb_progress and state.progressed_at is not None:
+            gap_s = now - state.progressed_at  # progress that no rank timestamped: tick resolution
+        observed = adaptive.observation(before, marks, state.quiet_at, stall_s=stall_s, untimed_gap_s=gap_s)
+        learned = adaptive.learn(learned, observed, config.adaptive)
         if progress:
-            if state.stall_start is not None:
-                samples.append(now - state.stall_start)
-            elif state.progressed_at is not None:
-                samples.append(now - state.progressed_at)
             stall_start = now if busy else None
         elif busy:
             stall_start = state.stall_start if state.stall_start is not None else now
         else:
             stall_start = None
-        window = adaptive.extend_window(window, samples, config.adaptive)
+            quiet_at = now
         kind = VerdictKind.OK  # decided by _steady_kind once the thresholds are known
 
-    if learned is None or window is not state.window:
-        learned = adaptive.thresholds(window, config.adaptive)
-    soft, hard, soft_src, hard_src = effective_thresholds(config, learned)
+    reports_steps = any(s.instrumented for s in live)
+    derived = state.thresholds
+    if derived is None or learned is not state.learned or reports_steps != state.reports_steps:
+        derived = adaptive.thresholds(learned, config.adaptive, reports_steps)
+    soft, hard, soft_src, hard_src = effective_thresholds(config, derived)
     changed = adaptive.changed_materially(state.reported, (soft, hard), config.adaptive.change_ratio)
     reported = (soft, hard) if changed else state.reported
 
@@ -353,13 +372,16 @@ def observe(
         soft_fired=soft_fired,
         hard_fired=hard_fired,
         startup_fired=startup_fired,
-        window=window,
-        thresholds=learned,
+        learned=learned,
+        thresholds=derived,
+        reports_steps=reports_steps,
         reported=reported,
+        marks=marks,
+        quiet_at=quiet_at,
         progressed_at=now if progress and not pending else None,
     )
     verdict = _verdict(
-        kind, now, live, stalled, (soft, hard, soft_src, hard_src), changed, learned, busy_ranks, pending, external,
+        kind, now, live, stalled, (soft, hard, soft_src, hard_src), changed, derived, busy_ranks, pending, external,
         recovered_by_progress=progress, startup_elapsed=now - state.started_at, config=config,
     )
     return new_state, verdict

@@ -1,7 +1,7 @@
 """A plain torch.distributed gloo program with no supervisor code in it.
 
     python gloo_loop.py [--iters N] [--fault KIND] [--fault-rank R] [--fault-at I]
-                        [--idle S] [--slow S] [--async | --p2p]
+                        [--idle S] [--slow S] [--first-step S] [--async | --p2p]
 
 Each iteration: a little compute, then one exchange of a 64x256 float32 tensor:
   (default)  all_reduce
@@ -19,6 +19,8 @@ Other behaviours:
              collectives (an idle engine), then continues
   --slow S   the fault rank sleeps S seconds before each exchange from
              --fault-at on, so peers wait S seconds inside it (slow, not hung)
+  --first-step S  the first iteration takes S seconds on the fault rank (a
+             model warm-up or compile) while peers wait inside its exchange
 """
 
 import argparse
@@ -57,6 +59,7 @@ def main():
     p.add_argument("--idle", type=float, default=0.0)
     p.add_argument("--slow", type=float, default=0.0)
     p.add_argument("--sleep", type=float, default=0.01)
+    p.add_argument("--first-step", type=float, default=0.0)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--async", dest="mode", action="store_const", const="async", default="blocking")
     mode.add_argument("--p2p", dest="mode", action="store_const", const="p2p")
@@ -80,6 +83,8 @@ def main():
                 time.sleep(3600)
         if me and args.slow:
             time.sleep(args.slow)
+        if i == 0 and rank == args.fault_rank and args.first_step:
+            time.sleep(args.first_step)
         y = torch.tanh(x @ w) * 0.01
         exchange(y, rank, world, args.mode)
         time.sleep(args.sleep)

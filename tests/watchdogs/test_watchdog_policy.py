@@ -468,7 +468,7 @@ def test_no_learning_during_startup():
 
 
 def test_custom_adaptive_params_are_used():
-    params = AdaptiveParams(warmup_samples=10, window_samples=10, soft_floor=0.5, hard_floor=1.0)
+    params = AdaptiveParams(warmup_events=10, window_samples=10, soft_floor=0.5, hard_floor=1.0)
     d = Driver(WatchdogConfig(adaptive=params))
     g = SteadyGroup(nranks=1)
     for _ in range(20):

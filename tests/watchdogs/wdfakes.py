@@ -129,3 +129,57 @@ class SteadyGroup:
                     )
                 )
         return out
+
+
+class ZeroCodeLoop:
+    """A zero-code TP group: each rank enters one all_reduce per iteration and
+    reports only its collective counter and when its latest collective began
+    (``ts_coll_begin``, the rank's own clock), as the hook writes them.
+
+    ``run(driver, seconds, iteration_s)`` advances the loop on the driver's
+    clock, observing at every tick; ranks are between collectives (not busy)
+    at the tick instants unless ``waiting`` says otherwise.
+    """
+
+    def __init__(self, nranks: int = 2):
+        self.nranks = nranks
+        self.coll = [0] * nranks
+        self.ts = [0.0] * nranks
+
+    def enter(self, rank: int, at: float, count: int = 1) -> None:
+        self.coll[rank] += count
+        self.ts[rank] = at
+
+    def snapshot(self, waiting: dict[int, float] | None = None) -> list[hb.SlotSnapshot]:
+        """``waiting``: rank -> when it entered the collective it is blocked in."""
+        waiting = waiting or {}
+        return [
+            snap(
+                r,
+                coll=self.coll[r],
+                ts_coll=self.ts[r],
+                instrumented=False,
+                ready=False,
+                in_coll=r in waiting,
+                op="all_reduce" if r in waiting else "",
+            )
+            for r in range(self.nranks)
+        ]
+
+    def run(self, d: Driver, seconds: float, iteration_s: float) -> None:
+        """``seconds`` of the loop, one collective per rank every ``iteration_s``."""
+        for _ in range(round(seconds / TICK)):
+            end = d.now + TICK
+            n = max(1, round(TICK / iteration_s))
+            for r in range(self.nranks):
+                self.enter(r, end - 0.001 * (r + 1), n)
+            d.tick(self.snapshot())
+
+    def stop(self, d: Driver, stopped_rank: int, seconds: float) -> None:
+        """``stopped_rank`` never enters the next collective; its peers block inside it."""
+        since = d.now + 0.001
+        for r in range(self.nranks):
+            if r != stopped_rank:
+                self.enter(r, since)
+        for _ in range(round(seconds / TICK)):
+            d.tick(self.snapshot({r: since for r in range(self.nranks) if r != stopped_rank}))
