@@ -15,6 +15,8 @@ BENCHES = [
     ["bench.bench_dumps"],
     ["bench.bench_consensus"],
     ["bench.bench_detection"],
+    ["bench.bench_early_detection"],
+    ["bench.bench_hook_startup"],
     ["bench.bench_engine"],
 ]
 
