@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -36,12 +35,12 @@ import tempfile
 import textwrap
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 
 import psutil
 
 from bench._docs import replace_section
+from bench.bench_detection import parse_log
 from tp_supervise.watchdogs.adaptive import AdaptiveParams
 
 HEADING = "## Early hang detection (adaptive warm-up)"
@@ -53,7 +52,6 @@ RUN_LIMIT_S = 180.0
 POLL_S = 0.01
 KILL_GRACE_S = 2.0
 GOAL_S = 30.0
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @dataclass
@@ -69,10 +67,6 @@ class RunResult:
     basis_s: float | None
     events: int | None
     note: str = ""
-
-
-def _ts(text: str) -> float:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def _stopped_at(proc: subprocess.Popen, limit_s: float) -> float | None:
@@ -94,26 +88,6 @@ def _stopped_at(proc: subprocess.Popen, limit_s: float) -> float | None:
             return None
         time.sleep(POLL_S)
     return None
-
-
-def _events(log: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for raw in log.splitlines():
-        line = _ANSI.sub("", raw).strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        event, at = str(ev.get("event", "")), ev.get("timestamp")
-        if not at:
-            continue
-        if event.startswith("hang suspected:"):
-            out.setdefault("soft", _ts(at))
-        elif event.startswith("hang:"):
-            out.setdefault("hard", _ts(at))
-    return out
 
 
 def run_one(fault_at: int, work: Path) -> RunResult:
@@ -145,7 +119,7 @@ def run_one(fault_at: int, work: Path) -> RunResult:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    events = _events(log_path.read_text())
+    events = parse_log(log_path.read_text())  # the same log reading as bench_detection
     if exited is not None:
         events["exit"] = exited
 
