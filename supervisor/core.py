@@ -78,8 +78,6 @@ from .watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread
 
 log = structlog.get_logger("supervise")
 
-SIGQUIT_DUMP_WAIT_S = 15.0  # the on-demand capture's own deadlines are shorter
-
 
 class Supervisor:
     def __init__(self, spec: LaunchSpec, base_env: Mapping[str, str], run_id: str | None = None,
@@ -392,10 +390,11 @@ class Supervisor:
             log.warning("second stop signal: killing every rank now", signal=name)
 
     def _dump_before_stop(self) -> None:
-        """SIGQUIT: the bundle first (bounded), then the stop; a second stop signal cuts the wait."""
+        """SIGQUIT: the bundle first (at most --dump-timeout), then the stop; a second stop signal cuts the wait."""
         reply: queue.SimpleQueue = queue.SimpleQueue()
         self.desk.on_demand(reply, self.attempt.view)
-        deadline = time.monotonic() + SIGQUIT_DUMP_WAIT_S
+        wait_s = self.spec.dump_timeout
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not self.hurry.is_set():
             try:
                 answer = reply.get(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
@@ -403,7 +402,7 @@ class Supervisor:
                 continue
             log.info("dump before stop", **{k: v for k, v in answer.items() if k in ("ok", "bundle", "error")})
             return
-        log.warning("dump before stop did not finish in time; stopping anyway", waited_s=SIGQUIT_DUMP_WAIT_S)
+        log.warning("dump before stop did not finish in time; stopping anyway", waited_s=wait_s)
 
     # -- exits: arbitration decides what one means, this acts on the ruling
     def _on_exit(self, ev: ProcessExited) -> None:

@@ -7,7 +7,8 @@ SIGUSR2, SIGALRM, SIGVTALRM, SIGPROF,  the same graceful stop (their default wou
 SIGXCPU, SIGXFSZ, SIGPWR               supervisor without a teardown); the log names the signal
 a second stop signal, in any state     skip the rest of the grace: SIGKILL now
 SIGUSR1                                on-demand soft dump (like `supervise dump`); the run goes on
-SIGQUIT                                on-demand dump, then the graceful stop (exit 0)
+SIGQUIT                                on-demand dump (waited for at most --dump-timeout), then the
+                                       graceful stop (exit 0)
 SIGKILL, SIGSTOP                       cannot be caught: the ranks' parent-death signal takes
                                        them down; the next `supervise serve` sweeps the rest
 =====================================  ==============================================
