@@ -94,9 +94,8 @@ async def _read_json(request: web.Request, timeout_s: float):
     if codec not in UTF8_CODECS:
         raise ApiError(415, f"unsupported charset {charset[:40]!r}: send the JSON body as UTF-8")
     try:
-        async with asyncio.timeout(timeout_s):
-            raw = await request.read()
-    except TimeoutError:
+        raw = await asyncio.wait_for(request.read(), timeout_s)  # asyncio.timeout needs Python 3.11
+    except (TimeoutError, asyncio.TimeoutError):
         raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
     try:
         return json.loads(raw.decode("utf-8"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -193,6 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .core import Supervisor
 
     base_env = dict(os.environ)  # before anything of ours touches os.environ
+    base_env.pop("SUPERVISE_JOIN_TOKEN", None)  # a secret of the supervisors, not of the ranks
     _explain_launch(args, spec)
     link = None
     if spec.nnodes > 1:
@@ -201,6 +203,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except HandshakeError as exc:
             print(f"supervise: error: {exc}", file=sys.stderr)
             return exc.code
+        except KeyboardInterrupt:
+            print("supervise: stopped during the rendezvous of the nodes; nothing was started", file=sys.stderr)
+            return 0
     run_id = link[1].run_id if link else spec.run_id
     return Supervisor(spec, base_env, run_id=run_id, nodes=link).run()
 
@@ -217,14 +222,25 @@ def join_nodes(spec: LaunchSpec):
     log = structlog.get_logger("supervise")
     deadline = time.monotonic() + spec.rendezvous_timeout
     host, port = spec.master_addr, spec.resolved_store_port
+
+    def interrupt(_signum, _frame):  # a stop signal during the (long) rendezvous: nothing to tear down
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupt)
     log.info("joining the nodes", node_rank=spec.node_rank, nnodes=spec.nnodes, store=f"{host}:{port}",
              hosts_store=spec.node_rank == 0)
     store = nodes.connect(host, port, spec.node_rank == 0, deadline)
     command = list(spec.command) if not spec.builtin else ["(built-in engine)", *spec.engine.argv()]
     fp = nodes.fingerprint(command, spec.nproc_per_node, spec.fingerprint_env)
-    group = nodes.handshake(store, nnodes=spec.nnodes, node_rank=spec.node_rank,
-                            run_id=spec.run_id or new_run_id(), fp=fp, token=spec.join_token, deadline=deadline,
-                            store_addr=f"{host}:{port}")
+    try:
+        group = nodes.handshake(store, nnodes=spec.nnodes, node_rank=spec.node_rank,
+                                run_id=spec.run_id or new_run_id(), fp=fp, token=spec.join_token, deadline=deadline,
+                                store_addr=f"{host}:{port}")
+    except nodes.HandshakeError:
+        if spec.node_rank == 0:
+            time.sleep(nodes.REFUSAL_LINGER_S)  # the store dies with us: let every node read the refusal
+        raise
     log.info("every node joined", run_id=group.run_id, nnodes=group.nnodes, node_rank=group.node_rank,
              hosts=[group.hosts[n] for n in sorted(group.hosts)])
     return store, group

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import queue
-import secrets
 import shutil
 import signal
 import threading
@@ -61,6 +60,7 @@ from .outcome import (
     EarlyExitCheck,
     Outcome,
     SignalReceived,
+    new_incident_id,
     new_run_id,
     run_dir_for,
 )
@@ -177,7 +177,8 @@ class Supervisor:
             on_tick=self.services.on_tick,
         )
         if self.nodes is not None:
-            self.node_link = nodes_mod.NodeLink(self.nodes[0], self.nodes[1], self.post)
+            self.node_link = nodes_mod.NodeLink(self.nodes[0], self.nodes[1], self.post,
+                                                on_peers=self.services.metrics.set_nodes)
             self.sources.append(self.node_link)
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
@@ -334,14 +335,23 @@ class Supervisor:
             self._tell_the_nodes(outcome)
 
     # -- multi-node: this node's fate goes on the fault bus; the others' arrives as events
+    def _announce_fault(self, reason: str, rank: int | None, verdict: str) -> None:
+        """A fatal incident here: its id is minted now, and the other nodes hear of it before this node's
+        capture (which may take up to --dump-timeout), so they tear down at once instead of blaming ranks
+        of their own when the collectives break."""
+        self.incident_id = new_incident_id(self.run_id)
+        self.desk.next_incident_id = self.incident_id
+        if self.node_link is not None:
+            self.node_link.publish_fault(nodes_mod.Fault(node=self.spec.node_rank, rank=rank, reason=reason,
+                                                         incident_id=self.incident_id, verdict=verdict[:500]))
+
     def _tell_the_nodes(self, outcome: Outcome) -> None:
+        """The end of this node's attempt, for the others: done, or a stop they should follow."""
         if outcome.code == EXIT_OK and outcome.reason == "clean":
             self.node_link.finished()
-            return
-        self.incident_id = self.desk.last_incident_id or f"{self.run_id}-{secrets.token_hex(4)}"
-        fault = nodes_mod.Fault(node=self.spec.node_rank, rank=outcome.culprit, reason=outcome.reason,
-                                incident_id=self.incident_id, verdict=outcome.reason)
-        self.node_link.publish_fault(fault)  # an enqueue: the node-link thread talks to the store
+        elif outcome.reason == "shutdown":
+            self.node_link.publish_fault(nodes_mod.Fault(node=self.spec.node_rank, rank=None, reason="shutdown",
+                                                         incident_id="", verdict="stopped on a signal"))
 
     def _on_peer_failed(self, ev: "nodes_mod.PeerFailed") -> None:
         fault = ev.fault
@@ -361,7 +371,7 @@ class Supervisor:
     def _on_node_lost(self, ev: "nodes_mod.NodeLost") -> None:
         if self.attempt.outcome is not None:
             return
-        self.incident_id = self.incident_id or f"{self.run_id}-{secrets.token_hex(4)}"
+        self.incident_id = new_incident_id(self.run_id)
         verdict = f"node {ev.node} was lost: {ev.detail}; this node's ranks were torn down with the group"
         log.error("peer node lost: tearing this node down", node=ev.node, detail=ev.detail)
         self._peer_incident("node_lost", ev.node, None, verdict)
@@ -463,6 +473,7 @@ class Supervisor:
             **first_info.to_dict(),
         )
         self.transition(Event.RANK_EXIT)
+        self._announce_fault("rank_exit", None if first.rank < 0 else first.rank, f"{who} {first_info.description}")
         self.desk.rank_exit(RankView.of(first), first_info, self.attempt.view)
         self._finish(Outcome(EXIT_RANK, "rank_exit", culprit=first.rank))
 
@@ -500,11 +511,13 @@ class Supervisor:
             self.transition(Event.HARD_HANG)
             self.services.on_hang("hard")
             log.error("hang: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)
+            self._announce_fault("hang", None, "hang: " + ev.message)
             culprits = self.desk.hard_hang(ev, self.attempt.view)
             self._finish(Outcome(EXIT_HANG, "hang", culprit=culprits[0] if culprits else None))
         elif kind == "startup_timeout":
             self.transition(Event.STARTUP_TIMEOUT)
             log.error("startup timeout: " + ev.message, startup_timeout_s=self.spec.startup_timeout)
+            self._announce_fault("startup_timeout", None, "startup timeout: " + ev.message)
             self.desk.startup_timeout(ev, self.attempt.view)
             self._finish(Outcome(EXIT_STARTUP, "startup_timeout"))
 
@@ -517,6 +530,9 @@ class Supervisor:
         self.transition(Event.DIVERGENCE_ENFORCED if enforce else Event.DIVERGENCE_OBSERVED)
         self.services.on_divergence()
         log.error("divergence: " + ev.verdict.verdict, step=ev.verdict.step, culprit_ranks=ev.verdict.culprit_ranks)
+        if enforce:
+            culprits = ev.verdict.culprit_ranks
+            self._announce_fault("divergence", culprits[0] if culprits else None, ev.verdict.verdict)
         self.desk.divergence(ev, self.attempt.view, blocking=enforce)
         if enforce:
             culprit = ev.verdict.culprit_ranks[0] if ev.verdict.culprit_ranks else None
@@ -553,14 +569,16 @@ class Supervisor:
             self.run_key,
             policy,
             wait_ranks_reaped=lambda deadline: self.monitor.wait_all_exited(keys, deadline),
-            gpu_holders=self.services.gpu_check(),
+            gpu_holders=self.services.gpu_check() if self.services is not None else None,
             cgroup=self.cgroup,
         )
         self.last_teardown = result
         if self.hurry.is_set() and not immediate:
             log.warning("second stop signal: grace period cut short, remaining processes were killed")
-        self.services.on_teardown(result)
-        self.desk.settle()  # dumps still writing: each until its --dump-timeout deadline
+        if self.services is not None:
+            self.services.on_teardown(result)
+        if self.desk is not None:
+            self.desk.settle()  # dumps still writing: each until its --dump-timeout deadline
         fields = {
             "duration_s": round(result.duration_s, 3),
             "escalated": result.escalated,

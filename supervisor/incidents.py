@@ -36,7 +36,6 @@ mutates.
 from __future__ import annotations
 
 import queue
-import secrets
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -49,6 +48,7 @@ from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget
 from tp_supervise.dumps.incident import IncidentResult, capture_incident, write_captured, write_incident
 from .exits import ExitInfo
+from .outcome import new_incident_id
 from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class IncidentDesk:
         self.writer = BundleWriter(spec.dump_dir, keep=spec.dump_keep, max_bytes=spec.dump_max_bytes)
         self.soft = _SoftWorker()
         self.jobs: list[DumpJob] = []  # in flight; main thread only
-        self.last_incident_id: str | None = None  # of the latest fatal bundle (main thread only)
+        self.next_incident_id: str | None = None  # set by the main thread before a fatal dump it announced
         self.previous_cpu = None
 
     def close(self) -> None:
@@ -223,10 +223,12 @@ class IncidentDesk:
         return out
 
     def _with_incident_id(self, extra: dict) -> dict:
-        """Every bundle names its incident; a peer's bundle of another node's incident keeps that one's id."""
+        """Every bundle names its incident: a peer's bundle of another node's incident keeps that one's id; a
+        fatal one the main thread announced to the other nodes takes the id it announced (``next_incident_id``)."""
         if extra.get("incident_id"):
             return extra
-        return dict(extra, incident_id=f"{self.run_id}-{secrets.token_hex(4)}")
+        announced, self.next_incident_id = self.next_incident_id, None
+        return dict(extra, incident_id=announced or new_incident_id(self.run_id))
 
     def _base_summary(self, attempt: "AttemptView") -> dict:
         spec = self.spec
@@ -333,7 +335,6 @@ class IncidentDesk:
         """Start a fatal dump on its own thread; return once its capture ended, or
         after ``--dump-timeout`` (or a second stop signal) without it."""
         extra = self._with_incident_id(extra)
-        self.last_incident_id = extra["incident_id"]  # the fault bus carries it to the other nodes
         detected_at = time.monotonic() if detected_at is None else detected_at
         timeout = self.spec.dump_timeout
         job = DumpJob(reason, timeout)

@@ -161,6 +161,11 @@ class SupervisorMetrics:
         )
         # -- per rank ----------------------------------------------------------
         self.rank_up = Gauge(name("rank_up"), "1 while the rank's process is alive.", ["rank"], registry=reg)
+        self.nodes_up = Gauge(name("nodes_up"), "Nodes of the run whose supervisor is alive (this one included).",
+                              registry=reg)
+        self.peer_node_up = Gauge(name("peer_node_up"), "1 while the other node's supervisor heartbeats (multi-node).",
+                                  ["node_rank"], registry=reg)
+        self.nodes_up.set(1)
         self.rank_heartbeat_age = Gauge(
             name("rank_heartbeat_age_seconds"),
             "Seconds since the rank last wrote its heartbeat slot (grows while idle too).",
@@ -389,6 +394,12 @@ class SupervisorMetrics:
     def record_rank_exit(self, reason: str) -> None:
         """Count one rank exit (``supervisor.exits`` reasons, or ``TEARDOWN_EXIT``)."""
         self.rank_exits.labels(reason=self._bounded(reason, RANK_EXIT_REASONS, "rank exit reason")).inc()
+
+    def set_nodes(self, peers_up: "Mapping[int, bool]") -> None:
+        """Multi-node: which other nodes' supervisors are alive (from the node-link thread; gauges are thread safe)."""
+        for node, up in peers_up.items():
+            self.peer_node_up.labels(node_rank=str(node)).set(1 if up else 0)
+        self.nodes_up.set(1 + sum(1 for up in peers_up.values() if up))
 
     def record_restart(self) -> None:
         self.restarts.inc()

@@ -16,7 +16,6 @@ Key layout (version 1, every key under ``tpsv/v1/``)::
     beat/<R>            add-counter, +1 every BEAT_S: node R's supervisor is alive
     fault               the first fatal incident of any node (compare_set): JSON {node, rank,
                         reason, incident_id, verdict}; everyone else tears down, exit 84
-    incident/<id>/<R>   node R's summary of its own ranks for incident <id>
     done/<R>            node R finished cleanly (its store loss or silence is not a loss)
 
 Handshake (``handshake``), before any rank starts, bounded by
@@ -33,7 +32,9 @@ After it, ``NodeLink`` (a thread, one more event source of the main loop)
 heartbeats into the store, watches the other nodes' beats and the fault
 key, and posts ``PeerFailed`` / ``NodeLost``; the main thread's
 ``publish_fault`` only enqueues.  Every store call runs on that thread with
-the store's timeout: none sits on a path that can block a teardown.  The
+the store's timeout (node 0 alone, at its exit, after its teardown, gives the
+others a bounded moment to read the store): none sits on a path that can
+block a teardown.  The
 ``Store`` protocol is the small interface another store (etcd) would
 implement.
 """
@@ -62,6 +63,7 @@ STORE_TIMEOUT_S = 3.0  # every store call: a peer that stopped answering is lost
 BEAT_S = 0.25  # heartbeat and fault-bus poll period
 NODE_LOST_S = 4.0  # a node whose beat counter stood still this long is lost
 PROGRESS_EVERY_S = 3.0  # handshake progress lines
+REFUSAL_LINGER_S = 1.5  # node 0 keeps the store up this long after a refusal, so every node reads it
 STORE_LINGER_S = 5.0  # node 0 keeps the store up this long at its exit, until every node read the end
 POLL_S = 0.1
 TOKEN_MESSAGE = b"tp-supervise join token v1"
@@ -171,10 +173,26 @@ class NodeGroup:
     hosts: Mapping[int, str] = field(default_factory=dict)
 
 
-def handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None, fp: Mapping[str, str],
-              token: str | None, deadline: float, store_addr: str,
-              progress: Callable[[str, dict], None] | None = None) -> NodeGroup:
-    """Register, validate every node, pass the start barrier; raises HandshakeError (64 or 83)."""
+def handshake(store: Store, **kw) -> NodeGroup:
+    """Register, validate every node, pass the start barrier; raises HandshakeError (64 or 83) only.
+
+    A store that fails mid-way (node 0 gone, a network error) is a rendezvous failure (83), never a
+    traceback."""
+    from .outcome import EXIT_STARTUP
+
+    try:
+        return _handshake(store, **kw)
+    except HandshakeError:
+        raise
+    except Exception as exc:
+        raise HandshakeError(f"rendezvous failed: the store at {kw.get('store_addr')} stopped answering during the "
+                             f"handshake ({type(exc).__name__}: {str(exc)[:200]}); is node 0 still running?",
+                             EXIT_STARTUP) from None
+
+
+def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None, fp: Mapping[str, str],
+               token: str | None, deadline: float, store_addr: str,
+               progress: Callable[[str, dict], None] | None = None) -> NodeGroup:
     from .outcome import EXIT_STARTUP, EXIT_USAGE
 
     say = progress or (lambda event, fields: log.info(event, **fields))
@@ -298,16 +316,19 @@ class NodeLost:
 class NodeLink:
     """Thread ``node-link``: beats, watches the others and the fault bus, and publishes what the main thread hands it."""
 
-    def __init__(self, store: Store, group: NodeGroup, post: Callable[[object], None]):
+    def __init__(self, store: Store, group: NodeGroup, post: Callable[[object], None],
+                 on_peers: Callable[[Mapping[int, bool]], None] | None = None):
         self.store = store
         self.group = group
         self.post = post
+        self.on_peers = on_peers or (lambda _up: None)  # the metrics (supervise_peer_node_up)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-link", daemon=True)
         self._seen: dict[int, tuple[int, float]] = {}  # node -> (beat count, when it last changed)
         self._store_ok_at = time.monotonic()
         self._reported: set[int] = set()
+        self._done: set[int] = set()  # nodes that said they finished: their silence is no loss
         self._fault_posted = False
 
     # -- main thread --------------------------------------------------------------------------------
@@ -341,18 +362,9 @@ class NodeLink:
         """Hand a fatal incident of this node to the bus (never blocks)."""
         self._outbox.put(("fault", fault))
 
-    def publish_summary(self, incident_id: str, summary: dict) -> None:
-        self._outbox.put(("summary", (incident_id, summary)))
-
     def finished(self) -> None:
         """This node ends cleanly: its silence from now on is not a loss."""
         self._outbox.put(("done", None))
-
-    def flush(self, timeout_s: float) -> None:
-        """Give the outbox up to ``timeout_s`` to reach the store (before this node exits)."""
-        deadline = time.monotonic() + timeout_s
-        while not self._outbox.empty() and time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(0.02)
 
     # -- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -364,10 +376,13 @@ class NodeLink:
                 self._watch_fault()
                 self._watch_beats()
                 self._store_ok_at = time.monotonic()
+                self.on_peers({n: n not in self._reported and n not in self._done
+                               for n in range(self.group.nnodes) if n != me})
             except Exception as exc:  # the store is unreachable (node 0 gone) or timed out
                 silent = time.monotonic() - self._store_ok_at
-                if silent >= NODE_LOST_S and 0 not in self._reported and me != 0:
+                if silent >= NODE_LOST_S and 0 not in self._reported and 0 not in self._done and me != 0:
                     self._reported.add(0)
+                    self.on_peers({n: False for n in range(self.group.nnodes) if n != me})
                     self.post(NodeLost(0, f"the store on node 0 ({self.group.store_addr}) is gone: {exc!r}"[:300],
                                        time.monotonic()))
             self._stop.wait(BEAT_S)
@@ -380,10 +395,6 @@ class NodeLink:
                 return
             if kind == "fault":
                 self.store.first_writer("fault", item.encode())
-            elif kind == "summary":
-                incident_id, summary = item
-                self.store.set(f"incident/{incident_id}/{self.group.node_rank}",
-                               json.dumps(summary, default=str).encode())
             elif kind == "done":
                 self.store.set(f"done/{self.group.node_rank}", b"1")
 
@@ -404,34 +415,20 @@ class NodeLink:
         for node in range(self.group.nnodes):
             if node == self.group.node_rank or node in self._reported:
                 continue
+            if node not in self._done and self.store.get_nowait(f"done/{node}") is not None:
+                self._done.add(node)  # it finished (or saw the fault): its silence from now on is no loss
+            if node in self._done:
+                continue
             count = self.store.add(f"beat/{node}", 0)
             last = self._seen.get(node)
             if last is None or last[0] != count:
                 self._seen[node] = (count, now)
                 continue
-            if now - last[1] >= NODE_LOST_S and self.store.get_nowait(f"done/{node}") is None:
+            if now - last[1] >= NODE_LOST_S:
                 self._reported.add(node)
                 host = self.group.hosts.get(node, "?")
                 self.post(NodeLost(node, f"node {node} ({host}) stopped heartbeating {now - last[1]:.1f} s ago",
                                    now))
-
-    def summaries(self, incident_id: str, wait_s: float) -> dict[int, dict]:
-        """Other nodes' summaries of ``incident_id`` (called from a dump worker, bounded)."""
-        deadline = time.monotonic() + wait_s
-        out: dict[int, dict] = {}
-        while True:
-            for node in range(self.group.nnodes):
-                if node == self.group.node_rank or node in out:
-                    continue
-                try:
-                    raw = self.store.get_nowait(f"incident/{incident_id}/{node}")
-                except Exception:
-                    return out
-                if raw is not None:
-                    out[node] = json.loads(raw)
-            if len(out) >= self.group.nnodes - 1 or time.monotonic() >= deadline:
-                return out
-            time.sleep(POLL_S)
 
 
 def connect(host: str, port: int, is_master: bool, deadline: float,

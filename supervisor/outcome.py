@@ -61,6 +61,11 @@ def new_run_id() -> str:
     return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
 
 
+def new_incident_id(run_id: str) -> str:
+    """The id every node's bundle of one incident carries."""
+    return f"{run_id}-{secrets.token_hex(4)}"
+
+
 def run_dir_for(run_id: str) -> Path:
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     root = base or Path(os.environ.get("TMPDIR", "/tmp"))

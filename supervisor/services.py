@@ -52,6 +52,7 @@ class Services:
         self.spec = spec
         self.run_id = run_id
         self.run_key = run_key or run_id  # names this node's registry entry (several nodes may share a host)
+        self._textfile_writer: threading.Thread | None = None
         self.run_dir = run_dir
         self.post = post
         slot_ranks = [spec.rank_offset + i for i in range(spec.nproc_per_node)]
@@ -158,11 +159,17 @@ class Services:
             except OSError as exc:
                 log.warning("metrics textfile not written", path=str(path), error=repr(exc))
 
-        writer = threading.Thread(target=write, name="metrics-textfile", daemon=True)
-        writer.start()
-        writer.join(TEXTFILE_TIMEOUT_S)
-        if writer.is_alive():
-            log.warning("metrics textfile write still blocked; going on", path=str(path), timeout_s=TEXTFILE_TIMEOUT_S)
+        if self._textfile_writer is not None and self._textfile_writer.is_alive():
+            log.warning("metrics textfile: the previous write is still blocked; skipping this one", path=str(path))
+            return
+        # fire and forget (at most one writer): a fault transition never waits on the disk
+        self._textfile_writer = threading.Thread(target=write, name="metrics-textfile", daemon=True)
+        self._textfile_writer.start()
+
+    def flush_textfile(self) -> None:
+        """At exit: give the last write up to TEXTFILE_TIMEOUT_S to land."""
+        if self._textfile_writer is not None:
+            self._textfile_writer.join(TEXTFILE_TIMEOUT_S)
 
     def on_ready(self, ranks: int) -> None:
         spec = self.spec
@@ -214,6 +221,7 @@ class Services:
 
     def linger(self, seconds: float, interrupt) -> None:
         """Keep /metrics up after the incident so Prometheus scrapes its last counts."""
+        self.flush_textfile()
         if self.http is None or seconds <= 0:
             return
         log.info("metrics stay up before exit", seconds=seconds, url=self.metrics_url,

@@ -380,6 +380,9 @@ def preflight(spec: LaunchSpec) -> None:
     _check_gpus(spec)
     if spec.metrics_addr is not None and spec.metrics_addr[1] != 0:
         _check_port_free(spec.metrics_addr[0], spec.metrics_addr[1], "--metrics-addr")
+    if spec.nnodes == 1 and not _is_local(spec.master_addr):
+        raise UsageError(f"--master-addr {spec.master_addr} is not an address of this host: with one node the ranks "
+                         "meet here; leave it out, or give this host's address")
     if spec.node_rank == 0 and spec.master_port is not None and _is_local(spec.master_addr):
         _check_port_free(spec.master_addr, spec.master_port, "--master-port")
         if spec.nnodes > 1:
