@@ -79,20 +79,16 @@ def _wrap_collective(name: str, fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        ln = _thread.lane
-        if ln is None or ln.writer is not _rt.writer:
+        ln = _thread.lane  # always the current writer's (runtime drops it in a forked child)
+        if ln is None:
             ln = runtime.lane()
             if ln is None:
                 return _call_counted(name, cache, fn, args, kwargs)
         if ln.depth:  # inside another collective call of this thread: part of it
             return fn(*args, **kwargs)
-        ln.call(name, args, kwargs, _monotonic())
         if not _monitor.awake:
             _monitor.wake()
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            ln.leave()
+        result = ln.call(name, fn, args, kwargs, _monotonic())
         if result is not None:  # work to wait for later: in flight until then (works)
             works.issued(result, name, args, kwargs, cache)
         return result
@@ -116,7 +112,7 @@ class _Coalescing:
 
     def __exit__(self, *exc):
         ln = _thread.lane
-        if ln is None or ln.writer is not _rt.writer:
+        if ln is None:
             ln = runtime.lane()
             if ln is None:
                 return _call_counted(COALESCING_MANAGER, {}, self._exit, exc, {})

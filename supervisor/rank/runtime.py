@@ -182,11 +182,17 @@ state = _rt
 
 def _after_fork_in_child() -> None:
     """A forked child must not write its parent's slot (one writer per slot);
-    it claims its own if it joins a group (zero-code hook) or calls the API."""
+    it claims its own if it joins a group (zero-code hook) or calls the API.
+
+    The forking thread is the child's only thread: dropping its lane here
+    keeps the invariant the hot paths rely on (a thread's lane belongs to
+    the current writer) without checking it on every call.
+    """
     _rt.writer = None
     _rt.pid = os.getpid()
     _rt.death_watch_started = False
     _rt.forked = True  # SUPERVISE_SLOT names the parent's slot, not ours
+    thread_state.lane = thread_state.asked = thread_state.guard = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

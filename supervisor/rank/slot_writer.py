@@ -24,6 +24,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from typing import Callable
 
 from .heartbeat import (
@@ -320,6 +321,9 @@ class SlotWriter:
         if lane is None or lane.writer is not self:
             return False
         value, desc, args, kwargs = lane.value, lane.desc, lane.args, lane.kwargs
+        if type(args) is weakref.ref:  # a wait's tensor, by weak reference
+            tensor = args()
+            args = (tensor,) if tensor is not None else None
         if not value & 1 or value == self.described or (desc is None and args is None):
             return False
         if desc is None:
@@ -359,9 +363,9 @@ class SlotWriter:
 class Lane:
     """One thread's way into collectives: its own u64 in the slot, written by that thread only.
 
-    ``call`` (a collective call, counted; described late, if it lasts),
-    ``enter`` (the same, described by the caller) or ``wait`` (blocking on
-    work issued earlier, not counted again), then ``leave``.  The value is
+    ``call`` runs a collective call inside (counted; described late, if it
+    lasts); ``enter`` (a collective described by the caller) or ``wait``
+    (blocking on work issued earlier, not counted again), then ``leave``.  The value is
     ``(collectives entered << 1) | inside``.  ``depth`` is for callers: calls
     made inside a collective call (``send`` runs ``isend``) are part of it and
     must not enter again.  The slot's text is rewritten (under the writer's
@@ -377,15 +381,18 @@ class Lane:
         self.depth = 0
         self.op = ""
         self.desc: str | None = ""  # None: a call, described late from args/kwargs
-        self.args: tuple | None = None  # a call's arguments, held only until leave()
+        self.args: tuple | weakref.ref | None = None  # a call's arguments (a wait's tensor), only until leave()
         self.kwargs: dict | None = None
         self.ts = 0.0
         self._u64 = writer._u64
         self._f64 = writer._f64
         self._at = _Q_LANE0 + index
 
-    def call(self, op: str, args: tuple, kwargs: dict, now: float) -> None:
-        """A collective call with these arguments."""
+    def call(self, op: str, fn: Callable, args: tuple, kwargs: dict, now: float):
+        """Run the collective call ``fn(*args, **kwargs)`` inside; returns what it returns.
+
+        The arguments are kept (for a late description) only while it runs.
+        """
         self.depth = 1
         self.op = op
         self.desc = None
@@ -400,8 +407,18 @@ class Lane:
             f64 = self._f64
             f64[_D_TS_COLL_BEGIN] = now
             f64[_D_TS_HEARTBEAT] = now
+        u64, at = self._u64, self._at
         self.value = value = self.value + 3  # one more collective, and inside
-        self._u64[self._at] = value
+        u64[at] = value
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.value = value = value - 1  # outside again
+            u64[at] = value
+            self.depth = 0
+            self.args = self.kwargs = None
+            if w.text_lane is self and len(w.lanes) > 1:
+                w.lane_left(self, now)
 
     def enter(self, op: str, desc: str, now: float) -> None:
         """A collective described by the caller (the runtime API)."""
@@ -420,17 +437,17 @@ class Lane:
         self.value = value = self.value + 3
         self._u64[self._at] = value
 
-    def wait(self, op: str, desc: str | None, args: tuple | None, now: float) -> None:
+    def wait(self, op: str, desc: str | None, arg: weakref.ref | None, now: float) -> None:
         """Blocking on work issued earlier by ``op``: inside, not counted again.
 
         Its issuing call left the op in the slot with an empty description:
-        the description (``desc``, or formatted from ``args``) is written late,
-        as a call's, if the wait lasts.
+        the description (``desc``, or formatted from the tensor ``arg``
+        refers to) is written late, as a call's, if the wait lasts.
         """
         self.depth = 1
         self.op = op
         self.desc = desc
-        self.args = args
+        self.args = arg
         self.kwargs = None
         self.ts = now
         w = self.writer

@@ -67,7 +67,8 @@ _monotonic = time.monotonic
 _rt = runtime.state
 _thread = runtime.thread_state
 # id(work) -> (weak reference to it, op of the call that issued it, its
-# description or None, weak reference to its tensor argument or None):
+# description or None, weak reference to its tensor argument or None: the
+# description is written late from it):
 # issued, not yet waited on, completed or collected.  Plain dict operations
 # only (each one atomic).
 _pending: dict[int, tuple] = {}
@@ -98,33 +99,37 @@ def _is_done(work) -> bool:
         return True
 
 
-def _wait_without_lane(orig, self, entry, args, kwargs):
-    """A wait on a thread whose lane is not open yet, or that has none (all taken), or inside a call."""
+_NO_TIMEOUT = object()  # wait() called without a timeout (torch's default applies)
+
+
+def _call(orig, self, timeout):
+    return orig(self) if timeout is _NO_TIMEOUT else orig(self, timeout)
+
+
+def _wait_without_lane(orig, self, entry, timeout):
+    """A wait on a thread whose lane is not open yet, or that has none (all taken)."""
     ln = runtime.lane()
     if ln is not None:
-        if ln.depth:  # a wait inside a collective call of this thread (``send`` waits its ``isend``)
-            return orig(self, *args, **kwargs)
-        return _wait_in_lane(ln, orig, self, entry, args, kwargs)
+        return _wait_in_lane(ln, orig, self, entry, timeout)
     w = _rt.writer
     if w is None or _thread.depth:
-        return orig(self, *args, **kwargs)
+        return _call(orig, self, timeout)
     _thread.depth += 1
     w.collective_hold(1, _monotonic())
     try:
-        return orig(self, *args, **kwargs)
+        return _call(orig, self, timeout)
     finally:
         _thread.depth -= 1
         w.collective_end(_monotonic())
 
 
-def _wait_in_lane(ln, orig, self, entry, args, kwargs):
+def _wait_in_lane(ln, orig, self, entry, timeout):
     if entry is None:
         ln.wait(WAIT_OP, "", None, _monotonic())
     else:
-        first = entry[3]
-        ln.wait(entry[1], entry[2], (first(),) if first is not None else None, _monotonic())
+        ln.wait(entry[1], entry[2], entry[3], _monotonic())
     try:
-        return orig(self, *args, **kwargs)
+        return orig(self) if timeout is _NO_TIMEOUT else orig(self, timeout)
     finally:
         ln.leave()
 
@@ -133,20 +138,21 @@ def _wait_in_lane(ln, orig, self, entry, args, kwargs):
 
 
 def _waiter(orig):
-    def wait(self, *args, **kwargs):
-        entry = _pending.pop(id(self), None)
+    def wait(self, timeout=_NO_TIMEOUT):
+        ln = _thread.lane
+        if ln is not None and ln.depth:  # torch's own wait inside a collective call (every blocking one)
+            return orig(self) if timeout is _NO_TIMEOUT else orig(self, timeout)
+        entry = _pending.pop(id(self), None) if _pending else None
         if entry is not None and entry[0]() is not self:
             entry = None  # a dead work's entry under a reused id
-        ln = _thread.lane
-        if ln is None or ln.writer is not _rt.writer or ln.depth:
-            return _wait_without_lane(orig, self, entry, args, kwargs)
+        if ln is None:
+            return _wait_without_lane(orig, self, entry, timeout)
         if entry is None:
             ln.wait(WAIT_OP, "", None, _monotonic())
         else:
-            first = entry[3]
-            ln.wait(entry[1], entry[2], (first(),) if first is not None else None, _monotonic())
+            ln.wait(entry[1], entry[2], entry[3], _monotonic())
         try:
-            return orig(self, *args, **kwargs)
+            return orig(self) if timeout is _NO_TIMEOUT else orig(self, timeout)
         finally:
             ln.leave()
 
@@ -178,13 +184,13 @@ def _future_linker(orig):
 
 
 def _future_waiter(orig):
-    def wait(self, *args, **kwargs):
+    def wait(self):
         link = _futures.pop(id(self), None) if _futures else None
         if link is None or link[0]() is not self:
-            return orig(self, *args, **kwargs)
+            return orig(self)
         entry = link[1]
         try:
-            return _wait_without_lane(orig, self, entry, args, kwargs)
+            return _wait_without_lane(orig, self, entry, _NO_TIMEOUT)
         finally:
             work = entry[0]()
             if work is not None:
@@ -244,18 +250,16 @@ def install(c10d, torch_c) -> None:
 # -- issue --------------------------------------------------------------------
 
 
-def _track(work, entry_tail: tuple) -> None:
+def _track(work, op: str, desc: str | None, arg) -> None:
     cls = type(work)
     if cls is _types.illegal:
         return
     if cls not in _types.patched:
         _patch_type(cls)
     try:
-        _pending[id(work)] = (weakref.ref(work), *entry_tail)
+        _pending[id(work)] = (weakref.ref(work), op, desc, arg)
     except TypeError:  # no weak references: not tracked (the hook shows only its waits)
-        return
-    if not monitor.awake:
-        monitor.wake()
+        pass
 
 
 def issued(result, op: str, args: tuple, kwargs: dict, cache: dict) -> None:
@@ -268,27 +272,24 @@ def issued(result, op: str, args: tuple, kwargs: dict, cache: dict) -> None:
     call's, if a wait on the work lasts); other arguments are described now.
     """
     work = _types.work
-    if work is None:
-        return
-    if isinstance(result, work):
-        works = (result,)
-    elif type(result) is list:
-        works = [w for w in result if isinstance(w, work)]
-        if not works:
-            return
-    else:
+    if work is None or not (isinstance(result, work) or type(result) is list):
         return
     first = args[0] if args else None
-    tail = None
+    arg = desc = None
     if type(first) is _types.tensor:
-        try:
-            tail = (op, None, weakref.ref(first))
-        except TypeError:
-            pass
-    if tail is None:
-        tail = (op, cached_describe(cache, args, kwargs), None)
-    for w in works:
-        _track(w, tail)
+        arg = weakref.ref(first)
+    else:
+        desc = cached_describe(cache, args, kwargs)
+    if type(result) is work:  # what gloo and NCCL return: the common case, made short
+        _pending[id(result)] = (weakref.ref(result), op, desc, arg)
+    elif type(result) is list:
+        for w in result:
+            if isinstance(w, work):
+                _track(w, op, desc, arg)
+    else:
+        _track(result, op, desc, arg)
+    if not monitor.awake:
+        monitor.wake()
 
 
 def in_flight() -> int:

@@ -95,7 +95,7 @@ def test_lanes_and_holders_together(tmp_path):
     seg = hb.HeartbeatSegment(tmp_path / "hb", 1, "run-x", time.monotonic())
     w = claimed_writer(seg)
     blocked = w.lane()
-    blocked.call("all_reduce", ("tensor",), {}, time.monotonic())  # blocked for the whole test
+    blocked.enter("all_reduce", "", time.monotonic())  # blocked for the whole test
     lanes = [w.lane() for _ in range(hb.LANES - 1)]
     assert all(lanes) and w.lane() is None, "expected exactly LANES lanes"
 
@@ -104,9 +104,9 @@ def test_lanes_and_holders_together(tmp_path):
             for i in range(ITERATIONS):
                 if i % 2:
                     ln.enter("barrier", "", time.monotonic())
+                    ln.leave()
                 else:
-                    ln.call("broadcast", (i,), {}, time.monotonic())
-                ln.leave()
+                    ln.call("broadcast", lambda n: None, (i,), {}, time.monotonic())
         return run
 
     def through_holders():
@@ -132,15 +132,13 @@ def test_a_lane_freed_by_its_thread_keeps_counting(tmp_path):
     w = claimed_writer(seg)
     ln = w.lane()
     for _ in range(3):
-        ln.call("all_reduce", (), {}, time.monotonic())
-        ln.leave()
-    ln.call("all_reduce", (), {}, time.monotonic())  # its thread ends inside (cannot happen in Python; be safe)
+        ln.call("all_reduce", lambda: None, (), {}, time.monotonic())
+    ln.enter("all_reduce", "", time.monotonic())  # its thread ends inside (cannot happen in Python; be safe)
     w.release_lane(ln)
     s = seg.read(0)
     assert s.coll_seq == 4 and not s.in_collective
     again = w.lane()
-    again.call("all_reduce", (), {}, time.monotonic())
-    again.leave()
+    again.call("all_reduce", lambda: None, (), {}, time.monotonic())
     assert seg.read(0).coll_seq == 5
     seg.close()
 
@@ -149,14 +147,17 @@ def test_late_description_of_a_long_call(tmp_path):
     seg = hb.HeartbeatSegment(tmp_path / "hb", 1, "run-x", time.monotonic())
     w = claimed_writer(seg)
     ln = w.lane()
-    ln.call("all_reduce", ("x",), {}, time.monotonic())
-    assert (seg.read(0).coll_op, seg.read(0).coll_desc) == ("all_reduce", "")
-    assert w.describe_late(lambda args, kwargs: f"{len(args)} arg")
-    assert seg.read(0).coll_desc == "1 arg"
-    ln.leave()
-    ln.call("all_reduce", ("x",), {}, time.monotonic())
-    assert seg.read(0).coll_desc == "", "a description never outlives its call"
-    ln.leave()
+
+    def long_call(tensor):
+        assert (seg.read(0).coll_op, seg.read(0).coll_desc) == ("all_reduce", "")
+        assert w.describe_late(lambda args, kwargs: f"{len(args)} arg {args[0]}")
+        assert seg.read(0).coll_desc == "1 arg x"
+
+    def next_call(tensor):
+        assert seg.read(0).coll_desc == "", "a description never outlives its call"
+
+    ln.call("all_reduce", long_call, ("x",), {}, time.monotonic())
+    ln.call("all_reduce", next_call, ("y",), {}, time.monotonic())
     assert not w.describe_late(lambda args, kwargs: "late"), "nothing runs: nothing to describe"
     seg.close()
 
