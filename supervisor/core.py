@@ -57,6 +57,7 @@ from .outcome import (
     EXIT_TEARDOWN,
     LAUNCHER_KEY,
     ControlRequest,
+    LoopTick,
     EarlyExitCheck,
     Outcome,
     SignalReceived,
@@ -122,6 +123,7 @@ class Supervisor:
             ConsensusAgreed: self._on_agreed,
             ControlRequest: self._on_control,
             SignalReceived: self._on_signal_event,
+            LoopTick: lambda _ev: self.services.liveness.beat(),
             nodes_mod.PeerFailed: self._on_peer_failed,
             nodes_mod.NodeLost: self._on_node_lost,
         }
@@ -277,6 +279,7 @@ class Supervisor:
                 ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
+            self.services.liveness.beat()  # restarting on purpose is alive
             if isinstance(ev, SignalReceived) and ev.signum != signals.DUMP_SIGNAL:
                 self.stopping = ev
                 return

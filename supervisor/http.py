@@ -5,6 +5,7 @@ Routes::
     GET /metrics   Prometheus exposition of SupervisorMetrics' private registry
     GET /healthz   200 while healthy (engine ready or only suspect, no confirmed fault), else 503
     GET /readyz    200 only while ready (not starting, nothing suspected, no fault), else 503
+    GET /livez     200 while the supervisor's own loop goes round; 503 only when it is wedged
     anything else  404 (405 for methods other than GET/HEAD)
 
 The health bodies are JSON: ``{"state", "healthy", "ready", "detail"}``.
@@ -27,6 +28,7 @@ import socket
 import socketserver
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from http import HTTPStatus
@@ -182,13 +184,20 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.INTERNAL_SERVER_ERROR, b"exposition failed\n", TEXT_TYPE, send_body)
                 return
             self._send(HTTPStatus.OK, body, content_type, send_body)
+        elif path == "/livez":
+            age = app.liveness.age()
+            alive = age < app.liveness.stale_after_s
+            body = json.dumps({"alive": alive, "loop_age_s": round(age, 3),
+                               "stale_after_s": app.liveness.stale_after_s}).encode() + b"\n"
+            self._send(HTTPStatus.OK if alive else HTTPStatus.SERVICE_UNAVAILABLE, body, JSON_TYPE, send_body)
         elif path in ("/healthz", "/readyz"):
             status = app.current_health()
             ok = status.healthy if path == "/healthz" else status.ready
             body = json.dumps(asdict(status), sort_keys=True).encode() + b"\n"
             self._send(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, body, JSON_TYPE, send_body)
         else:
-            self._send(HTTPStatus.NOT_FOUND, b"not found: try /metrics, /healthz or /readyz\n", TEXT_TYPE, send_body)
+            self._send(HTTPStatus.NOT_FOUND, b"not found: try /metrics, /healthz, /readyz or /livez\n", TEXT_TYPE,
+                       send_body)
 
     def _send(self, code: HTTPStatus, body: bytes, content_type: str, send_body: bool) -> None:
         self.send_response(code)
@@ -201,6 +210,25 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (base class signature)
         log.debug("http_request", client=self.client_address[0], line=format % args)
+
+
+class Liveness:
+    """When the supervisor's main loop last went round (``beat`` on the main thread; ``age`` from any thread).
+
+    /livez turns 503 only when the loop has not gone round for ``stale_after_s``: longer than the longest
+    thing the loop legitimately does without reading events (a teardown, a fatal dump's capture), so a
+    supervisor that is tearing down or restarting on purpose stays alive for Kubernetes.
+    """
+
+    def __init__(self, stale_after_s: float):
+        self.stale_after_s = stale_after_s
+        self._last = time.monotonic()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()  # one float assignment: atomic in CPython
+
+    def age(self) -> float:
+        return time.monotonic() - self._last
 
 
 class HealthServer:
@@ -216,9 +244,11 @@ class HealthServer:
         health: Callable[[], HealthStatus],
         host: str,
         port: int,
+        liveness: "Liveness | None" = None,
     ):
         self.metrics = metrics
         self.health = health
+        self.liveness = liveness or Liveness(stale_after_s=float("inf"))
         self.host = host
         self.requested_port = port
         self._server: _Server | None = None

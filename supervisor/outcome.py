@@ -28,6 +28,11 @@ TEARDOWN_EXIT = "teardown"  # metrics reason of exits caused by our own teardown
 
 
 @dataclass(frozen=True)
+class LoopTick:
+    """Posted every second: the main loop taking it proves it goes round (/livez)."""
+
+
+@dataclass(frozen=True)
 class SignalReceived:
     signum: int
 

@@ -25,9 +25,9 @@ import structlog
 
 from . import state as engine_state
 from .rank.heartbeat import SlotSnapshot
-from .http import HealthCell, HealthServer, HealthStatus
+from .http import HealthCell, HealthServer, HealthStatus, Liveness
 from .metrics import SupervisorMetrics
-from .outcome import ControlRequest
+from .outcome import ControlRequest, LoopTick
 from tp_supervise.watchdogs.gpu import GpuSampler, holding_memory
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ GPU_QUERY_TIMEOUT_S = 1.0
 # How long stop() waits for the sampler thread (it may be stuck in a driver call: then it is left behind).
 GPU_STOP_JOIN_S = 1.0
 CONTROL_DUMP_TIMEOUT_S = 60.0
+LOOP_TICK_S = 1.0
+LIVEZ_MARGIN_S = 30.0
 TEXTFILE_TIMEOUT_S = 2.0  # a --metrics-textfile write never holds the main thread longer
 
 
@@ -53,6 +55,10 @@ class Services:
         self.run_id = run_id
         self.run_key = run_key or run_id  # names this node's registry entry (several nodes may share a host)
         self._textfile_writer: threading.Thread | None = None
+        # /livez: stale only past the longest legitimate pause of the loop (a teardown plus a fatal capture)
+        self.liveness = Liveness(stale_after_s=spec.kill_grace + spec.dump_timeout + LIVEZ_MARGIN_S)
+        self._ticking = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="loop-ticker", daemon=True)
         self.run_dir = run_dir
         self.post = post
         slot_ranks = [spec.rank_offset + i for i in range(spec.nproc_per_node)]
@@ -60,7 +66,8 @@ class Services:
         self.health = HealthCell(HealthStatus.for_state(engine_state.EngineState.STARTING, "starting"))
         self.http: HealthServer | None = None
         if spec.metrics_addr is not None:
-            self.http = HealthServer(self.metrics, self.health, spec.metrics_addr[0], spec.metrics_addr[1])
+            self.http = HealthServer(self.metrics, self.health, spec.metrics_addr[0], spec.metrics_addr[1],
+                                     liveness=self.liveness)
         self.gpu = GpuSampler(GPU_SAMPLE_INTERVAL_S)
         self._gpu_seen = 0  # seq of the last reading put into the metrics
         self._gpu_unverified_logged = False
@@ -81,9 +88,10 @@ class Services:
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self.gpu.start()
+        self._ticker.start()
         if self.http is not None:
             self.http.start()
-            log.info("metrics and health", url=self.http.url, endpoints="/metrics /healthz /readyz")
+            log.info("metrics and health", url=self.http.url, endpoints="/metrics /healthz /readyz /livez")
         from .control import ControlServer, sweep_stale
 
         sweep_stale()
@@ -100,7 +108,13 @@ class Services:
         if self.consensus_thread is not None:
             self.consensus_thread.start()
 
+    def _tick(self) -> None:
+        """Thread ``loop-ticker``: a LoopTick every second; the main loop beats /livez when it takes one."""
+        while not self._ticking.wait(LOOP_TICK_S):
+            self.post(LoopTick())
+
     def stop(self) -> None:
+        self._ticking.set()
         if self.consensus_thread is not None:
             self.consensus_thread.stop()
         if self.control is not None:

@@ -115,6 +115,28 @@ def test_a_failing_health_callback_reads_as_unhealthy(http):
 # -- metrics endpoint ---------------------------------------------------------------------
 
 
+def test_livez_reports_the_loop_age_and_turns_503_only_when_the_loop_is_wedged(http):
+    from tp_supervise.supervisor.http import Liveness
+
+    liveness = Liveness(stale_after_s=1.0)
+    cell = HealthCell(HealthStatus.for_state(EngineState.TEARING_DOWN, "tearing down"))
+    server = HealthServer(SupervisorMetrics("run-live", slot_ranks=[0]), cell, "127.0.0.1", 0, liveness=liveness)
+    server.start()
+    try:
+        liveness.beat()
+        reply = http(server.url + "/livez")
+        assert reply.status == 200 and json.loads(reply.body)["alive"] is True  # tearing down is alive
+        assert http(server.url + "/healthz").status == 503
+        time.sleep(1.3)  # the loop stopped going round
+        reply = http(server.url + "/livez")
+        body = json.loads(reply.body)
+        assert reply.status == 503 and body["alive"] is False and body["loop_age_s"] >= 1.0
+        liveness.beat()
+        assert http(server.url + "/livez").status == 200
+    finally:
+        server.stop()
+
+
 def test_metrics_endpoint_serves_the_private_registry(served, http):
     server, metrics, _cell = served
     metrics.set_engine_state(EngineState.READY)
