@@ -110,6 +110,8 @@ def _wait_without_lane(orig, self, entry, timeout):
     """A wait on a thread whose lane is not open yet, or that has none (all taken)."""
     ln = runtime.lane()
     if ln is not None:
+        if ln.depth:  # inside a collective call of this thread: part of it
+            return _call(orig, self, timeout)
         return _wait_in_lane(ln, orig, self, entry, timeout)
     w = _rt.writer
     if w is None or _thread.depth:
