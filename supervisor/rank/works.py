@@ -140,6 +140,7 @@ def _wait_in_lane(ln, orig, self, entry, timeout):
 
 
 def _waiter(orig):
+    # The lane case of _wait_in_lane inlined: every blocking collective runs this wait.
     def wait(self, timeout=_NO_TIMEOUT):
         ln = _thread.lane
         if ln is not None and ln.depth:  # torch's own wait inside a collective call (every blocking one)
@@ -292,11 +293,6 @@ def issued(result, op: str, args: tuple, kwargs: dict, cache: dict) -> None:
         _track(result, op, desc, arg)
     if not monitor.awake:
         monitor.wake()
-
-
-def in_flight() -> int:
-    """Works tracked now (issued and not yet waited on, completed or collected, as far as we know)."""
-    return len(_pending)
 
 
 # -- the monitor thread ---------------------------------------------------------
