@@ -54,6 +54,7 @@ ENV_DEATH_FD = "SUPERVISE_DEATH_FD"
 ENV_SUPERVISOR_PID = "SUPERVISE_SUPERVISOR_PID"
 ENV_STACK_SIGNAL = "SUPERVISE_STACK_SIGNAL"
 ENV_RUN_DIR = "SUPERVISE_RUN_DIR"
+ENV_SLOT_OWNER = "SUPERVISE_SLOT_OWNER"  # set by the rank that claimed its slot, inherited by its children
 # Exit code of a rank that leaves because its supervisor is gone (EX_SOFTWARE).
 EXIT_SUPERVISOR_GONE = 70
 
@@ -78,6 +79,10 @@ class _Runtime:
         path = os.environ.get(ENV_HEARTBEAT)
         if not path:
             return False
+        if _held_by_a_live_ancestor():
+            # A Python process the rank started (a compile worker, a helper script) inherits the rank's
+            # environment and the hook; the slot stays the rank's.
+            return False
         with self.lock:
             if self.writer is not None and self.pid == os.getpid():
                 if instrumented and not self.writer.flags & hb.INSTRUMENTED:
@@ -93,6 +98,7 @@ class _Runtime:
             flags = hb.INSTRUMENTED if instrumented else 0
             writer.claim(self.pid, rank, stack_signal, flags, time.monotonic())
             self.writer = writer
+            os.environ[ENV_SLOT_OWNER] = str(self.pid)  # what this rank's own children inherit
         self.start_death_watch()
         return True
 
@@ -106,6 +112,11 @@ class _Runtime:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             self.stack_file = open(path, "w", buffering=1)
             faulthandler.register(signum, file=self.stack_file, all_threads=True, chain=False)
+            if not faulthandler.is_enabled():
+                # Stacks at death too (SIGSEGV, SIGABRT from a C++ abort such as gloo's std::terminate):
+                # a rank that dies before any dump can read it leaves its last stacks here.  A program that
+                # enabled faulthandler itself keeps its own choice.
+                faulthandler.enable(file=self.stack_file, all_threads=True)
         except (OSError, ValueError, RuntimeError):
             return 0
         return signum
@@ -121,14 +132,30 @@ class _Runtime:
         if sup and sup.isdigit() and hasattr(os, "pidfd_open"):
             try:
                 fds.append(os.pidfd_open(int(sup)))
-            except OSError:
+            except ProcessLookupError:
                 # The supervisor is already gone: nothing to watch, leave now.
                 _supervisor_gone()
+            except OSError:
+                pass  # no pidfds here (old kernel, seccomp, another pid namespace): the death pipe still works
         if not fds:
             return
         self.death_watch_started = True
         t = threading.Thread(target=_watch_death, args=(fds,), name="supervise-death-watch", daemon=True)
         t.start()
+
+
+def _held_by_a_live_ancestor() -> bool:
+    """The slot was claimed by a process that is still alive and is not this one: our parent rank."""
+    owner = os.environ.get(ENV_SLOT_OWNER, "")
+    if not owner.isdigit() or int(owner) == os.getpid():
+        return False
+    try:
+        os.kill(int(owner), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _death_pipe_fd(value: str) -> int | None:

@@ -253,12 +253,15 @@ class SlotWriter:
                 self._write_flags(self.flags | IN_COLLECTIVE, now)
 
     def collective_end(self, now: float, n: int = 1) -> None:
-        """``n`` holders leave; the flag clears when none is left."""
+        """``n`` holders leave; the flag clears when none is left, and the text then describes a lane
+        still inside (a thread blocked in its own collective), not the collective that just ended."""
         with self._lock:
             held = self.holders - n
             self.holders = held if held > 0 else 0
             if held <= 0:
                 self._write_flags(self.flags & ~IN_COLLECTIVE, now)
+        if held <= 0:
+            self.lane_left(None, now)
 
     # -- collectives: lanes ---------------------------------------------------
     def lane(self) -> Lane | None:
@@ -300,8 +303,8 @@ class SlotWriter:
             finally:
                 self._close(seq)
 
-    def lane_left(self, lane: Lane, now: float) -> None:
-        """``lane`` left and the text describes it: describe another lane still inside, if any."""
+    def lane_left(self, lane: Lane | None, now: float) -> None:
+        """``lane`` (or the last holder) left and the text describes it: describe another lane still inside, if any."""
         for other in list(self.lanes):
             if other is not lane and other.value & 1:
                 self.show(other, now)

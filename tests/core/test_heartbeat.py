@@ -75,3 +75,24 @@ def test_runtime_in_another_process(tmp_path):
     s = seg.read(1)
     assert s.claimed and s.ready and s.instrumented
     assert (s.step, s.coll_seq, s.phase, s.rank) == (5, 5, "idle", 1)
+
+
+def test_a_python_child_of_the_rank_does_not_take_its_slot(tmp_path):
+    """A rank's subprocess (a compile worker, a helper script) inherits the rank's environment and the hook."""
+    seg = hb.HeartbeatSegment(tmp_path / "hb", 1, "run-x", time.monotonic())
+    child = "from tp_supervise.supervisor.rank import runtime as sv; sv.starting(); print(sv.claim(0))"
+    code = textwrap.dedent(
+        f"""
+        import os, subprocess, sys
+        from tp_supervise.supervisor.rank import runtime as sv
+        sv.starting(); sv.ready()
+        out = subprocess.run([sys.executable, "-c", {child!r}], capture_output=True, text=True, check=True)
+        print(os.getpid(), out.stdout.strip())
+        """
+    )
+    env = {"SUPERVISE_HEARTBEAT": str(seg.path), "SUPERVISE_SLOT": "0", "RANK": "0", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    rank_pid, child_claimed = done.stdout.split()
+    s = seg.read(0)
+    assert child_claimed == "False"
+    assert s.pid == int(rank_pid) and s.ready, "the rank's slot was taken over by its child"
