@@ -74,8 +74,8 @@ def measure(rounds: int) -> dict:
 
 def render(s: dict, label: str) -> str:
     return (f"{label}: exec to init_process_group {s['hook']['init_s'] * 1000:.0f} ms with the hook vs "
-            f"{s['no_hook']['init_s'] * 1000:.0f} ms without (+{s['extra_init_ms']:.0f} ms), resident memory "
-            f"{s['hook']['rss_mib']:.1f} vs {s['no_hook']['rss_mib']:.1f} MiB (+{s['extra_rss_mib']:.1f} MiB); "
+            f"{s['no_hook']['init_s'] * 1000:.0f} ms without ({s['extra_init_ms']:+.0f} ms), resident memory "
+            f"{s['hook']['rss_mib']:.1f} vs {s['no_hook']['rss_mib']:.1f} MiB ({s['extra_rss_mib']:+.1f} MiB); "
             f"libraries of the supervisor's set loaded in a hooked rank: {', '.join(s['hook']['loaded']) or 'none'}, "
             f"without the hook: {', '.join(s['no_hook']['loaded']) or 'none'} ({s['hook']['samples']} ranks each)")
 
