@@ -96,7 +96,7 @@ def main() -> int:
         lines.append(f"- {line}")
         replace_section(args.update_docs, HEADING, "\n".join([
             HEADING, "",
-            "`.venv/bin/python -m bench.bench_hook_startup --rounds 5` (2 zero-code gloo ranks under `supervise "
+            f"`.venv/bin/python -m bench.bench_hook_startup --rounds {args.rounds}` (2 zero-code gloo ranks under `supervise "
             "serve`, with and without `--no-hook`, alternating; medians over every rank; exec time from /proc, "
             "10 ms resolution):", "", *lines, ""]))
     return 0
