@@ -21,6 +21,8 @@ import signal
 import sys
 import threading
 
+from tp_supervise.supervisor.rank.heartbeat import RENDEZVOUS_PHASE
+
 from . import instrument
 from .args import DistEnv, EngineConfig
 from .log import configure as configure_logging
@@ -141,7 +143,7 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
         device = torch.device("cpu")
     dtype = getattr(torch, cfg.dtype)
 
-    instrument.phase("rendezvous")
+    instrument.phase(RENDEZVOUS_PHASE)
     injector = FaultInjector(cfg.injections, rank)
     model_group, control_group = init_groups(dist_env, cfg.device)
     instrument.phase("load")

@@ -50,11 +50,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import AbstractSet, Sequence
 
-from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
+from tp_supervise.supervisor.rank.heartbeat import RENDEZVOUS_PHASE, SlotSnapshot
 from . import adaptive
 from .progress import ExternalProgress
 
-RENDEZVOUS_PHASE = "rendezvous"
 DEFAULT_STARTUP_TIMEOUT = 600.0
 
 

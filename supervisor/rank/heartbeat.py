@@ -119,6 +119,10 @@ IN_COLLECTIVE = 1 << 3
 FINISHED = 1 << 4
 INSTRUMENTED = 1 << 5  # the rank reports steps itself (not only collectives)
 
+# The phase text with a meaning to the watchdog: a rank inside init_process_group (the zero-code
+# hook, the built-in engine) has started and must report ready within --startup-timeout.
+RENDEZVOUS_PHASE = "rendezvous"
+
 
 
 class HeartbeatLayoutError(RuntimeError):

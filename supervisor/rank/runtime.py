@@ -270,7 +270,7 @@ def ready() -> None:
         w.change_flags(time.monotonic(), add=hb.READY)
 
 
-RENDEZVOUS_PHASE = "rendezvous"
+RENDEZVOUS_PHASE = hb.RENDEZVOUS_PHASE
 
 
 def enter_rendezvous() -> None:
