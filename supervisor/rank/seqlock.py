@@ -19,9 +19,12 @@ consecutive updates; every field the supervisor reads is a counter or a
 timestamp that only grows, so such a copy is still a state the rank was in
 at most one update earlier.
 
-Only the owner of a region writes it; a writer that finds the counter odd
-(its predecessor died inside an update) makes it even before its first
-update.
+Only the owner of a region writes it, one update at a time: the heartbeat
+slot's writer serialises its threads' updates with one lock (per-thread
+collective "lanes" live outside the seqlock, one word each, written by their
+own thread only: supervisor/rank/slot_writer.py).  A writer that finds the
+counter odd (its predecessor died inside an update) makes it even before its
+first update.
 """
 
 from __future__ import annotations
