@@ -150,6 +150,15 @@ def render(summary: Mapping, console: Console, stacks: Mapping[int, str] | None 
     """Verdict, notes, per-rank table and the stack groups."""
     console.print(_header(summary))
     console.print(Panel(data(summary.get("verdict", "(no verdict)"), style="bold"), title="verdict", box=box.HEAVY))
+    error = summary.get("error")
+    if isinstance(error, Mapping) and (error.get("traceback") or error.get("message")):
+        culprits = summary.get("culprit_ranks") or []
+        title = f"exception of rank {culprits[0]}" if culprits else "exception"
+        body = str(error.get("traceback") or error.get("message")).rstrip()
+        lines = body.splitlines()
+        if len(lines) > MAX_STACK_LINES:
+            lines = [f"… {len(lines) - MAX_STACK_LINES} earlier lines"] + lines[-MAX_STACK_LINES:]
+        console.print(Panel(data("\n".join(lines)), title=data(title), title_align="left", box=box.ROUNDED))
     for note in summary.get("notes") or []:
         console.print(data(f"- {note}"))
     for err in summary.get("errors") or []:

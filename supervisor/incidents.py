@@ -35,6 +35,8 @@ mutates.
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import threading
 import time
@@ -48,6 +50,7 @@ from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget
 from tp_supervise.dumps.incident import IncidentResult, capture_incident, write_captured, write_incident
 from .exits import ExitInfo
+from .launch import error_file
 from .outcome import new_incident_id
 from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
 
@@ -66,12 +69,40 @@ log = structlog.get_logger("supervise.incident")
 # teardown much (exit within --kill-grace + 1 s of the death).
 RANK_EXIT_CAPTURE_S = 0.8
 HANG_CAPTURE_S = 3.0
+ERROR_FILE_MAX_BYTES = 256 * 1024
+ERROR_TRACEBACK_CHARS = 16 * 1024
 # After the teardown, a dump still writing gets at least this long (its
 # capture may have used the whole --dump-timeout).
 SETTLE_MIN_S = 1.0
 # The main thread checks a second stop signal this often while it waits for a capture.
 WAIT_SLICE_S = 0.02
 SOFT_WORKER_JOIN_S = 0.5
+
+
+def read_error_file(path: Path) -> tuple[bytes, str, str] | None:
+    """The structured error torch's ``@record`` wrote to ``TORCHELASTIC_ERROR_FILE``: (raw, exception line,
+    traceback), or None.  A small file in the run's tmpfs directory, read non-blocking and capped."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, ERROR_FILE_MAX_BYTES)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return raw, "", ""
+    message = data.get("message") if isinstance(data, dict) else None
+    extra = {}
+    if isinstance(message, dict):  # torch: {"message": {"message": "Err: ...", "extraInfo": {"py_callstack": ...}}}
+        extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
+        message = message.get("message")
+    text = str(message or "").strip().splitlines()
+    return raw, (text[-1][:500] if text else ""), str(extra.get("py_callstack", ""))[-ERROR_TRACEBACK_CHARS:]
 
 
 def _wall_clock(monotonic_at: float | None) -> datetime:
@@ -424,7 +455,15 @@ class IncidentDesk:
             "verdict": verdict,
             "first_failure": {"rank": first.rank, "pid": first.pid, **info.to_dict()},
         }
-        self._fatal("rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, detected_at=first.exited_at)
+        files = {}
+        error = read_error_file(error_file(self.run_dir, first.rank)) if first.rank >= 0 else None
+        if error is not None:
+            raw, message, traceback_text = error
+            files[f"logs/rank-{first.rank}.error.json"] = raw
+            extra["error"] = {"message": message, "traceback": traceback_text}
+            if message:
+                extra["verdict"] = f"{verdict}: {message}"
+        self._fatal("rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, files or None, detected_at=first.exited_at)
 
     def _watchdog_extra(self, ev: "WatchdogVerdict") -> dict:
         v = ev.verdict
