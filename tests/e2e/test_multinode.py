@@ -24,10 +24,11 @@ EXIT_TIMEOUT_S = 60
 
 
 def two_nodes(supervise, tmp_path, node_args, ranks_args, nnodes=2, node_ranks=None):
-    port = free_port()
+    port, store_port = free_port(), free_port()  # explicit: master port + 1 may be taken on a busy host
     runs = []
     for i, node_rank in enumerate(node_ranks if node_ranks is not None else range(nnodes)):
         args = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-port", str(port),
+                "--store-port", str(store_port),
                 "--nproc-per-node", "1", "--kill-grace", "2", *node_args(i)]
         runs.append(supervise(args, fake_rank(*ranks_args(i)), dump_dir=tmp_path / f"dumps-{i}"))
     return runs
@@ -117,7 +118,8 @@ def test_a_bad_group_is_refused_on_every_node_and_nothing_starts(supervise, tmp_
 
 def test_a_missing_node_is_exit_83_naming_it(supervise, tmp_path):
     port = free_port()
-    run = supervise(["--nnodes", "2", "--node-rank", "0", "--master-port", str(port), "--nproc-per-node", "1",
+    run = supervise(["--nnodes", "2", "--node-rank", "0", "--master-port", str(port), "--store-port", str(free_port()),
+                     "--nproc-per-node", "1",
                      "--rendezvous-timeout", "8"], fake_rank("--all", "loop"))
     assert run.wait(EXIT_TIMEOUT_S) == 83, run.stderr[-3000:]
     assert "node rank(s) [1] never registered" in run.stderr
