@@ -39,6 +39,7 @@ from pathlib import Path
 
 import structlog
 
+from .procinfo import proc_state
 from .fr_analysis import FrEntry, FrFindings, Mismatch, MissingCollective, analyze
 from tp_supervise.supervisor.rank.flight import HANDLER_FR, socket_path
 
@@ -77,16 +78,6 @@ def fetch(path: str, handler: str, timeout_s: float) -> bytes:
         conn.close()
 
 
-def _proc_state(pid: int | None) -> str | None:
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode("utf-8", "replace")
-        return text[text.rindex(")") + 2]
-    except (OSError, ValueError, IndexError):
-        return None
-
 
 def collect_detailed(targets: Sequence, run_dir: Path, timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
     """(traces by rank, why each other rank has none); returns within ``timeout_s``."""
@@ -120,7 +111,7 @@ def collect_detailed(targets: Sequence, run_dir: Path, timeout_s: float) -> tupl
         if not t.alive or not t.pid:
             errors[t.rank] = "rank is not running"
             continue
-        state = _proc_state(t.pid)
+        state = proc_state(t.pid)
         if state in ("T", "t"):
             errors[t.rank] = f"rank is stopped (state {state}): its worker server cannot answer"
             continue

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import structlog
 
 from .evidence import ProcInfo
-from .procinfo import read_proc
+from .procinfo import proc_state, read_proc
 
 log = structlog.get_logger()
 
@@ -87,15 +87,6 @@ def _signal(pid: int, group: bool, signum: int) -> bool:
         return False
 
 
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode("utf-8", "replace")
-        return text[text.rindex(")") + 2]
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _wchan(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/wchan", "rb") as f:
@@ -109,7 +100,7 @@ def freeze(targets: Sequence, settle_s: float) -> Frozen:
     """SIGSTOP every live rank of ``targets`` (``RankTarget``-like: rank, pid, alive)."""
     start = time.monotonic()
     live = [t for t in targets if t.alive and t.pid]
-    first = {t.rank: (_state(t.pid), _wchan(t.pid)) for t in live}
+    first = {t.rank: (proc_state(t.pid), _wchan(t.pid)) for t in live}
     stopped: dict[int, int] = {}
     group: dict[int, bool] = {}
     for t in live:
@@ -132,7 +123,7 @@ def freeze(targets: Sequence, settle_s: float) -> Frozen:
     deadline = time.monotonic() + max(0.0, settle_s)
     waiting = dict(stopped)
     while waiting:
-        waiting = {r: pid for r, pid in waiting.items() if _state(pid) not in ("T", None, "Z", "X")}
+        waiting = {r: pid for r, pid in waiting.items() if proc_state(pid) not in ("T", None, "Z", "X")}
         if not waiting or time.monotonic() >= deadline:
             break
         time.sleep(SETTLE_POLL_S)

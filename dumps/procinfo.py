@@ -35,6 +35,16 @@ def _stat_fields(text: str) -> list[str]:
     return text[text.rindex(")") + 2 :].split()
 
 
+def proc_state(pid: int | None) -> str | None:
+    """The scheduler state letter of ``pid`` (R, S, D, T, Z, ...), or None when it is gone."""
+    if not pid:
+        return None
+    try:
+        return _stat_fields(_read(f"/proc/{pid}/stat"))[_STAT_STATE]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _task_cpu_ns(pid: int, tid: str) -> int:
     try:
         return int(_read(f"/proc/{pid}/task/{tid}/schedstat").split()[0])
