@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench clean
+.PHONY: serve test bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,3 +29,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Only where a GPU is at hand (make test never needs one): NCCL engine, NVML
+# telemetry, GPU memory released after teardown, exit 85 with a GPU holder.
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check $(ARGS)
