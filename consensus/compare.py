@@ -177,6 +177,9 @@ class StepTable:
     def pending(self) -> int:
         return len(self._pending)
 
+    def is_pending(self, step: int) -> bool:
+        return step in self._pending
+
     def add(self, member: int, step: int, digest: bytes, count: int, ref: Hashable, now: float) -> None:
         """Record that ``member`` published ``step`` with ``digest``."""
         if member not in self.members:

@@ -27,6 +27,7 @@ renames a fresh ring over its old one) every ``rescan_interval_s``.
 from __future__ import annotations
 
 import os
+from collections import deque
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,9 @@ class ConsensusMonitor:
         self._entries_read = 0
         self._entries_lost = 0
         self._logs_unavailable = 0
+        # Steps every rank of the (single) group agreed on, for the cross-node
+        # comparison (consensus.across_nodes); None: nobody asked, none kept.
+        self._agreed: deque[tuple[int, bytes]] | None = None
 
     # -- reading the rings -----------------------------------------------------
     def _refresh(self, st: _Slot, now: float) -> None:
@@ -270,6 +274,8 @@ class ConsensusMonitor:
             self._expired += 1
             return None
         self._comparisons += 1
+        if decision.outcome is Outcome.AGREE and self._agreed is not None and not decision.missing:
+            self._agreed.append((decision.step, next(iter(decision.digests.values()))))
         if decision.outcome is not Outcome.DIVERGED:
             return None
         if decision.step in group.caught_in_progress:
@@ -350,6 +356,22 @@ class ConsensusMonitor:
             logs_unavailable=self._logs_unavailable,
             rings_open=sum(1 for st in self._slots if st.reader is not None),
         )
+
+    def keep_agreed(self, limit: int = 8192) -> None:
+        """From now on remember the steps all ranks agreed on (at most ``limit`` untaken)."""
+        if len(self._groups) != 1:
+            raise ValueError("cross-node comparison needs one TP group per node")
+        with self._lock:
+            self._agreed = deque(maxlen=limit)
+
+    def take_agreed(self) -> list[tuple[int, bytes]]:
+        """(step, digest) of the steps agreed since the last call, oldest first."""
+        with self._lock:
+            if not self._agreed:
+                return []
+            out = list(self._agreed)
+            self._agreed.clear()
+            return out
 
     def counts(self) -> tuple[int, int]:
         """(comparisons, mismatches): the two totals exported as metrics."""
