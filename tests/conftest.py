@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,13 @@ def marked_pids(mark: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def event_name(text: str) -> str:
+    """The event name the supervisor's JSON log gives a text (docs/logs.md): the
+    headline (up to the first ``:``, ``;`` or ``(``), lower-cased, snake_case."""
+    headline = re.split(r"[:;(]", text, maxsplit=1)[0]
+    return re.sub(r"[^a-z0-9]+", "_", headline.lower()).strip("_")
 
 
 def wait_no_marked(mark: str, timeout: float) -> list[int]:
@@ -102,7 +110,17 @@ class Run:
         return json.loads((matches[-1] / "summary.json").read_text())
 
     def events(self, text: str) -> list[dict]:
-        return [line for line in self.lines if text in str(line.get("event", ""))]
+        """Lines whose human text contains ``text``, or whose event name is the name of ``text``.
+
+        JSON lines carry the text in ``message`` and a stable snake_case name
+        in ``event`` (docs/logs.md); ``events("rank exited")`` finds either.
+        """
+        name = event_name(text)
+        return [
+            line
+            for line in self.lines
+            if text in str(line.get("message", "")) or text in str(line.get("event", "")) or line.get("event") == name
+        ]
 
     def run_id(self) -> str | None:
         for line in self.lines:
