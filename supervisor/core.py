@@ -182,6 +182,7 @@ class Supervisor:
             self.node_link = nodes_mod.NodeLink(self.nodes[0], self.nodes[1], self.post,
                                                 on_peers=self.services.metrics.set_nodes)
             self.sources.append(self.node_link)
+            self.services.compare_across_nodes(self.nodes[1])
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
             source.start()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -73,6 +74,7 @@ class Services:
         self._gpu_unverified_logged = False
         self.consensus_monitor = None
         self.consensus_thread = None
+        self.node_consensus = None
         if spec.consensus != "off":
             self._init_consensus()
         self.control = None
@@ -84,6 +86,21 @@ class Services:
 
         self.consensus_monitor = ConsensusMonitor(self.run_dir, self.spec.nproc_per_node)
         self.consensus_thread = ConsensusThread(self.consensus_monitor, self.post)
+
+    def compare_across_nodes(self, group) -> None:
+        """Multi-node: also compare this node's agreed steps with the other nodes' (consensus.across_nodes)."""
+        if self.consensus_monitor is None or group.nnodes < 2:
+            return
+        from . import nodes
+        from .watch import NodeConsensusThread
+
+        host, port = group.store_addr.rsplit(":", 1)
+
+        def connect():
+            return nodes.connect(host, int(port), False, time.monotonic() + nodes.STORE_TIMEOUT_S)
+
+        self.node_consensus = NodeConsensusThread(self.consensus_monitor, connect, group.node_rank, group.nnodes,
+                                                  self.spec.nproc_per_node, self.post)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -107,6 +124,8 @@ class Services:
         self.control.start()
         if self.consensus_thread is not None:
             self.consensus_thread.start()
+        if self.node_consensus is not None:
+            self.node_consensus.start()
 
     def _tick(self) -> None:
         """Thread ``loop-ticker``: a LoopTick every second; the main loop beats /livez when it takes one."""
@@ -117,6 +136,8 @@ class Services:
         self._ticking.set()
         if self.consensus_thread is not None:
             self.consensus_thread.stop()
+        if self.node_consensus is not None:
+            self.node_consensus.stop()
         if self.control is not None:
             self.control.close()
         if self.http is not None:

@@ -318,3 +318,58 @@ class ConsensusThread:
                 log.error("consensus pass failed", error=repr(exc))
                 self._stop.wait(CONSENSUS_ERROR_BACKOFF_S)
 
+
+
+NODE_CONSENSUS_TICK_S = 0.05
+NODE_CONSENSUS_ERROR_BACKOFF_S = 1.0
+
+
+class NodeConsensusThread:
+    """Multi-node: the steps this node's ranks agreed on, compared with the other nodes' (consensus.across_nodes).
+
+    Its own store client on its own thread: a slow store delays this
+    comparison only, never the local one, the fault bus or a teardown.  A
+    divergence is posted (and acted on) only by a node that holds a culprit
+    rank; the reference nodes log it and learn the end from the fault bus.
+    """
+
+    def __init__(self, monitor, connect: Callable[[], object], node_rank: int, nnodes: int, nproc_per_node: int,
+                 post: Callable[[object], None]):
+        self.monitor = monitor
+        self.connect = connect
+        self.node_rank, self.nnodes, self.nproc_per_node = node_rank, nnodes, nproc_per_node
+        self.post = post
+        self.exchange = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="node-consensus", daemon=True)
+
+    def start(self) -> None:
+        self.monitor.keep_agreed()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=THREAD_JOIN_S)  # a store call in flight has its own timeout; daemon otherwise
+
+    def _run(self) -> None:
+        from tp_supervise.consensus.across_nodes import NodeDigests
+
+        failed_with = None
+        while not self._stop.wait(NODE_CONSENSUS_TICK_S):
+            try:
+                if self.exchange is None:
+                    self.exchange = NodeDigests(self.connect(), self.node_rank, self.nnodes, self.nproc_per_node)
+                now = time.monotonic()
+                self.exchange.agreed(self.monitor.take_agreed(), now)
+                for verdict in self.exchange.tick(now):
+                    mine = [r for r in verdict.culprit_ranks if r // self.nproc_per_node == self.node_rank]
+                    log.warning("divergence across nodes", step=verdict.step, culprit_ranks=list(verdict.culprit_ranks),
+                                verdict=verdict.verdict, acted_on_here=bool(mine))
+                    if mine:
+                        self.post(DivergenceFound(verdict, time.monotonic()))
+                failed_with = None
+            except Exception as exc:  # the store went away or answered late: say so once, keep trying
+                if type(exc) is not failed_with:
+                    log.warning("cross-node consensus pass failed", error=repr(exc))
+                    failed_with = type(exc)
+                self._stop.wait(NODE_CONSENSUS_ERROR_BACKOFF_S)
