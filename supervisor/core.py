@@ -180,7 +180,8 @@ class Supervisor:
         )
         if self.nodes is not None:
             self.node_link = nodes_mod.NodeLink(self.nodes[0], self.nodes[1], self.post,
-                                                on_peers=self.services.metrics.set_nodes)
+                                                on_peers=self.services.metrics.set_nodes,
+                                                on_store_latency=self.services.metrics.observe_store_latency)
             self.sources.append(self.node_link)
             self.services.compare_across_nodes(self.nodes[1])
         self.sources += [self.services, self.watchdog]

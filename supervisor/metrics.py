@@ -78,6 +78,11 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 COLLECTIVE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 # A full dump: py-spy per rank in parallel, goal <= 1 s for 8 ranks.
 DUMP_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# One call to the supervisors' store: ~0.1 ms on loopback, ~1 ms in a rack, tens of ms across sites; a call
+# times out at 3 s (supervisor.nodes.STORE_TIMEOUT_S), so 5 s is the last finite bucket.
+STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# The ``op`` label: supervisor.nodes.STORE_OPS (kept here as a literal: metrics import no store code).
+STORE_OPS = ("connect", "set", "get", "add", "compare_set", OTHER)
 
 PERCENT = 100.0
 
@@ -166,6 +171,13 @@ class SupervisorMetrics:
         self.peer_node_up = Gauge(name("peer_node_up"), "1 while the other node's supervisor heartbeats (multi-node).",
                                   ["node_rank"], registry=reg)
         self.nodes_up.set(1)
+        self.store_latency = Histogram(
+            name("store_latency_seconds"),
+            "Duration of each call this supervisor made to the multi-node store (node 0's TCPStore), by operation.",
+            ["op"],
+            buckets=STORE_BUCKETS,
+            registry=reg,
+        )
         self.rank_heartbeat_age = Gauge(
             name("rank_heartbeat_age_seconds"),
             "Seconds since the rank last wrote its heartbeat slot (grows while idle too).",
@@ -253,6 +265,7 @@ class SupervisorMetrics:
         self._ranks: dict[str, _RankSeries] = {}
         self._consensus_seen = (0, 0)
         self._state = ""
+        self._store_ops = {op: self.store_latency.labels(op=op) for op in STORE_OPS}  # resolved once: hot path
         self._preinitialise(version or package_version(), node)
 
     def _preinitialise(self, version: str, node: int) -> None:
@@ -400,6 +413,13 @@ class SupervisorMetrics:
         for node, up in peers_up.items():
             self.peer_node_up.labels(node_rank=str(node)).set(1 if up else 0)
         self.nodes_up.set(1 + sum(1 for up in peers_up.values() if up))
+
+    def observe_store_latency(self, op: str, seconds: float) -> None:
+        """One store call (``supervisor.nodes.StoreLatency`` sink; called from the node-link thread)."""
+        child = self._store_ops.get(op)
+        if child is None:
+            child = self._store_ops[self._bounded(op, STORE_OPS, "store op")]
+        child.observe(max(0.0, seconds))
 
     def record_restart(self) -> None:
         self.restarts.inc()

@@ -37,6 +37,11 @@ others a bounded moment to read the store): none sits on a path that can
 block a teardown.  The
 ``Store`` protocol is the small interface another store (etcd) would
 implement.
+
+Every store call is timed (``StoreLatency``): the durations wait in a small
+bounded buffer until the metrics exist (the handshake runs before them) and
+then go to ``supervise_store_latency_seconds{op}``; recording one is a
+``time.monotonic()`` pair and a histogram observe, never I/O.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import queue
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Mapping, Protocol, Sequence
@@ -67,10 +73,53 @@ REFUSAL_LINGER_S = 1.5  # node 0 keeps the store up this long after a refusal, s
 STORE_LINGER_S = 5.0  # node 0 keeps the store up this long at its exit, until every node read the end
 POLL_S = 0.1
 TOKEN_MESSAGE = b"tp-supervise join token v1"
+STORE_OPS = ("connect", "set", "get", "add", "compare_set")  # the ``op`` label of supervise_store_latency_seconds
+LATENCY_PENDING_MAX = 4096  # store calls timed before the metrics exist (the handshake's), kept until attached
+
+
+class StoreLatency:
+    """Durations of one store client's calls, handed to a sink (the metrics) once one is attached.
+
+    Calls come from the handshake (main thread, before the metrics exist) and from the node-link thread;
+    until ``attach`` they wait in a bounded buffer, so the handshake's calls are counted too.  A sink that
+    raises is ignored: a metric never fails a store call."""
+
+    def __init__(self, keep: int = LATENCY_PENDING_MAX):
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[str, float]] = deque(maxlen=keep)
+        self._sink: Callable[[str, float], None] | None = None
+
+    def record(self, op: str, seconds: float) -> None:
+        sink = self._sink
+        if sink is None:
+            with self._lock:
+                sink = self._sink
+                if sink is None:
+                    self._pending.append((op, seconds))
+                    return
+        self._deliver(sink, op, seconds)
+
+    def attach(self, sink: Callable[[str, float], None]) -> None:
+        """From now on every duration goes to ``sink(op, seconds)``, the buffered ones first."""
+        with self._lock:
+            pending = list(self._pending)
+            self._pending.clear()
+            self._sink = sink
+        for op, seconds in pending:
+            self._deliver(sink, op, seconds)
+
+    @staticmethod
+    def _deliver(sink: Callable[[str, float], None], op: str, seconds: float) -> None:
+        try:
+            sink(op, seconds)
+        except Exception as exc:
+            log.warning("store latency not recorded", op=op, error=repr(exc)[:200])
 
 
 class Store(Protocol):
     """What the supervisors need of a distributed key-value store (TCPStore today; etcd could follow)."""
+
+    latency: StoreLatency  # every call below is timed into it
 
     def set(self, key: str, value: bytes) -> None: ...
     def get_nowait(self, key: str) -> bytes | None: ...
@@ -86,26 +135,46 @@ class TorchStore:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d prints a C++ backtrace per lost connection
         from torch.distributed import TCPStore
 
+        self.latency = StoreLatency()
+        t0 = time.monotonic()
         self._store = TCPStore(host, port, None, is_master, timedelta(seconds=connect_timeout_s or timeout_s),
                                wait_for_workers=False)
+        self.latency.record("connect", time.monotonic() - t0)  # a refused attempt raised: not a latency
         self._store.set_timeout(timedelta(seconds=timeout_s))
         self.port = self._store.port
 
     def set(self, key: str, value: bytes) -> None:
-        self._store.set(PREFIX + key, value)
+        t0 = time.monotonic()
+        try:
+            self._store.set(PREFIX + key, value)
+        finally:
+            self.latency.record("set", time.monotonic() - t0)
 
     def get_nowait(self, key: str) -> bytes | None:
+        """One ``get`` sample: the check and, when the key exists, the read."""
         full = PREFIX + key
-        if not self._store.check([full]):
-            return None
-        return bytes(self._store.get(full))
+        t0 = time.monotonic()
+        try:
+            if not self._store.check([full]):
+                return None
+            return bytes(self._store.get(full))
+        finally:
+            self.latency.record("get", time.monotonic() - t0)
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._store.add(PREFIX + key, amount))
+        t0 = time.monotonic()
+        try:
+            return int(self._store.add(PREFIX + key, amount))
+        finally:
+            self.latency.record("add", time.monotonic() - t0)
 
     def first_writer(self, key: str, value: bytes) -> bytes:
         """Set ``key`` unless someone did first; returns the value that won."""
-        return bytes(self._store.compare_set(PREFIX + key, "", value))
+        t0 = time.monotonic()
+        try:
+            return bytes(self._store.compare_set(PREFIX + key, "", value))
+        finally:
+            self.latency.record("compare_set", time.monotonic() - t0)
 
 
 def default_store_port(master_port: int) -> int:
@@ -317,11 +386,14 @@ class NodeLink:
     """Thread ``node-link``: beats, watches the others and the fault bus, and publishes what the main thread hands it."""
 
     def __init__(self, store: Store, group: NodeGroup, post: Callable[[object], None],
-                 on_peers: Callable[[Mapping[int, bool]], None] | None = None):
+                 on_peers: Callable[[Mapping[int, bool]], None] | None = None,
+                 on_store_latency: Callable[[str, float], None] | None = None):
         self.store = store
         self.group = group
         self.post = post
         self.on_peers = on_peers or (lambda _up: None)  # the metrics (supervise_peer_node_up)
+        if on_store_latency is not None:  # the metrics (supervise_store_latency_seconds), the handshake's calls first
+            store.latency.attach(on_store_latency)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-link", daemon=True)
@@ -460,5 +532,5 @@ def connect(host: str, port: int, is_master: bool, deadline: float,
                          "(supervise serve --node-rank 0) or check --master-addr/--store-port", EXIT_STARTUP)
 
 
-__all__ = ["Fault", "HandshakeError", "NodeGroup", "NodeLink", "NodeLost", "PeerFailed", "Store", "TorchStore",
-           "connect", "default_store_port", "fingerprint", "handshake", "mismatches", "token_digest"]
+__all__ = ["Fault", "HandshakeError", "NodeGroup", "NodeLink", "NodeLost", "PeerFailed", "STORE_OPS", "Store",
+           "StoreLatency", "TorchStore", "connect", "default_store_port", "fingerprint", "handshake", "mismatches", "token_digest"]
