@@ -60,6 +60,7 @@ DUMP_REASONS = (
     "hang_suspected",
     "divergence",
     "startup_timeout",
+    "peer_failed",
     "node_lost",
     "on_demand",
     OTHER,
