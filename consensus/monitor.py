@@ -158,11 +158,11 @@ class ConsensusMonitor:
         try:
             reader = RingReader(st.path)
         except (OSError, RingLayoutError) as exc:
-            log.warning("consensus_ring_unreadable", slot=st.slot, error=repr(exc))
+            log.warning("consensus ring unreadable", slot=st.slot, error=repr(exc))
             return
         group = self._group_of.get(st.slot)
         if st.reader is not None:
-            log.info("consensus_ring_replaced", slot=st.slot, pid=reader.header.pid)
+            log.info("consensus ring replaced", slot=st.slot, pid=reader.header.pid)
             st.reader.close()
             if group is not None:
                 group.table.reset_member(st.slot)
@@ -241,7 +241,7 @@ class ConsensusMonitor:
             verdicts = self._poll_locked(now, force)
         for verdict in verdicts:
             log.warning(
-                "consensus_divergence",
+                "consensus divergence",
                 step=verdict.step,
                 in_progress=verdict.in_progress,
                 culprit_ranks=list(verdict.culprit_ranks),
@@ -256,7 +256,7 @@ class ConsensusMonitor:
                 self._drain(st, now)
                 self._read_open(st)
             except (OSError, ValueError) as exc:  # one bad ring must not stop the others
-                log.warning("consensus_ring_read_failed", slot=st.slot, error=repr(exc))
+                log.warning("consensus ring read failed", slot=st.slot, error=repr(exc))
         verdicts: list[DivergenceVerdict] = []
         for group in self._groups:
             for decision in group.table.decide(now, force):

@@ -368,7 +368,7 @@ def capture_all(
         try:
             out = _capture_stacks(target, first[target.rank], plan, t0, rank_end)
         except Exception as exc:  # one bad rank never spoils the dump
-            log.warning("dump.capture_failed", rank=target.rank, error=repr(exc))
+            log.warning("dump capture failed", rank=target.rank, error=repr(exc))
             out = ([], "none", f"capture failed: {exc!r}", ())
         with lock:
             results[target.rank] = (*out, time.monotonic() - t0)
@@ -427,6 +427,6 @@ def capture_all(
     progress = {t.rank: (t.heartbeat.step, t.heartbeat.coll_seq) for t in targets if t.heartbeat is not None}
     samples = CpuSamples(at=samples_at, cpu_s=cpu, progress=progress)
     duration = time.monotonic() - start
-    log.info("dump.captured", ranks=len(targets), method=method, duration_s=round(duration, 3))
+    log.info("dump captured", ranks=len(targets), method=method, duration_s=round(duration, 3))
     return Evidence(ranks=ranks, started_at=start, duration_s=duration, method=method, pyspy=plan.pyspy, samples=samples)
 

@@ -129,7 +129,7 @@ def freeze(targets: Sequence, settle_s: float) -> Frozen:
         time.sleep(SETTLE_POLL_S)
     frozen = Frozen(before, read_at, stopped, group, settled=not waiting, signalled_s=signalled_s,
                     duration_s=time.monotonic() - start)
-    log.info("dump.frozen", **frozen.to_dict(), not_settled=sorted(waiting))
+    log.info("dump frozen", **frozen.to_dict(), not_settled=sorted(waiting))
     return frozen
 
 

@@ -119,9 +119,9 @@ class _Server(ThreadingHTTPServer):
         # socketserver prints tracebacks to stderr; a client hanging up is routine.
         exc = sys.exc_info()[1]
         if isinstance(exc, (ConnectionError, TimeoutError)):
-            log.debug("http_client_gone", client=client_address[0], error=repr(exc))
+            log.debug("http client gone", client=client_address[0], error=repr(exc))
         else:
-            log.warning("http_request_failed", client=client_address[0], exc_info=True)
+            log.warning("http request failed", client=client_address[0], exc_info=True)
 
     def process_request_thread(self, request, client_address) -> None:
         with self._conns_lock:
@@ -180,7 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 body, content_type = app.metrics.exposition(self.headers.get("Accept", ""))
             except Exception:  # a broken collector must not kill the endpoint
-                log.exception("metrics_exposition_failed")
+                log.exception("metrics exposition failed")
                 self._send(HTTPStatus.INTERNAL_SERVER_ERROR, b"exposition failed\n", TEXT_TYPE, send_body)
                 return
             self._send(HTTPStatus.OK, body, content_type, send_body)
@@ -209,7 +209,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (base class signature)
-        log.debug("http_request", client=self.client_address[0], line=format % args)
+        log.debug("http request", client=self.client_address[0], line=format % args)
 
 
 class Liveness:
@@ -269,7 +269,7 @@ class HealthServer:
         try:
             return self.health()
         except Exception as exc:  # unknown health is reported as unhealthy, never as a crash
-            log.warning("health_callback_failed", error=repr(exc))
+            log.warning("health callback failed", error=repr(exc))
             return HealthStatus(state="unknown", healthy=False, ready=False, detail=f"health unavailable: {exc!r}")
 
     def start(self) -> None:
@@ -285,11 +285,11 @@ class HealthServer:
         self._thread.start()
         if not is_loopback(self.host):
             log.warning(
-                "metrics_endpoint_exposed",
+                "metrics endpoint exposed",
                 address=self.url,
                 risk="no authentication: anyone who can reach it reads run id, ranks, states and GPU telemetry",
             )
-        log.info("metrics_endpoint_listening", url=self.url)
+        log.info("metrics endpoint listening", url=self.url)
 
     def stop(self) -> None:
         """Stop serving and release the port; idempotent."""

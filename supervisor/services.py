@@ -195,7 +195,7 @@ class Services:
                 log.warning("metrics textfile not written", path=str(path), error=repr(exc))
 
         if self._textfile_writer is not None and self._textfile_writer.is_alive():
-            log.warning("metrics textfile: the previous write is still blocked; skipping this one", path=str(path))
+            log.warning("metrics textfile write skipped: the previous write is still blocked", path=str(path))
             return
         # fire and forget (at most one writer): a fault transition never waits on the disk
         self._textfile_writer = threading.Thread(target=write, name="metrics-textfile", daemon=True)
