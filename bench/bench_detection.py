@@ -219,7 +219,8 @@ def parse_log(text: str) -> dict:
                 ev = json.loads(line)
             except ValueError:
                 continue
-            event, at = str(ev.get("event", "")), ev.get("timestamp")
+            # The human text (docs/logs.md): `message`; logs of before the stable names had it in `event`.
+            event, at = str(ev.get("message", ev.get("event", ""))), ev.get("timestamp")
             if not at:
                 continue
             if event == "watchdog thresholds" and ev.get("hard_source") == "learned":
