@@ -57,7 +57,22 @@ def stack_file(rank: int) -> str:
 
 
 def fr_file(rank: int) -> str:
-    return f"fr/rank-{rank}.json"
+    """Rank r's flight-recorder trace as the pickle ``torchfrtrace <bundle>/fr`` reads.
+
+    Nothing else goes in ``fr/``: the analyzer walks the whole directory and
+    infers one file-name prefix from every name in it.
+    """
+    return f"fr/rank-{rank}"
+
+
+def fr_json_file(rank: int) -> str:
+    """The same trace as the rank's worker server answered it (torch's JSON, no stack traces)."""
+    return f"fr-json/rank-{rank}.json"
+
+
+def torch_dump_file(rank: int) -> str:
+    """The file torch wrote itself on a NCCL timeout (same pickle format, with stack traces)."""
+    return f"fr-torch/rank-{rank}"
 
 
 _STACK_FILE = re.compile(r"^stacks/rank-(-?\d+)\.txt$")

@@ -10,6 +10,8 @@ Two phases, so that a fatal incident never holds the teardown back:
                       are resumed and their flight recorders read (a stopped
                       rank's worker server cannot answer).  Without a freeze,
                       stacks and flight recorder are collected at the same time.
+                      The files torch wrote itself on a NCCL timeout are
+                      copied from the run dir last.
 ``write_captured``    the summary, the files, the atomic write and retention:
                       disk only, so it may run after the teardown; an
                       ``incomplete`` note (the supervisor's) goes into the
@@ -35,7 +37,7 @@ from pathlib import Path
 import structlog
 
 from . import flight
-from .bundle import BundleWriter, fr_file, iso_utc, stack_file
+from .bundle import BundleWriter, fr_file, fr_json_file, iso_utc, stack_file, torch_dump_file
 from .capture import RankTarget, capture_all
 from .diagnose import Diagnosis, diagnose
 from .evidence import STATE_NAMES, CpuSamples, Evidence, RankEvidence
@@ -54,6 +56,8 @@ FROZEN_STACKS_SHARE = 0.7
 # How long a freeze waits for every rank to read as stopped (at most this share of the budget).
 FREEZE_SETTLE_S = 0.2
 FREEZE_SETTLE_SHARE = 0.1
+# Floor for copying torch's own dump files when the capture used up its share (local disk reads).
+TORCH_DUMPS_MIN_S = 0.5
 EVIDENCE_JSON = "evidence.json"
 
 
@@ -140,6 +144,7 @@ class Captured:
     started: float  # time.monotonic()
     duration_s: float
     samples: CpuSamples | None = None
+    torch_dumps: tuple[flight.TorchDump, ...] = ()
 
     def missing(self) -> dict[str, str]:
         """Bundle file -> why it is absent, for each part a live rank did not give."""
@@ -213,6 +218,11 @@ def capture_incident(
         fr_thread.start()
     fr_thread.join(max(0.0, end - time.monotonic()))
     traces: dict[int, dict] = dict(fr_out["traces"])
+    torch_dumps: tuple[flight.TorchDump, ...] = ()
+    try:
+        torch_dumps = tuple(flight.collect_torch_dumps(run_dir, max(TORCH_DUMPS_MIN_S, end - time.monotonic())))
+    except Exception as exc:
+        errors.append(f"torch dump files not collected: {exc!r}")
     findings: FrFindings | None = None
     if traces:
         try:
@@ -238,6 +248,7 @@ def capture_incident(
         started=start,
         duration_s=time.monotonic() - start,
         samples=evidence.samples,
+        torch_dumps=torch_dumps,
     )
 
 
@@ -284,6 +295,8 @@ def write_captured(
     }
     if findings is not None:
         fr_summary.update(findings.to_dict())
+    if captured.torch_dumps:
+        fr_summary["torch_dumps"] = {str(d.rank): d.to_dict() for d in captured.torch_dumps}
     summary["flight_recorder"] = fr_summary
     summary["errors"] = errors
     if extra_summary:
@@ -295,7 +308,16 @@ def write_captured(
     for rank, ev in sorted(evidence.ranks.items()):
         files[stack_file(rank)] = _stack_file_text(ev)
     for rank, trace in sorted(traces.items()):
-        files[fr_file(rank)] = json.dumps(trace, indent=1) + "\n"
+        files[fr_json_file(rank)] = json.dumps(trace, indent=1) + "\n"
+    try:
+        world = sorted(t.rank for t in captured.targets)
+        for rank, data in flight.fr_pickles({r: t for r, t in traces.items() if r >= 0}, world).items():
+            files[fr_file(rank)] = data
+    except Exception as exc:  # the traces still have their JSON
+        errors.append(f"fr/ not written: {exc!r}")
+    for dump in captured.torch_dumps:
+        if dump.data is not None:
+            files[torch_dump_file(dump.rank)] = dump.data
     try:
         files[EVIDENCE_JSON] = _evidence_json(evidence)
     except Exception as exc:

@@ -80,6 +80,8 @@ class RankHandle:
     popen: subprocess.Popen | None = None
     exit: ExitInfo | None = None
     exited_at: float | None = None
+    # Held from the spawn (or the tree-mode claim) until the teardown reaped it: every signal goes through it.
+    proc: "procs.Pidfd | None" = None
 
     @property
     def slot(self) -> int:
@@ -185,14 +187,27 @@ def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None) -> RankHandle
     return RankHandle(spec=spec, pid=popen.pid, popen=popen, started_at=time.monotonic())
 
 
-def signal_group(handle_pid: int, signum: int) -> bool:
-    """Signal a rank's process group (its pid: it is a session leader)."""
-    try:
-        os.killpg(handle_pid, signum)
-        return True
-    except (ProcessLookupError, PermissionError):
+def signal_group(handle: RankHandle, signum: int) -> bool:
+    """Signal a rank (or the launcher) and the process group it leads; never a pid someone else reuses.
+
+    The process itself is signalled through its pidfd.  The group is signalled
+    by number (``killpg``), which is safe only while the leader is our
+    unreaped child: a zombie still holds its pid, and a pid that names a
+    process (or a group or session) is never handed out again, so the group
+    number cannot be reused while we hold the leader unreaped.  The exit
+    monitor therefore reads a rank's status without reaping it (``WNOWAIT``)
+    and only the teardown reaps, after its last group signal.  A tree-mode
+    rank is not our child (or not a group leader): it gets the pidfd signal
+    only; its tree is found by the teardown's scan.
+    """
+    proc = handle.proc
+    if proc is None:
+        return False
+    delivered = proc.send(signum)
+    if proc.child and not proc.reaped:
         try:
-            os.kill(handle_pid, signum)
-            return True
+            os.killpg(proc.pid, signum)
+            delivered = True
         except (ProcessLookupError, PermissionError):
-            return False
+            pass
+    return delivered

@@ -6,7 +6,9 @@ a collective; torch itself starts it only from its elastic agent's
 ``worker_main()``.  ``serve_in_rank()`` starts it once the rank joined its
 process group (the zero-code hook and the built-in engine call it).  The
 socket path is computed the same way on both sides by ``socket_path``;
-``rank_env`` is what the supervisor adds to each rank's environment.  The
+``rank_env`` is what the supervisor adds to each rank's environment,
+including where torch writes its own flight-recorder dump when a NCCL
+collective times out (``TORCH_FR_DUMP_TEMP_FILE``, see ``dump_prefix``).  The
 supervisor-side collection is ``tp_supervise.dumps.flight``.
 """
 
@@ -27,6 +29,13 @@ from .runtime import ENV_RUN_DIR
 
 ENV_FR_BUFFER = "TORCH_FR_BUFFER_SIZE"
 ENV_WORKER_SOCKET = "TORCH_WORKER_SERVER_SOCKET"
+# Where torch writes its own trace (``<prefix><global rank>``, the pickle torchfrtrace reads) when
+# ProcessGroupNCCL's watchdog times out.  TORCH_NCCL_DEBUG_INFO_TEMP_FILE is the older name, which
+# torch still reads after the new one (and warns about); a user who set either keeps it.
+ENV_FR_DUMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
+ENV_FR_DUMP_FILE_LEGACY = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+FR_DUMP_DIR = "fr-dump"
+FR_DUMP_PREFIX = "rank-"
 # Entries kept per process (a ring buffer): ~12 decode steps of an 80-layer model.
 DEFAULT_FR_BUFFER = 2000
 # sun_path holds 108 bytes including the terminating NUL.
@@ -52,18 +61,36 @@ def socket_path(run_dir: str | os.PathLike, slot: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"tpsv-fr-{digest}-{slot}.sock")
 
 
+def dump_dir(run_dir: str | os.PathLike) -> str:
+    """The directory torch's own dump-on-timeout files go to (``dump_prefix`` + rank)."""
+    return os.path.join(os.path.abspath(os.fspath(run_dir)), FR_DUMP_DIR)
+
+
+def dump_prefix(run_dir: str | os.PathLike) -> str:
+    """``TORCH_FR_DUMP_TEMP_FILE`` for the ranks: torch appends the global rank."""
+    return os.path.join(dump_dir(run_dir), FR_DUMP_PREFIX)
+
+
 def rank_env(run_dir: Path, slot: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Variables the supervisor adds for one rank; keys already in ``environ`` are left out.
 
     The user's values win: a ``TORCH_FR_BUFFER_SIZE=0`` in the user's
-    environment turns the recorder off, and a user-chosen worker socket is
-    kept (``collect`` then cannot find it, which it reports).
+    environment turns the recorder off, a user-chosen worker socket is kept
+    (``collect`` then cannot find it, which it reports), and so is a dump
+    location set under either of torch's names (the files then stay where
+    the user put them).  Creates the dump directory (torch does not).
     """
     env = os.environ if environ is None else environ
     ours = {
         ENV_FR_BUFFER: str(DEFAULT_FR_BUFFER),
         ENV_WORKER_SOCKET: socket_path(run_dir, slot),
     }
+    if ENV_FR_DUMP_FILE not in env and ENV_FR_DUMP_FILE_LEGACY not in env:
+        try:
+            os.makedirs(dump_dir(run_dir), mode=0o700, exist_ok=True)
+            ours[ENV_FR_DUMP_FILE] = dump_prefix(run_dir)
+        except OSError:
+            pass  # torch then writes to its default place
     return {k: v for k, v in ours.items() if k not in env}
 
 

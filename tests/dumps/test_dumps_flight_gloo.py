@@ -81,7 +81,14 @@ def test_flight_recorder_names_rank_missing_from_collective(fake_ranks, tmp_path
     assert "skip_the_collective" in s["verdict"] and "rank 0 waits in all_reduce" in s["verdict"]
     assert s["flight_recorder"]["missing"][0]["missing"] == [1]
     assert any("rank 1 never entered all_reduce seq 4" in n for n in s["notes"])
-    assert (res.path / "fr" / "rank-0.json").is_file() and (res.path / "fr" / "rank-1.json").is_file()
+    assert sorted(p.name for p in (res.path / "fr").iterdir()) == ["rank-0", "rank-1"]
+    assert (res.path / "fr-json" / "rank-0.json").is_file() and (res.path / "fr-json" / "rank-1.json").is_file()
+    # PyTorch's analyzer reads the bundle's fr/ as it reads torch's own dumps: every rank answered.
+    frtrace = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(res.path / "fr")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert frtrace.returncode == 0, frtrace.stderr[-3000:]
 
     # Phase 2: rank 1 SIGSTOPped while rank 0 waits in the collective.
     ranks.stop(1)

@@ -171,5 +171,5 @@ def test_capture_incident_freezes_then_resumes_and_the_bundle_says_so(fake_ranks
     assert summary["capture"]["freeze"]["already_stopped_ranks"] == [1]
     assert summary["incomplete"]["why"] == "cut short"
     # Fake ranks serve no flight recorder; those files are named as missing, with the reason.
-    assert set(summary["incomplete"]["missing"]) >= {"fr/rank-0.json", "fr/rank-1.json"}
+    assert set(summary["incomplete"]["missing"]) >= {"fr/rank-0", "fr/rank-1"}
     assert "stacks/rank-0.txt" not in summary["incomplete"]["missing"]
