@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--consensus-inband", type=int, default=0, metavar="N", help="also compare digests in band (MIN/MAX all_reduce) every N steps; for benchmarks")
     o.add_argument("--log-format", default="console", choices=("console", "json"), help="console lines for people, one JSON object per line for machines")
     o.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="the supervisor's own log level")
+    r = serve.add_argument_group("rank output (as torchrun; the ranks' stdout and stderr are pipes)")
+    r.add_argument("--log-dir", "--log_dir", type=Path, metavar="DIR", help="also write each rank's stdout and stderr to DIR/<run_id>/attempt_<n>/<global rank>/{stdout,stderr}.log (default: no files); without --redirects/--tee both streams are teed")
+    r.add_argument("--redirects", metavar="0-3|LR:V,...", help="with --log-dir: streams that go to the files only, not the console: 0 none, 1 stdout, 2 stderr, 3 both, for every local rank or per local rank (0:1,1:2) (default: none)")
+    r.add_argument("--tee", metavar="0-3|LR:V,...", help="with --log-dir: streams that go to the files and the console, same syntax as --redirects (default: both, when neither flag is given)")
+    r.add_argument("--local-ranks-filter", "--local_ranks_filter", metavar="LR,...", help="only these local ranks' output reaches the console (files and bundles keep every rank's) (default: every local rank)")
     e = serve.add_argument_group("built-in engine (no COMMAND)")
     e.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="gloo on CPU, or NCCL on CUDA")
     e.add_argument("--control-plane", default="broadcast", choices=("broadcast", "replicated"), help="how ranks learn each step's batch: rank 0 broadcasts it, or every rank schedules the same requests")
@@ -177,11 +182,17 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         engine_metrics_url=args.engine_metrics_url,
         engine_kind=args.engine_kind,
         engine=engine,
+        output=specs.OutputOptions(
+            log_dir=args.log_dir,
+            redirects=None if args.redirects is None else specs.Std.parse(args.redirects, "--redirects"),
+            tee=None if args.tee is None else specs.Std.parse(args.tee, "--tee"),
+            local_ranks_filter=specs.parse_local_ranks(args.local_ranks_filter),
+        ),
     )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from . import control, logs
+    from . import control, logs, output
 
     logs.configure(args.log_format, level=logging.getLevelName(args.log_level.upper()))
     try:
@@ -207,7 +218,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print("supervise: stopped during the rendezvous of the nodes; nothing was started", file=sys.stderr)
             return 0
     run_id = link[1].run_id if link else spec.run_id
-    return Supervisor(spec, base_env, run_id=run_id, nodes=link).run()
+    with output.install(spec.output, spec.log_format):  # the ranks' stdout/stderr: pipes, read by one thread
+        return Supervisor(spec, base_env, run_id=run_id, nodes=link).run()
 
 
 def join_nodes(spec: LaunchSpec):

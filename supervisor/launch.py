@@ -11,7 +11,10 @@ Every rank:
   rank-side runtime exits on EOF, a second line of defence for processes that
   lose the parent-death signal (e.g. across a setuid exec);
 * gets the torchrun environment plus ``SUPERVISE_*``; the user's environment is
-  passed through untouched otherwise (the supervisor never edits os.environ).
+  passed through untouched otherwise (the supervisor never edits os.environ);
+* writes its stdout and stderr to pipes the run's output pump reads
+  (``supervisor/output.py``: console prefixes, ``--log-dir`` files, the stderr
+  tail of its ``rank_exit`` bundle); ``isatty()`` is false in the rank.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from . import procs
+from . import output, procs
 from .cgroup import join_in_child
 from .rank import runtime
 from .exits import ExitInfo
@@ -173,17 +176,33 @@ def _child_setup(supervisor_pid: int, cgroup_procs: str | None):
     return setup
 
 
-def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None) -> RankHandle:
-    """Start one rank.  Must be called from the main thread (see module doc)."""
-    popen = subprocess.Popen(
-        list(spec.argv),
-        env=dict(spec.env),
-        cwd=cwd,
-        start_new_session=True,
-        pass_fds=(ctx.death_fd,),
-        preexec_fn=_child_setup(ctx.supervisor_pid, ctx.cgroup_procs),
-        close_fds=True,
-    )
+def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None,
+          pump: "output.RankOutput | None" = None) -> RankHandle:
+    """Start one rank (slot -1: the tree-mode launcher).  Must be called from the main thread (see module doc).
+
+    Its stdout and stderr are pipes to ``pump`` (default: the run's, ``output.installed()``); with no
+    pump the process inherits the supervisor's streams."""
+    pump = pump or output.installed()
+    source = output.Source() if spec.slot < 0 else output.Source(rank=spec.rank, local_rank=spec.slot)
+    streams = pump.open(source, ctx.run_id) if pump is not None else None
+    try:
+        popen = subprocess.Popen(
+            list(spec.argv),
+            env=dict(spec.env),
+            cwd=cwd,
+            start_new_session=True,
+            pass_fds=(ctx.death_fd,),
+            preexec_fn=_child_setup(ctx.supervisor_pid, ctx.cgroup_procs),
+            close_fds=True,
+            stdout=streams.stdout if streams else None,
+            stderr=streams.stderr if streams else None,
+        )
+    except BaseException:
+        if streams is not None:
+            streams.abandon()
+        raise
+    if streams is not None:
+        streams.started()
     return RankHandle(spec=spec, pid=popen.pid, popen=popen, started_at=time.monotonic())
 
 

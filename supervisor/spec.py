@@ -90,6 +90,94 @@ def parse_hostport(text: str, flag: str) -> tuple[str, int] | None:
     return host.strip("[]"), value
 
 
+STD_NAMES = {1: ("stdout",), 2: ("stderr",), 3: ("stdout", "stderr")}  # torchrun's Std: 0 none, 1, 2, 3 both
+
+
+@dataclass(frozen=True)
+class Std:
+    """torchrun's ``--redirects``/``--tee`` value: ``0``-``3`` for every local rank, or per local rank
+    (``0:1,1:2``; ranks not named get 0).  1 is stdout, 2 stderr, 3 both."""
+
+    default: int = 0
+    per_rank: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str, flag: str) -> "Std":
+        def value(part: str) -> int:
+            if part.strip() not in ("0", "1", "2", "3"):
+                raise UsageError(f"{flag} {text!r}: each value is 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
+                                 "e.g. 3 or 0:1,1:2")
+            return int(part)
+
+        if ":" not in text:
+            return cls(default=value(text))
+        per_rank = {}
+        for item in text.split(","):
+            rank, sep, std = item.partition(":")
+            if not sep or not rank.strip().isdigit():
+                raise UsageError(f"{flag} {text!r}: expected 0-3, or LOCAL_RANK:VALUE pairs such as 0:1,1:2")
+            per_rank[int(rank)] = value(std)
+        return cls(per_rank=tuple(sorted(per_rank.items())))
+
+    def streams(self, local_rank: int | None) -> tuple[str, ...]:
+        code = dict(self.per_rank).get(local_rank, self.default) if local_rank is not None else self.default
+        return STD_NAMES.get(code, ())
+
+
+def parse_local_ranks(text: str | None, flag: str = "--local-ranks-filter") -> frozenset[int] | None:
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise UsageError(f"{flag} {text!r}: expected comma-separated local ranks, e.g. 0 or 0,1")
+    return frozenset(int(p) for p in parts)
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """Where the ranks' stdout/stderr go (supervisor/output.py), with torchrun's flags."""
+
+    log_dir: Path | None = None
+    redirects: Std | None = None  # None: not given
+    tee: Std | None = None
+    local_ranks_filter: frozenset[int] | None = None  # None: every local rank reaches the console
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--redirects", self.redirects), ("--tee", self.tee)):
+            if value is not None and self.log_dir is None:
+                raise UsageError(f"{flag} sends rank output to files: give --log-dir DIR too")
+
+    def route(self, local_rank: int | None, stream: str) -> tuple[bool, bool]:
+        """(to a file, to the console) for one stream of one local rank (None: the tree-mode launcher).
+
+        Redirected: the file only; teed: file and console; with --log-dir and neither flag, both streams
+        are teed (torchrun would write no file then)."""
+        if self.log_dir is None:
+            to_file, to_console = False, True
+        elif self.redirects is None and self.tee is None:
+            to_file, to_console = True, True
+        else:
+            redirected = self.redirects is not None and stream in self.redirects.streams(local_rank)
+            teed = self.tee is not None and stream in self.tee.streams(local_rank)
+            to_file, to_console = redirected or teed, teed or not redirected
+        if local_rank is not None and self.local_ranks_filter is not None and local_rank not in self.local_ranks_filter:
+            to_console = False
+        return to_file, to_console
+
+    def check(self, nproc_per_node: int, tree: bool) -> None:
+        """Against the launch: local ranks that exist; in tree mode the launcher's output is one stream."""
+        named = set(self.local_ranks_filter or ())
+        for value in (self.redirects, self.tee):
+            named |= {rank for rank, _ in (value.per_rank if value is not None else ())}
+        if tree and (self.local_ranks_filter is not None or len(named)):
+            raise UsageError("--tree: the launcher's output cannot be split by local rank; give --redirects/--tee "
+                             "as one value 0-3, and --local-ranks-filter to the launcher itself (torchrun has it)")
+        beyond = sorted(r for r in named if r >= nproc_per_node)
+        if beyond:
+            raise UsageError(f"local rank(s) {beyond} named in --redirects/--tee/--local-ranks-filter do not exist: "
+                             f"--nproc-per-node is {nproc_per_node} (local ranks 0..{nproc_per_node - 1})")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Flags of the built-in engine (used only when no command is given)."""
@@ -169,6 +257,7 @@ class LaunchSpec:
     engine_metrics_url: str | None = None  # external progress (engines whose collectives skip Python)
     engine_kind: str = "auto"
     engine: EngineOptions = field(default_factory=EngineOptions)
+    output: OutputOptions = field(default_factory=OutputOptions)
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -232,6 +321,7 @@ class LaunchSpec:
             raise UsageError(f"--dump-max-bytes {self.dump_max_bytes}: must be positive")
         if self.log_format not in ("console", "json"):
             raise UsageError(f"--log-format {self.log_format!r}: choose console or json")
+        self.output.check(self.nproc_per_node, self.tree)
         if self.tree and not self.command:
             raise UsageError("--tree needs a COMMAND after '--' (a launcher such as torchrun or vllm serve)")
         for flag, pair in (("--adaptive-floors", self.adaptive_floors), ("--adaptive-ceilings", self.adaptive_ceilings)):
@@ -377,6 +467,8 @@ def resolve_nproc(nproc_per_node: str | int | None, tp: int | None, nnodes: int,
 def preflight(spec: LaunchSpec) -> None:
     _check_command(spec)
     _check_dump_dir(spec.dump_dir)
+    if spec.output.log_dir is not None:
+        _check_dump_dir(spec.output.log_dir, "--log-dir")
     _check_gpus(spec)
     if spec.metrics_addr is not None and spec.metrics_addr[1] != 0:
         _check_port_free(spec.metrics_addr[0], spec.metrics_addr[1], "--metrics-addr")
@@ -406,14 +498,14 @@ def _check_command(spec: LaunchSpec) -> None:
         raise UsageError(f"command {exe!r} was not found on PATH; check the spelling or give its full path")
 
 
-def _check_dump_dir(path: Path) -> None:
+def _check_dump_dir(path: Path, flag: str = "--dump-dir") -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as exc:
         raise UsageError(
-            f"--dump-dir {str(path)!r} is not writable ({exc.strerror or exc}); choose a directory you can write"
+            f"{flag} {str(path)!r} is not writable ({exc.strerror or exc}); choose a directory you can write"
         ) from None
 
 
