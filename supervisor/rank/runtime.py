@@ -18,7 +18,8 @@ Environment it reads (set by ``supervise serve``; see docs/supervisor.md):
     SUPERVISE_SLOT            slot index of this rank (spawn mode)
     SUPERVISE_SLOT_BASE       first global rank of this node (tree mode: slot = rank - base)
     SUPERVISE_DEATH_FD        <fd>:<inode> of the death pipe's read end (EOF = supervisor gone)
-    SUPERVISE_SUPERVISOR_PID  pid of the supervisor (fallback for the death watch)
+    SUPERVISE_SUPERVISOR_PID  pid of the supervisor (fallback for the death watch; the rank lets
+                              it and its children ptrace it, see ``ptrace``)
     SUPERVISE_STACK_SIGNAL    signal on which the rank writes all threads' stacks
     SUPERVISE_RUN_DIR         per-run scratch directory (stack files live here)
 
@@ -99,6 +100,7 @@ class _Runtime:
             writer.claim(self.pid, rank, stack_signal, flags, time.monotonic())
             self.writer = writer
             os.environ[ENV_SLOT_OWNER] = str(self.pid)  # what this rank's own children inherit
+        _allow_supervisor_to_trace()
         self.start_death_watch()
         return True
 
@@ -142,6 +144,19 @@ class _Runtime:
         self.death_watch_started = True
         t = threading.Thread(target=_watch_death, args=(fds,), name="supervise-death-watch", daemon=True)
         t.start()
+
+
+def _allow_supervisor_to_trace() -> None:
+    """The supervisor and its children (py-spy) may ptrace this rank under Yama scope 1 (``ptrace``).
+
+    In spawn mode the supervisor already set it between fork and exec; a rank
+    that a launcher started (tree mode) or a wrapper forked sets it here.
+    """
+    sup = os.environ.get(ENV_SUPERVISOR_PID, "")
+    if sup.isdigit():
+        from .ptrace import allow_tracer  # ctypes: imported by the rank that claims a slot only
+
+        allow_tracer(int(sup))
 
 
 def _held_by_a_live_ancestor() -> bool:
