@@ -269,6 +269,7 @@ class IncidentDesk:
             "world_size": spec.world_size,
             "node_rank": spec.node_rank,
             "restarts": attempt.restarts,
+            "attempt": attempt.number,
             "command": spec.rank_argv(),
         }
 
