@@ -275,7 +275,7 @@ class RankOutput:
     def _fail_once(self, message: str) -> None:
         if not self._failed_once:
             self._failed_once = True
-            log.exception(message)
+            log.exception(message, event_name="rank_output_pump_failed")
 
     def _pass(self) -> None:
         self._take_incoming()
@@ -312,7 +312,7 @@ class RankOutput:
             stream.file = open(stream.file_path, "ab", buffering=0)
         except OSError as exc:
             stream.failed_file = True
-            log.error("rank output: cannot open the log file; that stream goes on without it",
+            log.error("rank log file not opened: that stream goes on without it",
                       path=str(stream.file_path), error=exc.strerror or repr(exc))
 
     def _select_timeout(self, now: float) -> float:
@@ -345,7 +345,7 @@ class RankOutput:
             try:
                 stream.file.write(data)
             except OSError as exc:
-                log.error("rank output: writing the log file failed; that stream goes on without it",
+                log.error("rank log file write failed: that stream goes on without it",
                           path=str(stream.file_path), error=exc.strerror or repr(exc))
                 self._close_file(stream)
         if not stream.console:
