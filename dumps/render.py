@@ -154,6 +154,8 @@ def render(summary: Mapping, console: Console, stacks: Mapping[int, str] | None 
     if isinstance(error, Mapping) and (error.get("traceback") or error.get("message")):
         culprits = summary.get("culprit_ranks") or []
         title = f"exception of rank {culprits[0]}" if culprits else "exception"
+        if error.get("source") == "stderr":  # no @record error file: the last traceback of its stderr
+            title += " (from its stderr)"
         body = str(error.get("traceback") or error.get("message")).rstrip()
         lines = body.splitlines()
         if len(lines) > MAX_STACK_LINES:

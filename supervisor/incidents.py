@@ -50,6 +50,7 @@ from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget
 from tp_supervise.dumps.incident import IncidentResult, capture_incident, write_captured, write_incident
 from .exits import ExitInfo
+from . import output
 from .launch import error_file
 from .outcome import new_incident_id
 from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
@@ -77,6 +78,11 @@ SETTLE_MIN_S = 1.0
 # The main thread checks a second stop signal this often while it waits for a capture.
 WAIT_SLICE_S = 0.02
 SOFT_WORKER_JOIN_S = 0.5
+# A dead rank's last stderr: the dump thread waits at most this long for the pump to reach its EOF.
+STDERR_DRAIN_S = 0.5
+TRACEBACK_HEAD = "Traceback (most recent call last):"
+TRACEBACK_MAX_LINES = 400
+EXCEPTION_NOTE_LINES = 20
 
 
 def read_error_file(path: Path) -> tuple[bytes, str, str] | None:
@@ -103,6 +109,35 @@ def read_error_file(path: Path) -> tuple[bytes, str, str] | None:
         message = message.get("message")
     text = str(message or "").strip().splitlines()
     return raw, (text[-1][:500] if text else ""), str(extra.get("py_callstack", ""))[-ERROR_TRACEBACK_CHARS:]
+
+
+def last_traceback(text: str) -> tuple[str, str] | None:
+    """The last Python traceback in a rank's stderr: (exception line, traceback text), or None.
+
+    From the last ``Traceback (most recent call last):`` (so a chained exception yields the final one),
+    through its indented frame lines, to the exception line and what follows it up to a blank line
+    (a multi-line message, notes).  A ``[rankN]:`` prefix (torchrun's) is ignored."""
+    lines = [_strip_rank_prefix(line) for line in text.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.strip() == TRACEBACK_HEAD]
+    for start in reversed(starts):
+        i = start + 1
+        while i < len(lines) and (lines[i].startswith(" ") or not lines[i].strip()):
+            i += 1
+        if i >= len(lines) or i == start + 1:
+            continue  # cut off before its exception line, or not a traceback after all
+        end = i + 1
+        while end < len(lines) and end - i < EXCEPTION_NOTE_LINES and lines[end].strip() \
+                and lines[end].strip() != TRACEBACK_HEAD:
+            end += 1
+        block = lines[start:end][-TRACEBACK_MAX_LINES:]
+        return lines[i].strip()[:500], "\n".join(block)[-ERROR_TRACEBACK_CHARS:]
+    return None
+
+
+def _strip_rank_prefix(line: str) -> str:
+    if line.startswith("[rank") and "]:" in line[:16]:
+        return line.split("]:", 1)[1]
+    return line
 
 
 def _wall_clock(monotonic_at: float | None) -> datetime:
@@ -301,8 +336,12 @@ class IncidentDesk:
         extra_files: dict | None,
         detected_at: float,
         freeze: bool,
+        late: "Callable[[], tuple[dict, dict]] | None" = None,
     ) -> None:
-        """Capture (then ``job.captured``), write (then ``job.done``); on a dump thread, never raises."""
+        """Capture (then ``job.captured``), write (then ``job.done``); on a dump thread, never raises.
+
+        ``late()``: evidence taken after the capture, during the teardown (a dead rank's last stderr),
+        as (summary fields, files)."""
         reason = job.reason
         summary = dict(self._base_summary(attempt), **extra_summary)
         try:
@@ -328,6 +367,11 @@ class IncidentDesk:
             return
         job.captured.set()
         try:
+            if late is not None:
+                late_summary, late_files = late()
+                extra_summary = dict(extra_summary, **late_summary)
+                summary.update(late_summary)
+                extra_files = dict(extra_files or {}, **late_files)
             incomplete = None
             if job.abandoned:
                 incomplete = {
@@ -363,6 +407,7 @@ class IncidentDesk:
         files: dict | None = None,
         detected_at: float | None = None,
         freeze: bool = False,
+        late: "Callable[[], tuple[dict, dict]] | None" = None,
     ) -> DumpJob:
         """Start a fatal dump on its own thread; return once its capture ended, or
         after ``--dump-timeout`` (or a second stop signal) without it."""
@@ -374,7 +419,7 @@ class IncidentDesk:
         capture_s = min(capture_s, timeout)
         thread = threading.Thread(
             target=self._make,
-            args=(job, attempt, capture_s, extra, files, detected_at, freeze),
+            args=(job, attempt, capture_s, extra, files, detected_at, freeze, late),
             name=f"dump-{reason}",
             daemon=True,
         )
@@ -461,10 +506,39 @@ class IncidentDesk:
         if error is not None:
             raw, message, traceback_text = error
             files[f"logs/rank-{first.rank}.error.json"] = raw
-            extra["error"] = {"message": message, "traceback": traceback_text}
+            extra["error"] = {"message": message, "traceback": traceback_text, "source": "error_file"}
             if message:
                 extra["verdict"] = f"{verdict}: {message}"
-        self._fatal("rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, files or None, detected_at=first.exited_at)
+        late = self._stderr_evidence(first, extra["verdict"], with_error=error is None)
+        self._fatal("rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, files or None, detected_at=first.exited_at,
+                    late=late)
+
+    def _stderr_evidence(self, first: "RankView", verdict: str, with_error: bool):
+        """The failing process's last stderr (``logs/rank-<r>.stderr.txt``), read on the dump thread once the
+        pump drained its pipe (at most ``STDERR_DRAIN_S``); without an ``@record`` error, its last Python
+        traceback becomes the bundle's ``error`` and the verdict quotes the exception line.  In tree mode a
+        rank's output is the launcher's: its tail is the evidence."""
+        pump = output.installed()
+        rank = None if first.is_launcher or self.spec.tree else first.rank
+        tail = pump.stderr_tail(rank) if pump is not None else None
+        if tail is None:
+            return None
+        name = "launcher" if rank is None else f"rank-{rank}"
+
+        def late() -> tuple[dict, dict]:
+            tail.wait_drained(STDERR_DRAIN_S)
+            data = tail.data()
+            if not data:
+                return {}, {}
+            files = {f"logs/{name}.stderr.txt": data}
+            found = last_traceback(data.decode("utf-8", "replace")) if with_error else None
+            if found is None:
+                return {}, files
+            message, traceback_text = found
+            return {"error": {"message": message, "traceback": traceback_text, "source": "stderr"},
+                    "verdict": f"{verdict}: {message}"}, files
+
+        return late
 
     def _watchdog_extra(self, ev: "WatchdogVerdict") -> dict:
         v = ev.verdict
