@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tp_supervise.supervisor import launch
+from tp_supervise.supervisor import launch, procs
 from tp_supervise.supervisor.launch import RankSpec, RunContext
 from tp_supervise.supervisor.monitor import ExitMonitor
 from tp_supervise.supervisor.teardown import KillPolicy, teardown
@@ -49,7 +49,15 @@ def _ctx(run_dir: Path, death_r: int, n: int) -> RunContext:
 
 def _spawn(ctx: RunContext, slot: int, code: str):
     env = launch.rank_env(dict(os.environ), ctx, slot)
-    return launch.spawn(RankSpec(slot, slot, (sys.executable, "-c", code), env), ctx)
+    handle = launch.spawn(RankSpec(slot, slot, (sys.executable, "-c", code), env), ctx)
+    handle.proc = procs.Pidfd(handle.pid, os.pidfd_open(handle.pid), child=True)
+    return handle
+
+
+def _reap(handle) -> None:
+    handle.proc.wait(reap=True)  # the monitor leaves the zombie (WNOWAIT): its owner reaps
+    handle.proc.close()
+    handle.popen.returncode = -9
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -67,7 +75,7 @@ def death_notice(kills: int, ranks: int) -> list[float]:
         ctx = _ctx(Path(tmp), death_r, ranks)
         handles = {slot: _spawn(ctx, slot, SLEEPER) for slot in range(ranks)}
         for slot, h in handles.items():
-            monitor.watch(slot, h.pid, os.pidfd_open(h.pid))
+            monitor.watch(slot, h.proc)
         time.sleep(0.5)
         for i in range(kills):
             slot = i % ranks
@@ -76,14 +84,18 @@ def death_notice(kills: int, ranks: int) -> list[float]:
             os.kill(h.pid, signal.SIGKILL)
             ev = events.get(timeout=10)
             latencies.append(ev.at - t0)
-            h.popen.returncode = -9
+            monitor.release([h.proc])
+            _reap(h)
             handles[slot] = _spawn(ctx, slot, SLEEPER)
-            monitor.watch(slot, handles[slot].pid, os.pidfd_open(handles[slot].pid))
+            monitor.watch(slot, handles[slot].proc)
             time.sleep(0.02)
         for h in handles.values():
             os.kill(h.pid, signal.SIGKILL)
         for _ in handles:
             events.get(timeout=10)
+        for h in handles.values():
+            monitor.release([h.proc])
+            _reap(h)
     monitor.stop()
     os.close(death_r)
     os.close(death_w)
@@ -102,7 +114,7 @@ def teardown_time(ranks: int, ignore_term: bool, grace: float, rounds: int) -> l
             code = IGNORER if ignore_term else SLEEPER
             handles = [_spawn(ctx, slot, code) for slot in range(ranks)]
             for h in handles:
-                monitor.watch(("rank", h.slot), h.pid, os.pidfd_open(h.pid))
+                monitor.watch(("rank", h.slot), h.proc)
             time.sleep(1.0)
             keys = {("rank", h.slot) for h in handles}
             t0 = time.monotonic()
@@ -110,8 +122,11 @@ def teardown_time(ranks: int, ignore_term: bool, grace: float, rounds: int) -> l
                 handles,
                 ctx.run_id,
                 KillPolicy(grace_s=grace),
-                wait_ranks_reaped=lambda d: monitor.wait_all_exited(keys, d),
+                wait_ranks_reported=lambda d: monitor.wait_all_exited(keys, d),
             )
+            monitor.release([h.proc for h in handles])
+            for h in handles:
+                h.proc.close()
             times.append(time.monotonic() - t0)
             assert result.complete, result
         monitor.stop()

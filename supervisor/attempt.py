@@ -75,6 +75,7 @@ class AttemptView:
     launcher: RankView | None
     restarts: int  # restarts before this attempt (what its bundles report)
     finished: bool  # the attempt's outcome is decided: no more verdicts wanted
+    number: int = 0  # 1, 2, … one per launch of the group (0: none yet); events carry it
 
     @property
     def launched(self) -> bool:
@@ -94,9 +95,11 @@ class Attempt:
     ``publish`` receives a new ``AttemptView`` after every change.
     """
 
-    def __init__(self, publish: Callable[[AttemptView], None], started_at: float = 0.0, restarts: int = 0):
+    def __init__(self, publish: Callable[[AttemptView], None], started_at: float = 0.0, restarts: int = 0,
+                 number: int = 0):
         self.started_at = started_at
         self.restarts = restarts
+        self.number = number
         self._ranks: dict[int, RankHandle] = {}  # slot → handle
         self.launcher: RankHandle | None = None
         self.first_failure: tuple[RankHandle, ExitInfo] | None = None
@@ -150,4 +153,5 @@ class Attempt:
             launcher=None if self.launcher is None else RankView.of(self.launcher),
             restarts=self.restarts,
             finished=self.outcome is not None,
+            number=self.number,
         )

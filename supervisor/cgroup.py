@@ -137,6 +137,23 @@ class RunCgroup:
         except (OSError, ValueError):
             return set()
 
+    def holds(self, pid: int) -> bool:
+        """``pid`` is in the run's cgroup (or below it) now, from /proc/<pid>/cgroup."""
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return False
+        for line in lines:
+            parts = line.split(":", 2)
+            if len(parts) != 3:
+                continue
+            hier, controllers, path = parts
+            ours = (hier == "0" and controllers == "") if self.kind == "v2" else "pids" in controllers.split(",")
+            if ours and self.path.name in path.strip("/").split("/"):
+                return True
+        return False
+
     def kill(self) -> None:
         """SIGKILL every process in the run's cgroup (cgroup.kill on v2, else one by one)."""
         if self.kind == "v2":

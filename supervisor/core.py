@@ -77,6 +77,9 @@ from .state import EngineState, Event, next_state
 from .teardown import KillPolicy, TeardownResult, teardown
 from .watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict
 
+# Events produced for one attempt (they carry its number): acted on only in that attempt.
+ATTEMPT_EVENTS = (ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed)
+
 log = structlog.get_logger("supervise")
 
 
@@ -291,25 +294,36 @@ class Supervisor:
 
     def _launch(self) -> None:
         assert self.ctx is not None
-        self.attempt = Attempt(self.attempt_view.set, started_at=time.monotonic(), restarts=self.restart.restarts)
+        self.attempt = Attempt(self.attempt_view.set, started_at=time.monotonic(), restarts=self.restart.restarts,
+                               number=self.attempt.number + 1)
+        logs.bind_attempt(self.attempt.number)
         self.suspicions = set()
         extra_env = self.services.rank_env
         if self.spec.tree:
             env = launch.rank_env(self.base_env, self.ctx, None, extra_env(None))
             spec = RankSpec(slot=-1, rank=-1, argv=tuple(self.spec.rank_argv()), env=env)
-            handle = launch.spawn(spec, self.ctx)
-            self.attempt.set_launcher(handle)
-            self.monitor.watch(LAUNCHER_KEY, handle.pid, os.pidfd_open(handle.pid), child=True)
+            with self.monitor.spawning():
+                handle = self._spawn(spec)
+                self.attempt.set_launcher(handle)
+                self.monitor.watch(LAUNCHER_KEY, handle.proc, self.attempt.number)
             log.info("launcher started", pid=handle.pid)
             return
         for slot in range(self.spec.nproc_per_node):
             rank = self.spec.rank_offset + slot
             env = launch.rank_env(self.base_env, self.ctx, slot, extra_env(slot), restart_count=self.restart.restarts)
             spec = RankSpec(slot=slot, rank=rank, argv=tuple(self.spec.rank_argv()), env=env)
-            handle = launch.spawn(spec, self.ctx)
-            self.attempt.add_rank(handle)
-            self.monitor.watch(("rank", slot), handle.pid, os.pidfd_open(handle.pid), child=True)
+            with self.monitor.spawning():
+                handle = self._spawn(spec)
+                self.attempt.add_rank(handle)
+                self.monitor.watch(("rank", slot), handle.proc, self.attempt.number)
             log.info("rank started", rank=rank, pid=handle.pid)
+
+    def _spawn(self, spec: RankSpec) -> RankHandle:
+        """Start one process and hold it by pidfd from now on.  Opening the pidfd after the fork
+        is race-free: the process is our unreaped child, its pid cannot change hands."""
+        handle = launch.spawn(spec, self.ctx)
+        handle.proc = procs.Pidfd(handle.pid, os.pidfd_open(handle.pid), child=True)
+        return handle
 
     def _run_attempt(self) -> Outcome:
         if self.stopping is not None:
@@ -330,6 +344,9 @@ class Supervisor:
         handler = self.handlers.get(type(ev))
         if handler is None:
             log.debug("ignored event", kind=type(ev).__name__)
+            return
+        if isinstance(ev, ATTEMPT_EVENTS) and ev.attempt != self.attempt.number:
+            log.debug("stale event dropped", kind=type(ev).__name__, event_attempt=ev.attempt)
             return
         handler(ev)
 
@@ -446,7 +463,7 @@ class Supervisor:
             log.debug("rank exited during shutdown", rank=handle.rank, pid=handle.pid, cause=info.description)
         elif ruling.meaning is Meaning.RECHECK:
             # Peers of a finishing job exit within moments: check again shortly.
-            check = EarlyExitCheck(handle.slot, handle.pid)
+            check = EarlyExitCheck(handle.slot, handle.pid, self.attempt.number)
             timer = threading.Timer(EARLY_EXIT_WINDOW_S, self.post, args=(check,))
             timer.name = f"early-exit-check-{handle.slot}"
             timer.daemon = True
@@ -490,9 +507,15 @@ class Supervisor:
             return
         spec = RankSpec(slot=ev.slot, rank=ev.rank, argv=(), env={})
         handle = RankHandle(spec=spec, pid=ev.pid, started_at=time.monotonic())
+        # Held by pidfd from the claim on: the process the pidfd names carries this run's marker.
+        marker = procs.run_marker(self.run_key)
+        handle.proc = procs.open_verified(ev.pid, lambda pid: procs.has_run_marker(pid, marker))
         self.attempt.add_rank(handle)
         log.info("rank joined the group", rank=ev.rank, pid=ev.pid)
-        self.monitor.watch(("tree-rank", ev.slot), ev.pid, child=False)
+        if handle.proc is None:  # gone already (or not ours): its exit is all there is to report
+            self.post(ProcessExited(("tree-rank", ev.slot), ev.pid, None, time.monotonic(), self.attempt.number))
+            return
+        self.monitor.watch(("tree-rank", ev.slot), handle.proc, self.attempt.number)
 
     def _on_watchdog(self, ev: WatchdogVerdict) -> None:
         if self.attempt.outcome is not None:
@@ -569,14 +592,22 @@ class Supervisor:
         kind = "tree-rank" if self.spec.tree else "rank"  # the keys _launch/_on_claimed watch under
         keys = {(kind, h.slot) for h in self.attempt.ranks.values()} | {LAUNCHER_KEY}
         policy = KillPolicy(grace_s=self.spec.kill_grace, immediate=immediate, hurry=self.hurry)
-        result = teardown(
-            handles,
-            self.run_key,
-            policy,
-            wait_ranks_reaped=lambda deadline: self.monitor.wait_all_exited(keys, deadline),
-            gpu_holders=self.services.gpu_check() if self.services is not None else None,
-            cgroup=self.cgroup,
-        )
+        try:
+            result = teardown(
+                handles,
+                self.run_key,
+                policy,
+                wait_ranks_reported=lambda deadline: self.monitor.wait_all_exited(keys, deadline),
+                gpu_holders=self.services.gpu_check() if self.services is not None else None,
+                cgroup=self.cgroup,
+                keep=self.monitor.kept_pids,
+            )
+        finally:
+            # The attempt's pidfds end with it (reaped, or survivors reported): no fd outlives an attempt.
+            held = [h.proc for h in handles if h.proc is not None]
+            self.monitor.release(held)
+            for proc in held:
+                proc.close()
         self.last_teardown = result
         if self.hurry.is_set() and not immediate:
             log.warning("second stop signal: grace period cut short, remaining processes were killed")
@@ -588,6 +619,7 @@ class Supervisor:
             "duration_s": round(result.duration_s, 3),
             "escalated": result.escalated,
             "gpu_memory_verified": result.gpu_checked,
+            "marker_scans": result.marker_scans,
         }
         if result.survivors:
             log.error(

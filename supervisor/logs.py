@@ -43,7 +43,7 @@ _HEADLINE_END = re.compile(r"[:;(]")
 _NOT_NAME = re.compile(r"[^a-z0-9]+")
 _SKIPPED_MODULES = ("structlog", "logging")
 
-_run: dict[str, str] = {}
+_run: dict[str, object] = {}
 
 
 def event_name(text: str) -> str:
@@ -75,10 +75,10 @@ def _module_logger(*_names: str) -> logging.Logger:
 
 
 def _add_run_id(_logger, _method, event: dict) -> dict:
-    """Every line of every thread carries the run id (contextvars do not
-    cross into the supervisor's threads)."""
-    if _run:
-        event.setdefault("run_id", _run["run_id"])
+    """Every line of every thread carries the run id and, once the group was
+    launched, the attempt (contextvars do not cross into the supervisor's threads)."""
+    for key, value in _run.items():
+        event.setdefault(key, value)
     return event
 
 
@@ -201,3 +201,8 @@ def configure(fmt: str = "console", level: int = logging.INFO, stream=None) -> N
 def bind_run(run_id: str) -> None:
     """From now on every log line names this run."""
     _run["run_id"] = run_id
+
+
+def bind_attempt(number: int) -> None:
+    """From now on every log line names this attempt (1, 2, … with --max-restarts)."""
+    _run["attempt"] = number

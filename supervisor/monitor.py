@@ -1,60 +1,84 @@
-"""Exit monitor: a named thread that blocks on pidfds and reports each exit.
+"""Exit monitor: a named thread that blocks on pidfds, reports each exit, reaps orphans.
 
-No sleep-polling: the thread sleeps in ``poll()`` on the pidfds of every
-watched process plus a wake-up pipe, so a death is reported the moment the
-kernel marks the process exited.  Our own children are reaped here with
-``waitid(P_PIDFD)`` (which gives code, signal and core-dump flag); processes
-that are not our children (tree-mode ranks) are only reported as gone.
+No sleep-polling for exits: the thread sleeps in ``poll()`` on the pidfds of
+every watched process plus a wake-up pipe, so a death is reported the moment
+the kernel marks the process exited.
+
+Watched processes (ranks, the launcher, tree-mode ranks) are *not* reaped
+here: ``waitid(P_PIDFD, WNOWAIT)`` reads the status (code, signal, core-dump
+flag) and leaves the zombie, so the pid, and the process group a rank leads,
+cannot be reused until the teardown has signalled that group and reaps it
+(``teardown``).  A tree-mode rank is not our child until its launcher dies
+and it reparents to us (the subreaper): from then on its exit is read the
+same way; before, it is only reported as gone (its status belongs to its own
+parent).
+
+Everything else that reparents to the subreaper (a rank's double-forked
+children, a dead launcher's workers) is reaped continuously, every
+REAP_INTERVAL_S, by pid and never with ``waitpid(-1)``
+(``procs.reap_orphans``): a long run collects no zombies.  Processes being
+spawned are protected by ``spawning()``: the sweep never runs between a fork
+and the ``watch`` of its child.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import structlog
 
 from . import procs
 from .exits import ExitStatus
+from .procs import Pidfd
 
 log = structlog.get_logger("supervise.monitor")
 
 THREAD_JOIN_S = 2.0
 ERROR_BACKOFF_S = 0.05  # after a failed pass, before the next (never a busy loop)
+# How often zombies that reparented to us are looked for (bounds how long one stays a zombie).
+REAP_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True)
 class ProcessExited:
-    """Event: a watched process ended.  ``status`` is None for non-children."""
+    """Event: a watched process ended.  ``status`` is None when it was not our child.
+
+    ``attempt``: the number of the attempt the process belongs to."""
 
     key: object
     pid: int
     status: ExitStatus | None
     at: float
+    attempt: int = 0
 
 
 @dataclass
 class _Watch:
     key: object
-    pid: int
-    fd: int
-    child: bool
+    proc: Pidfd
+    attempt: int
 
 
 class ExitMonitor:
     def __init__(self, post: Callable[[ProcessExited], None]):
         self._post = post
         self._lock = threading.Lock()
-        self._watches: dict[int, _Watch] = {}
+        self._watches: dict[int, _Watch] = {}  # fd → watch, until the exit is reported
+        self._kept: dict[int, Pidfd] = {}  # pid → watched process, until its owner released it
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="exit-monitor", daemon=True)
         self._exited = threading.Condition(self._lock)
         self._pending: set[object] = set()
+        self._reap_lock = threading.Lock()  # held by a sweep, and from a fork until its watch
+        self._next_sweep = 0.0
+        self.orphans_reaped = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -64,28 +88,44 @@ class ExitMonitor:
         self._wake()
         self._thread.join(timeout=THREAD_JOIN_S)
         with self._lock:
-            for w in self._watches.values():
-                os.close(w.fd)
             self._watches.clear()
+            self._kept.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
-    def watch(self, key: object, pid: int, pidfd: int | None = None, child: bool = True) -> bool:
-        """Watch ``pid`` (pass the pidfd of a child started by us)."""
-        if pidfd is None:
-            try:
-                pidfd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                self._post(ProcessExited(key, pid, None, time.monotonic()))
-                return False
+    @contextlib.contextmanager
+    def spawning(self) -> Iterator[None]:
+        """Around a spawn and the ``watch`` of its child: no sweep can reap it in between."""
+        with self._reap_lock:
+            yield
+
+    def watch(self, key: object, proc: Pidfd, attempt: int = 0) -> None:
+        """Report the end of ``proc`` (the caller owns the pidfd; ``release`` it once reaped)."""
         with self._lock:
-            self._watches[pidfd] = _Watch(key, pid, pidfd, child)
+            self._watches[proc.fd] = _Watch(key, proc, attempt)
+            self._kept[proc.pid] = proc
             self._pending.add(key)
         self._wake()
-        return True
+
+    def release(self, procs_: list[Pidfd]) -> None:
+        """The owner reaped (or gave up on) these: forget them before it closes their pidfds."""
+        with self._exited:
+            for proc in procs_:
+                w = self._watches.pop(proc.fd, None)
+                if w is not None:
+                    self._pending.discard(w.key)
+                if self._kept.get(proc.pid) is proc:
+                    del self._kept[proc.pid]
+            self._exited.notify_all()
+        self._wake()
+
+    def kept_pids(self) -> set[int]:
+        """Pids whose status belongs to the monitor's owner (never reaped as orphans)."""
+        with self._lock:
+            return set(self._kept)
 
     def wait_all_exited(self, keys: set[object], deadline: float) -> bool:
-        """Block until none of ``keys`` is still watched, or the deadline passes."""
+        """Block until every one of ``keys`` was reported, or the deadline passes."""
         with self._exited:
             while self._pending & keys:
                 left = deadline - time.monotonic()
@@ -115,7 +155,8 @@ class ExitMonitor:
             fds = list(self._watches)
         for fd in fds:
             poller.register(fd, select.POLLIN)
-        for fd, _ev in poller.poll():
+        timeout_ms = max(0.0, self._next_sweep - time.monotonic()) * 1000
+        for fd, _ev in poller.poll(timeout_ms):
             if fd == self._wake_r:
                 try:
                     while os.read(self._wake_r, 4096):
@@ -124,6 +165,16 @@ class ExitMonitor:
                     pass
                 continue
             self._handle(fd)
+        if time.monotonic() >= self._next_sweep and not self._stop:
+            self._sweep()
+            self._next_sweep = time.monotonic() + REAP_INTERVAL_S
+
+    def _sweep(self) -> None:
+        with self._reap_lock:
+            reaped = procs.reap_orphans(self.kept_pids())
+        if reaped:
+            self.orphans_reaped += reaped
+            log.debug("reaped orphans", count=reaped, total=self.orphans_reaped)
 
     def _handle(self, fd: int) -> None:
         with self._lock:
@@ -131,22 +182,18 @@ class ExitMonitor:
         if w is None:
             return
         status = None
-        if w.child:
-            try:
-                result = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
-            except ChildProcessError:
-                result = None
-            if result is None:
-                # Readable but not reapable: someone else reaped it, or a
-                # spurious wake-up; confirm with the process state.
-                if not procs.is_gone(w.pid):
-                    return
-            else:
+        try:
+            result = w.proc.wait(reap=False)  # the zombie stays: its pid is the teardown's to release
+        except ChildProcessError:
+            result = None  # not our child (a tree-mode rank its launcher reaps)
+        else:
+            if result is not None:
                 status = ExitStatus.from_waitid(result)
+            elif not procs.is_gone(w.proc.pid):
+                return  # a spurious wake-up
         at = time.monotonic()
         with self._exited:
             self._watches.pop(fd, None)
             self._pending.discard(w.key)
             self._exited.notify_all()
-        os.close(fd)
-        self._post(ProcessExited(w.key, w.pid, status, at))
+        self._post(ProcessExited(w.key, w.proc.pid, status, at, w.attempt))

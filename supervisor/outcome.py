@@ -49,6 +49,7 @@ class EarlyExitCheck:
 
     slot: int
     pid: int
+    attempt: int = 0  # the attempt the rank belongs to
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,22 @@
-"""Finding every process of a run and reaping what reparents to us.
+"""Finding every process of a run, holding each by a pidfd, reaping what reparents to us.
 
 A process belongs to the run when it descends from the supervisor (we are a
-child subreaper, so double-forked and ``setsid`` escapees reparent to us) or
-when its environment carries ``SUPERVISE_RUN_KEY=<run key>`` (covers processes
-that left the tree some other way; the key is the run id, plus the node rank
-when the run spans nodes, so two nodes of one run on one host never touch each
-other's processes).
+child subreaper, so double-forked and ``setsid`` escapees reparent to us),
+when it is in the run's cgroup, or when its environment carries
+``SUPERVISE_RUN_KEY=<run key>`` (covers processes that left the tree some
+other way; the key is the run id, plus the node rank when the run spans
+nodes, so two nodes of one run on one host never touch each other's
+processes).
+
+Every process found is held by a pidfd (``Pidfd``) and signalled through it
+(``pidfd_send_signal``): once a process is reaped its pidfd names nobody, so
+a pid reused by an unrelated process is never signalled.  A pidfd is trusted
+only when the evidence that the process is ours was read *after* the pidfd
+was opened and the process still held its pid after the read::
+
+    fd = pidfd_open(pid)  →  evidence from /proc/<pid>  →  pidfd_send_signal(fd, 0) ok
+                              (marker, cgroup, parent)      (it never let go of the pid,
+                                                             so /proc/<pid> was that process)
 """
 
 from __future__ import annotations
@@ -13,8 +24,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import select
+import signal
 import threading
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import psutil
 import structlog
@@ -47,30 +61,40 @@ class ProcInfo:
     state: str  # R S D T t Z X
     name: str
     wchan: str = ""
+    session: int = 0
 
     def describe(self) -> str:
         wchan = f", wchan {self.wchan}" if self.wchan and self.wchan != "0" else ""
         return f"pid {self.pid} ({self.name}, state {self.state}{wchan})"
 
 
-def proc_info(pid: int) -> ProcInfo | None:
-    """State from /proc/<pid>/stat (parsed past the parenthesised name)."""
+def _stat(pid: int) -> tuple[str, list[str]] | None:
+    """(name, fields after the name) of /proc/<pid>/stat; parsed past the parenthesised name."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode("utf-8", "replace")
     except OSError:
         return None
     close = raw.rfind(")")
-    name = raw[raw.find("(") + 1 : close]
     fields = raw[close + 2 :].split()
-    if len(fields) < 2:
+    if len(fields) < 4:
         return None
-    try:
-        with open(f"/proc/{pid}/wchan") as f:
-            wchan = f.read().strip()
-    except OSError:
-        wchan = ""
-    return ProcInfo(pid=pid, ppid=int(fields[1]), state=fields[0], name=name, wchan=wchan)
+    return raw[raw.find("(") + 1 : close], fields
+
+
+def proc_info(pid: int, wchan: bool = True) -> ProcInfo | None:
+    parsed = _stat(pid)
+    if parsed is None:
+        return None
+    name, fields = parsed
+    where = ""
+    if wchan:
+        try:
+            with open(f"/proc/{pid}/wchan") as f:
+                where = f.read().strip()
+        except OSError:
+            pass
+    return ProcInfo(pid=pid, ppid=int(fields[1]), state=fields[0], name=name, wchan=where, session=int(fields[3]))
 
 
 def has_run_marker(pid: int, marker: bytes) -> bool:
@@ -81,38 +105,227 @@ def has_run_marker(pid: int, marker: bytes) -> bool:
         return False
 
 
+def run_marker(run_key: str) -> bytes:
+    return f"SUPERVISE_RUN_KEY={run_key}".encode()  # supervisor.launch.ENV_RUN_KEY
+
+
+class Pidfd:
+    """One process, by pidfd: a signal reaches it or nobody.
+
+    ``child``: we started it, so it is ours to reap.  While such a child is
+    not reaped its pid (and the process group it leads) cannot be reused, which
+    is what makes ``killpg`` by number safe (``launch.signal_group``).  The
+    owner closes it.
+    """
+
+    __slots__ = ("pid", "fd", "child", "reaped")
+
+    def __init__(self, pid: int, fd: int, child: bool = False):
+        self.pid = pid
+        self.fd = fd
+        self.child = child
+        self.reaped = False
+
+    @classmethod
+    def open(cls, pid: int, child: bool = False) -> "Pidfd | None":
+        try:
+            return cls(pid, os.pidfd_open(pid), child)
+        except OSError:
+            return None
+
+    def __repr__(self) -> str:
+        return f"Pidfd(pid={self.pid}, fd={self.fd})"
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def send(self, signum: int) -> bool:
+        """Signal the process; False once it is gone (0: does it still hold its pid, zombie or not)."""
+        if self.fd < 0:
+            return False
+        try:
+            signal.pidfd_send_signal(self.fd, signum)
+            return True
+        except OSError:
+            return False
+
+    def exited(self) -> bool:
+        """It ended (a zombie or reaped): the pidfd is readable."""
+        if self.fd < 0:
+            return True
+        return bool(select.select([self.fd], [], [], 0)[0])
+
+    def wait(self, reap: bool):
+        """``waitid`` on the pidfd without blocking: the result, or None while it runs.
+
+        ``reap=False`` leaves the zombie (and with it the pid) in place.
+        Raises ChildProcessError when it is not (or no longer) our child.
+        """
+        flags = os.WEXITED | os.WNOHANG | (0 if reap else os.WNOWAIT)
+        result = os.waitid(os.P_PIDFD, self.fd, flags)
+        if reap and result is not None:
+            self.reaped = True
+        return result
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_verified(pid: int, evidence: Callable[[int], bool], child: bool = False) -> Pidfd | None:
+    """A pidfd for ``pid`` if ``evidence(pid)`` holds for the very process the pidfd names."""
+    proc = Pidfd.open(pid, child)
+    if proc is None:
+        return None
+    if evidence(pid) and proc.send(0):
+        return proc
+    proc.close()
+    return None
+
+
 # Reading /proc/<pid>/environ takes the target's mmap lock: a process stuck in
 # uninterruptible sleep while holding it would block the reader.  The marker
 # scan therefore runs on a worker thread with this deadline.
 MARKER_SCAN_TIMEOUT_S = 2.0
 
 
-def _marked(run_id: str, skip: set[int]) -> set[int]:
-    marker = f"SUPERVISE_RUN_KEY={run_id}".encode()  # supervisor.launch.ENV_RUN_KEY
-    found = set()
+class _MarkerScan:
+    """One walk of /proc for the run marker, on a worker thread that may be left behind."""
+
+    def __init__(self, marker: bytes, skip: set[int]):
+        self._marker = marker
+        self._skip = skip
+        self._lock = threading.Lock()
+        self._found: list[Pidfd] = []
+        self._taken = False
+        self._done = threading.Event()
+
+    def run(self, timeout: float) -> tuple[list[Pidfd], bool]:
+        thread = threading.Thread(target=self._walk, name="marker-scan", daemon=True)
+        thread.start()
+        complete = self._done.wait(timeout)
+        with self._lock:
+            self._taken = True  # what it finds from now on, it closes itself
+            return list(self._found), complete
+
+    def _walk(self) -> None:
+        try:
+            for entry in os.listdir("/proc"):
+                if self._taken:
+                    return  # given up on: nobody reads what comes next
+                if not entry.isdigit() or int(entry) in self._skip:
+                    continue
+                proc = open_verified(int(entry), lambda pid: has_run_marker(pid, self._marker))
+                if proc is None:
+                    continue
+                with self._lock:
+                    if self._taken:
+                        proc.close()
+                        return
+                    self._found.append(proc)
+        finally:
+            self._done.set()
+
+
+def _children_map() -> dict[int, list[int]]:
+    """ppid → pids of every live (non-zombie) process, from /proc/<pid>/stat."""
+    out: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) not in skip and has_run_marker(int(entry), marker):
-            found.add(int(entry))
-    return found
+        if not entry.isdigit():
+            continue
+        parsed = _stat(int(entry))
+        if parsed is None or parsed[1][0] in ("Z", "X"):
+            continue
+        out.setdefault(int(parsed[1][1]), []).append(int(entry))
+    return out
 
 
-def run_processes(run_id: str, root_pid: int | None = None) -> set[int]:
-    """Every live (or zombie) process of the run, excluding the supervisor."""
-    me = root_pid or os.getpid()
-    found = set(descendants(me))
-    result: list[set[int]] = []
-    scan = threading.Thread(
-        target=lambda: result.append(_marked(run_id, found | {me})), name="marker-scan", daemon=True
-    )
-    scan.start()
-    scan.join(MARKER_SCAN_TIMEOUT_S)
-    if result:
-        found |= result[0]
-    else:
-        log.warning("process scan for the run marker timed out; using descendants only",
-                    timeout_s=MARKER_SCAN_TIMEOUT_S)
-    found.discard(me)
-    return found
+class RunProcesses:
+    """The processes of one run, each held by a verified pidfd (``close()`` releases them).
+
+    ``scan()`` is the one walk of /proc for the run marker (it reads every
+    process's environment: up to MARKER_SCAN_TIMEOUT_S); ``refresh()`` adds what
+    appeared since from the cheap sources only: the supervisor's descendants
+    (/proc/<pid>/stat) and the run's cgroup.
+    """
+
+    def __init__(self, run_key: str, root_pid: int | None = None,
+                 cgroup_pids: Callable[[], set[int]] | None = None,
+                 in_cgroup: Callable[[int], bool] | None = None):
+        self.marker = run_marker(run_key)
+        self.root = root_pid or os.getpid()
+        self._cgroup_pids = cgroup_pids
+        self._in_cgroup = in_cgroup
+        self.held: dict[int, Pidfd] = {}
+        self.marker_scans = 0
+
+    def scan(self, timeout: float = MARKER_SCAN_TIMEOUT_S) -> list[Pidfd]:
+        """Descendants, cgroup members, then every marked process: the new ones."""
+        new = self.refresh()
+        self.marker_scans += 1
+        found, complete = _MarkerScan(self.marker, set(self.held) | {self.root}).run(timeout)
+        if not complete:
+            log.warning("process scan for the run marker timed out; using descendants and the cgroup only",
+                        timeout_s=timeout)
+        for proc in found:
+            if proc.pid in self.held:
+                proc.close()
+            else:
+                self.held[proc.pid] = proc
+                new.append(proc)
+        return new
+
+    def refresh(self) -> list[Pidfd]:
+        """Descendants and cgroup members not held yet (no environment is read)."""
+        new: list[Pidfd] = []
+        children = _children_map()
+        parents = [self.root]
+        while parents:
+            parent = parents.pop()
+            for pid in children.get(parent, ()):
+                parents.append(pid)
+                if pid in self.held:
+                    continue
+                proc = open_verified(pid, lambda p, parent=parent: self._child_of(p, parent))
+                if proc is not None:
+                    self.held[pid] = proc
+                    new.append(proc)
+        if self._cgroup_pids is not None and self._in_cgroup is not None:
+            for pid in self._cgroup_pids() - set(self.held) - {self.root}:
+                proc = open_verified(pid, self._in_cgroup)
+                if proc is not None:
+                    self.held[pid] = proc
+                    new.append(proc)
+        return new
+
+    def _child_of(self, pid: int, parent: int) -> bool:
+        """``pid``'s parent is ``parent``, and that is the process we hold (or the root)."""
+        info = proc_info(pid, wchan=False)
+        if info is None or info.ppid != parent:
+            return False
+        if parent == self.root:
+            return True
+        held = self.held.get(parent)
+        return held is not None and held.send(0)
+
+    def live(self) -> list[Pidfd]:
+        return [p for p in self.held.values() if not p.exited()]
+
+    def close(self) -> None:
+        for proc in self.held.values():
+            proc.close()
+        self.held.clear()
+
+
+def run_processes(run_key: str, root_pid: int | None = None) -> set[int]:
+    """Pids of every live process of the run, excluding ``root_pid`` (for the sweep of a dead run)."""
+    found = RunProcesses(run_key, root_pid)
+    try:
+        found.scan()
+        return {pid for pid, proc in found.held.items() if not proc.exited()}
+    finally:
+        found.close()
 
 
 def descendants(pid: int | None = None) -> list[int]:
@@ -122,33 +335,53 @@ def descendants(pid: int | None = None) -> list[int]:
         return []
 
 
-def direct_children(pid: int | None = None) -> list[int]:
+def child_pids() -> list[int]:
+    """Our direct children (every thread's: each thread is a parent of what it forked)."""
+    me = os.getpid()
+    out: list[int] = []
     try:
-        return [c.pid for c in psutil.Process(pid or os.getpid()).children(recursive=False)]
-    except psutil.Error:
-        return []
+        tids = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{me}/task/{tid}/children") as f:
+                out.extend(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
-def reap_children(exclude: set[int]) -> list[tuple[int, int]]:
-    """Reap exited direct children (orphans reparented to us) not in ``exclude``.
+def reap_orphans(keep: Iterable[int]) -> int:
+    """Reap our zombie children that are processes of the run we did not start.
 
-    Ranks are reaped by the exit monitor, which needs their status; everything
-    else that reparented to the subreaper is reaped here so no zombie stays.
+    Never ``waitpid(-1)``: each zombie is reaped by its pid (``waitid(P_PID)``),
+    and only when it is not in ``keep`` (ranks and the launcher: their status
+    belongs to the exit monitor) and not in our own session.  The supervisor's
+    own helpers (py-spy, ...) share its session and are waited for by whoever
+    started them; every process of the run lives in a rank's session (each
+    rank is a session leader) or in one it made itself, never in ours.  A
+    zombie stays a zombie until reaped, so its pid cannot change hands between
+    the check and the reap.  Returns how many were reaped.
     """
-    reaped = []
-    for pid in direct_children():
-        if pid in exclude:
+    keep = set(keep)
+    own_session = os.getsid(0)
+    reaped = 0
+    for pid in child_pids():
+        if pid in keep:
+            continue
+        info = proc_info(pid, wchan=False)
+        if info is None or info.state != "Z" or info.session == own_session:
             continue
         try:
-            wpid, status = os.waitpid(pid, os.WNOHANG)
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG) is not None:
+                reaped += 1
         except ChildProcessError:
             continue
-        if wpid:
-            reaped.append((wpid, status))
     return reaped
 
 
 def is_gone(pid: int) -> bool:
     """True when the pid no longer names a live process (zombies count as gone)."""
-    info = proc_info(pid)
+    info = proc_info(pid, wchan=False)
     return info is None or info.state in ("Z", "X")

@@ -1,23 +1,34 @@
 """Teardown: leave no process of the run behind.
 
-One shared deadline for every process (torchelastic's ``_close`` idea)::
+One scan, pidfds, two deadlines (torchelastic's ``_close`` idea)::
 
-    SIGTERM  → every rank's process group, every other process of the run;
+    scan     → ONE walk of /proc for the run marker (it reads environments:
+               bounded by procs.MARKER_SCAN_TIMEOUT_S), plus the supervisor's
+               descendants and the run's cgroup: every process found is held
+               by a verified pidfd from then on
+    SIGTERM  → every rank's process group (its leader is our unreaped child:
+               ``launch.signal_group``) and, by pidfd, every process held;
                SIGCONT to stopped ones so they can act on it
-    wait     → until all are gone or ``kill_grace`` passed (blocking on pidfds)
-    SIGKILL  → every group and every process of the run still there
+    wait     → on the pidfds, until all are gone or ``kill_grace`` passed;
+               what appeared meanwhile (descendants, cgroup: no second marker
+               scan) is signalled and waited for against the same deadline
+    SIGKILL  → every group, every process held, the whole cgroup
                (SIGCONT too: a stopped process must run to die)
-    reap     → ranks by the exit monitor, reparented orphans here
-    verify   → nothing of the run remains; a survivor (state D: stuck in
-               uninterruptible sleep) is reported by pid and state → exit 85;
-               where NVML exists, no run process still holds GPU memory.
+    confirm  → on the pidfds until KILL_CONFIRM_S after the SIGKILL: the
+               exit monitor's reports of the ranks are awaited against the
+               same deadline, then ranks and launcher are reaped (by pidfd),
+               and every zombie that reparented to us
+    verify   → a process still alive (state D: uninterruptible sleep, or a
+               frozen cgroup) is reported by pid and state → exit 85; where
+               NVML exists, no run process still holds GPU memory.
 
-The kill policy is a parameter (``KillPolicy``), the clock is time.monotonic.
+A process in uninterruptible sleep therefore costs at most one scan timeout
+plus KILL_CONFIRM_S beyond the grace.  The kill policy is a parameter
+(``KillPolicy``), the clock is time.monotonic.
 """
 
 from __future__ import annotations
 
-import os
 import select
 import signal
 import time
@@ -28,7 +39,9 @@ import structlog
 
 from . import procs
 from .cgroup import RunCgroup
+from .exits import ExitStatus
 from .launch import RankHandle, signal_group
+from .procs import Pidfd
 from .signals import Hurry
 
 log = structlog.get_logger("supervise.teardown")
@@ -59,133 +72,144 @@ class TeardownResult:
     survivors: list[procs.ProcInfo] = field(default_factory=list)
     gpu_holders: list[tuple[int, int, int]] = field(default_factory=list)  # (gpu, pid, bytes)
     gpu_checked: bool = False
+    marker_scans: int = 0  # walks of /proc for the run marker (one per teardown)
+    statuses: dict[int, ExitStatus] = field(default_factory=dict)  # pid → status of each rank reaped here
 
     @property
     def complete(self) -> bool:
         return not self.survivors and not self.gpu_holders
 
 
-def _signal_all(pids: Iterable[int], signum: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+def wait_gone(held: Iterable[Pidfd], deadline: float, hurry: "Hurry | None" = None) -> list[Pidfd]:
+    """Block on the pidfds until every process ended or the deadline; returns those still running.
 
-
-def wait_gone(pids: set[int], deadline: float, hurry: "Hurry | None" = None) -> set[int]:
-    """Block until every pid is gone or the deadline; returns those still alive.
-
-    Uses pidfds (readable when the process exits); zombies count as gone.
-    """
-    fds: dict[int, int] = {}
-    for pid in pids:
-        try:
-            fds[os.pidfd_open(pid)] = pid
-        except (ProcessLookupError, OSError):
-            pass
-    alive = {pid for pid in fds.values()}
-    try:
-        while alive:
-            left = deadline - time.monotonic()
-            if left <= 0 or (hurry is not None and hurry.is_set()):
-                break
-            poller = select.poll()
-            for fd, pid in fds.items():
-                if pid in alive:
-                    poller.register(fd, select.POLLIN)
-            # The slice bounds how late we notice a second Ctrl-C (hurry) or a
-            # process that ended without its pidfd waking us (already reaped).
-            for fd, _ev in poller.poll(min(left, _POLL_SLICE_S) * 1000):
-                alive.discard(fds[fd])
-            alive = {pid for pid in alive if not procs.is_gone(pid)}
-    finally:
-        for fd in fds:
-            os.close(fd)
+    A zombie counts as ended (its pidfd is readable)."""
+    alive = [p for p in held if not p.exited()]
+    while alive:
+        left = deadline - time.monotonic()
+        if left <= 0 or (hurry is not None and hurry.is_set()):
+            break
+        # The slice bounds how late we notice a second Ctrl-C (hurry).
+        ready, _, _ = select.select(alive, [], [], min(left, _POLL_SLICE_S))
+        if ready:
+            alive = [p for p in alive if p not in ready]
     return alive
+
+
+def _signal(leaders: list[RankHandle], held: Iterable[Pidfd], signum: int) -> None:
+    for h in leaders:
+        signal_group(h, signum)
+    for proc in held:
+        proc.send(signum)
 
 
 def teardown(
     ranks: list[RankHandle],
     run_id: str,
     policy: KillPolicy,
-    wait_ranks_reaped: Callable[[float], bool],
+    wait_ranks_reported: Callable[[float], bool],
     gpu_holders: Callable[[set[int]], list[tuple[int, int, int]]] | None = None,
-    extra_pids: Iterable[int] = (),
     cgroup: RunCgroup | None = None,
+    keep: Callable[[], Iterable[int]] = tuple,
 ) -> TeardownResult:
-    """Stop every process of the run.  ``wait_ranks_reaped(deadline)`` blocks
-    until the exit monitor reaped every rank (it owns their exit status).
-    With the run's ``cgroup``, its members count as the run's too (escapees
-    that scrubbed their environment included), and SIGKILL goes to the
-    whole cgroup at once."""
+    """Stop every process of the run.
+
+    ``ranks``: the attempt's ranks and launcher, each with the pidfd it was
+    held by since its spawn (or claim).  ``wait_ranks_reported(deadline)``
+    blocks until the exit monitor reported every rank (it reads their status;
+    they are reaped here only afterwards).  With the run's ``cgroup``, its
+    members count as the run's too (escapees that scrubbed their environment
+    included), and SIGKILL goes to the whole cgroup at once.  ``keep()``: pids
+    the orphan reaping must leave alone (other ranks the exit monitor owns)."""
     start = time.monotonic()
     result = TeardownResult()
-    seen: set[int] = set(extra_pids)
-    rank_pids = {h.pid for h in ranks}
+    # An exited rank still leads its group (its zombie holds the number): its children get the signals too.
+    leaders = [h for h in ranks if h.proc is not None and not h.proc.reaped]
+    found = procs.RunProcesses(
+        run_id,
+        cgroup_pids=cgroup.pids if cgroup is not None else None,
+        in_cgroup=cgroup.holds if cgroup is not None else None,
+    )
+    try:
+        rank_pids = {h.proc.pid for h in ranks if h.proc is not None}
+        found.scan()
+        result.marker_scans = found.marker_scans
 
-    def everyone() -> set[int]:
-        live = procs.run_processes(run_id)
-        if cgroup is not None:
-            live |= cgroup.pids()
-        seen.update(live)
-        live |= {h.pid for h in ranks if h.alive}
-        return {pid for pid in live if not procs.is_gone(pid)}
+        def everyone() -> list[Pidfd]:
+            return [h.proc for h in leaders] + [p for pid, p in found.held.items() if pid not in rank_pids]
 
-    if not policy.immediate and policy.grace_s > 0:
-        targets = everyone()
-        for h in ranks:
-            if h.alive:
-                signal_group(h.pid, policy.first_signal)
-        _signal_all(targets, policy.first_signal)
-        # Stopped processes keep SIGTERM pending until they run again.
-        for h in ranks:
-            if h.alive:
-                signal_group(h.pid, signal.SIGCONT)
-        _signal_all(targets, signal.SIGCONT)
-        deadline = start + policy.grace_s
-        remaining = wait_gone(targets, deadline, policy.hurry)
-        # New processes may have appeared (a rank forking while dying).
-        remaining |= everyone()
+        remaining: list[Pidfd] = []
+        if not policy.immediate and policy.grace_s > 0:
+            deadline = start + policy.grace_s
+            batch = everyone()
+            while batch:
+                _signal(leaders, batch, policy.first_signal)
+                # Stopped processes keep SIGTERM pending until they run again.
+                _signal(leaders, batch, signal.SIGCONT)
+                remaining = wait_gone(everyone(), deadline, policy.hurry)
+                if time.monotonic() >= deadline or (policy.hurry is not None and policy.hurry.is_set()):
+                    break
+                batch = found.refresh()  # a rank forking while dying
+        else:
+            found.refresh()
+            remaining = [p for p in everyone() if not p.exited()]
+
+        confirm_deadline = time.monotonic() + KILL_CONFIRM_S
         if remaining:
-            remaining = wait_gone(remaining, deadline, policy.hurry)
-    else:
-        remaining = everyone()
+            result.escalated = True
+            result.killed = sorted({p.pid for p in remaining})
+            log.warning("sent SIGKILL", pids=result.killed, grace_s=policy.grace_s)
+            batch = everyone()
+            while batch:
+                _signal(leaders, batch, signal.SIGKILL)
+                _signal(leaders, batch, signal.SIGCONT)
+                if cgroup is not None:
+                    cgroup.kill()
+                wait_gone(everyone(), confirm_deadline)
+                if time.monotonic() >= confirm_deadline:
+                    break
+                batch = found.refresh()  # late children of dying processes: one more round
+                result.killed = sorted(set(result.killed) | {p.pid for p in batch})
 
-    if remaining:
-        result.escalated = True
-        result.killed = sorted(remaining)
-        for h in ranks:
-            if h.alive:
-                signal_group(h.pid, signal.SIGKILL)
-        _signal_all(remaining, signal.SIGKILL)
-        _signal_all(remaining, signal.SIGCONT)
-        if cgroup is not None:
-            cgroup.kill()
-        log.warning("sent SIGKILL", pids=result.killed, grace_s=policy.grace_s)
-
-    confirm_deadline = time.monotonic() + KILL_CONFIRM_S
-    leftover = wait_gone(everyone(), confirm_deadline) if remaining else everyone()
-    if leftover:
-        # Late children of dying processes: one more SIGKILL round.
-        if cgroup is not None:
-            cgroup.kill()
-        _signal_all(leftover, signal.SIGKILL)
-        leftover = wait_gone(leftover, confirm_deadline)
-    wait_ranks_reaped(time.monotonic() + KILL_CONFIRM_S)
-    procs.reap_children(exclude=rank_pids)
-    for pid in sorted(leftover):
-        info = procs.proc_info(pid)
-        if info is not None and info.state not in ("Z", "X"):
-            result.survivors.append(info)
+        wait_ranks_reported(confirm_deadline)
+        _reap_ranks(ranks, result)
+        procs.reap_orphans(set(keep()) | {h.proc.pid for h in ranks if h.proc is not None and not h.proc.reaped})
+        for proc in everyone():
+            if proc.exited():
+                continue
+            info = procs.proc_info(proc.pid)
+            if info is not None and proc.send(0):
+                result.survivors.append(info)
+        seen = set(found.held)
+    finally:
+        found.close()
 
     if gpu_holders is not None:
         result.gpu_checked = True
+        every_rank = {h.pid for h in ranks}
         check_deadline = time.monotonic() + GPU_RELEASE_S
         while True:
-            result.gpu_holders = gpu_holders(seen | rank_pids)
+            result.gpu_holders = gpu_holders(seen | every_rank)
             if not result.gpu_holders or time.monotonic() >= check_deadline:
                 break
             time.sleep(GPU_POLL_S)
     result.duration_s = time.monotonic() - start
     return result
+
+
+def _reap_ranks(ranks: list[RankHandle], result: TeardownResult) -> None:
+    """Reap every rank and launcher that ended (their groups were signalled for the last time)."""
+    for h in ranks:
+        proc = h.proc
+        if proc is None or proc.reaped or not proc.exited():
+            continue
+        try:
+            status = proc.wait(reap=True)
+        except ChildProcessError:
+            continue  # not our child: a tree-mode rank whose launcher reaps it
+        if status is None:
+            continue
+        exit_status = ExitStatus.from_waitid(status)
+        result.statuses[proc.pid] = exit_status
+        if h.popen is not None and h.popen.returncode is None:
+            h.popen.returncode = exit_status.returncode  # Popen must never wait on the pid again

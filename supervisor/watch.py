@@ -53,6 +53,7 @@ class WatchdogVerdict:
     verdict: object  # watchdogs.policy.Verdict (None for all_ready)
     snapshots: tuple[SlotSnapshot, ...]
     at: float
+    attempt: int = 0  # number of the attempt whose ranks were judged
 
     @property
     def log_fields(self) -> dict:
@@ -69,6 +70,7 @@ class RankClaimed:
     slot: int
     rank: int
     pid: int
+    attempt: int = 0  # number of the attempt being watched
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ class WatchdogThread:
             self._new_attempt(attempt.started_at)
         raw = self.read_heartbeats()
         if self.spec.tree:
-            self._discover(raw)
+            self._discover(raw, attempt.number)
         snaps = self.live_slots(raw, attempt)
         external = self.adapter.latest if self.adapter is not None else None
         exited = {slot for slot, r in attempt.ranks.items() if not r.alive}
@@ -211,11 +213,13 @@ class WatchdogThread:
             )
         kind = verdict.kind.value
         if kind in ("soft", "recovered", "hard", "startup_timeout"):
-            self.post(WatchdogVerdict(kind, verdict.stalled_s, verdict.message, verdict, tuple(snaps), now))
+            self.post(WatchdogVerdict(kind, verdict.stalled_s, verdict.message, verdict, tuple(snaps), now,
+                                      attempt.number))
         if not self.all_ready_posted and kind not in ("startup_wait", "startup_timeout", "startup_overdue"):
             if self._have_ranks(snaps, now, attempt):
                 self.all_ready_posted = True
-                self.post(WatchdogVerdict("all_ready", 0.0, "every rank is ready", None, tuple(snaps), now))
+                self.post(WatchdogVerdict("all_ready", 0.0, "every rank is ready", None, tuple(snaps), now,
+                                          attempt.number))
 
     def _have_ranks(self, snaps: list[SlotSnapshot], now: float, attempt: "AttemptView") -> bool:
         """Every rank showed up: claimed its slot, or (a rank that cannot
@@ -245,13 +249,13 @@ class WatchdogThread:
                 return False
         return self.descends[key]
 
-    def _discover(self, raw: list[SlotSnapshot]) -> None:
+    def _discover(self, raw: list[SlotSnapshot], attempt: int) -> None:
         """Claims as written (a restarted rank's new pid must be seen even
         though its slot still names the old one's handle)."""
         for snap in raw:
             if snap.claimed and snap.pid and self.known_pids.get(snap.slot) != snap.pid:
                 self.known_pids[snap.slot] = snap.pid
-                self.post(RankClaimed(snap.slot, snap.rank, snap.pid))
+                self.post(RankClaimed(snap.slot, snap.rank, snap.pid, attempt))
 
 
 class AdapterThread:
