@@ -183,7 +183,7 @@ def capture_incident(
             frozen = freeze_ranks(targets, settle_s=min(FREEZE_SETTLE_S, budget * FREEZE_SETTLE_SHARE))
         except Exception as exc:  # capture what we can, running
             errors.append(f"freeze failed: {exc!r}")
-            log.error("dump.freeze_failed", error=repr(exc))
+            log.error("dump freeze failed", error=repr(exc))
 
     fr_out: dict[str, dict] = {"traces": {}, "errors": {}}
 
@@ -210,7 +210,7 @@ def capture_incident(
             frozen=frozen,
         )
     except Exception as exc:
-        log.error("dump.capture_crashed", error=repr(exc))
+        log.error("dump capture crashed", error=repr(exc))
         errors.append(f"stack capture failed: {exc!r}")
         evidence = _bare_evidence(targets, f"capture failed: {exc!r}", start)
     if frozen is not None:
@@ -234,7 +234,7 @@ def capture_incident(
     try:
         diagnosis = diagnose(evidence, reason=reason, fr_findings=findings)
     except Exception as exc:
-        log.error("dump.diagnose_crashed", error=repr(exc))
+        log.error("dump diagnose crashed", error=repr(exc))
         errors.append(f"diagnosis failed: {exc!r}")
     return Captured(
         targets=targets,
@@ -330,11 +330,11 @@ def write_captured(
         path = writer.write(reason, summary, files, detected)
     except Exception as exc:
         duration = time.monotonic() - start
-        log.error("dump.write_failed", reason=reason, error=repr(exc))
+        log.error("dump write failed", reason=reason, error=repr(exc))
         return IncidentResult(None, diagnosis, duration, False, f"bundle not written: {exc!r}", captured.samples)
     duration = time.monotonic() - start
     log.info(
-        "dump.written",
+        "dump written",
         path=str(path),
         reason=reason,
         culprits=summary.get("culprit_ranks"),
