@@ -26,6 +26,11 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+# Appended to a help text that names its default in words: "%(default)" in the text keeps
+# ArgumentDefaultsHelpFormatter from adding "(default: None)"; ".0s" prints nothing.
+_SAID = "%(default).0s"
+
+
 def _seconds(text: str) -> float:
     try:
         return float(text)
@@ -79,10 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--log-format", default="console", choices=("console", "json"), help="console lines for people, one JSON object per line for machines")
     o.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="the supervisor's own log level")
     r = serve.add_argument_group("rank output (as torchrun; the ranks' stdout and stderr are pipes)")
-    r.add_argument("--log-dir", "--log_dir", type=Path, metavar="DIR", help="also write each rank's stdout and stderr to DIR/<run_id>/attempt_<n>/<global rank>/{stdout,stderr}.log (default: no files); without --redirects/--tee both streams are teed")
-    r.add_argument("--redirects", metavar="0-3|LR:V,...", help="with --log-dir: streams that go to the files only, not the console: 0 none, 1 stdout, 2 stderr, 3 both, for every local rank or per local rank (0:1,1:2) (default: none)")
-    r.add_argument("--tee", metavar="0-3|LR:V,...", help="with --log-dir: streams that go to the files and the console, same syntax as --redirects (default: both, when neither flag is given)")
-    r.add_argument("--local-ranks-filter", "--local_ranks_filter", metavar="LR,...", help="only these local ranks' output reaches the console (files and bundles keep every rank's) (default: every local rank)")
+    r.add_argument("--log-dir", "--log_dir", type=Path, metavar="DIR", help="also write each rank's stdout and stderr to DIR/<run_id>/attempt_<n>/<global rank>/{stdout,stderr}.log (default: no files); without --redirects/--tee both streams are teed" + _SAID)
+    r.add_argument("--redirects", metavar="0-3|LR:V,...", help="with --log-dir: streams that go to the files only, not the console: 0 none, 1 stdout, 2 stderr, 3 both, for every local rank or per local rank (0:1,1:2) (default: none)" + _SAID)
+    r.add_argument("--tee", metavar="0-3|LR:V,...", help="with --log-dir: streams that go to the files and the console, same syntax as --redirects (default: both, when neither flag is given)" + _SAID)
+    r.add_argument("--local-ranks-filter", "--local_ranks_filter", metavar="LR,...", help="only these local ranks' output reaches the console (files and bundles keep every rank's) (default: every local rank)" + _SAID)
     e = serve.add_argument_group("built-in engine (no COMMAND)")
     e.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="gloo on CPU, or NCCL on CUDA")
     e.add_argument("--control-plane", default="broadcast", choices=("broadcast", "replicated"), help="how ranks learn each step's batch: rank 0 broadcasts it, or every rank schedules the same requests")
