@@ -514,7 +514,7 @@ class IncidentDesk:
                     late=late)
 
     def _stderr_evidence(self, first: "RankView", verdict: str, with_error: bool):
-        """The failing process's last stderr (``logs/rank-<r>.stderr.txt``), read on the dump thread once the
+        """The failing process's last stderr (``logs/rank-<r>.txt``), read on the dump thread once the
         pump drained its pipe (at most ``STDERR_DRAIN_S``); without an ``@record`` error, its last Python
         traceback becomes the bundle's ``error`` and the verdict quotes the exception line.  In tree mode a
         rank's output is the launcher's: its tail is the evidence."""
@@ -530,7 +530,7 @@ class IncidentDesk:
             data = tail.data()
             if not data:
                 return {}, {}
-            files = {f"logs/{name}.stderr.txt": data}
+            files = {f"logs/{name}.txt": data}
             found = last_traceback(data.decode("utf-8", "replace")) if with_error else None
             if found is None:
                 return {}, files

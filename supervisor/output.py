@@ -5,7 +5,7 @@ thread reads them all with one ``selectors`` loop, non-blocking, and for each
 stream, in this order:
 
 * keeps the last ``TAIL_BYTES`` of stderr in memory (the ``rank_exit`` bundle's
-  ``logs/rank-<r>.stderr.txt`` and the traceback its verdict quotes);
+  ``logs/rank-<r>.txt`` and the traceback its verdict quotes);
 * appends the raw bytes to ``--log-dir``'s file for the stream, when the stream
   goes to a file (``--redirects``/``--tee``);
 * forwards whole lines to the console, unless redirected or filtered out

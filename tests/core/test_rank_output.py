@@ -145,7 +145,7 @@ def test_a_rank_that_raises_leaves_its_traceback_in_the_bundle(supervise, tmp_pa
                     env={"CHATTY_DEATH_FILE": str(tmp_path / "death")})
     assert run.wait(EXIT_S) == 80, run.stderr[-3000:]
     [bundle] = [b for b in run.bundles() if "rank_exit" in b.name]
-    tail = (bundle / "logs" / "rank-1.stderr.txt").read_text()
+    tail = (bundle / "logs" / "rank-1.txt").read_text()
     assert "Traceback (most recent call last):" in tail and "RuntimeError: boom 42" in tail
     assert tail.startswith("err 1 0\n"), "the tail is the rank's raw stderr"
     summary = json.loads((bundle / "summary.json").read_text())
@@ -153,7 +153,7 @@ def test_a_rank_that_raises_leaves_its_traceback_in_the_bundle(supervise, tmp_pa
     assert summary["error"]["source"] == "stderr"
     assert "Traceback" in summary["error"]["traceback"] and "main()" in summary["error"]["traceback"]
     assert summary["verdict"].startswith("rank 1 ") and summary["verdict"].endswith(": RuntimeError: boom 42")
-    assert not (bundle / "logs" / "rank-0.stderr.txt").exists(), "only the failing rank's tail"
+    assert not (bundle / "logs" / "rank-0.txt").exists(), "only the failing rank's tail"
     shown = subprocess.run([sys.executable, "-m", "tp_supervise.supervisor.cli", "analyze", str(bundle)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
@@ -168,7 +168,7 @@ def test_tree_mode_labels_the_launcher_and_keeps_its_stderr(supervise):
     assert "[launcher]:launching" in run.stdout.splitlines()
     assert "[launcher]:launcher gave up: no GPU" in run.stderr.splitlines()
     [bundle] = [b for b in run.bundles() if "rank_exit" in b.name]
-    assert (bundle / "logs" / "launcher.stderr.txt").read_text() == "launcher gave up: no GPU\n"
+    assert (bundle / "logs" / "launcher.txt").read_text() == "launcher gave up: no GPU\n"
 
 
 def _log_time(line: str) -> float:
