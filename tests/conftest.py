@@ -7,6 +7,7 @@ them by /proc scan whatever their parent is.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -129,11 +130,24 @@ class Run:
         return None
 
 
+def open_fds() -> dict[int, str]:
+    """This process's open descriptors and what each names."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the directory's own descriptor, closed by now
+            continue
+    return out
+
+
 @pytest.fixture
 def supervise(tmp_path):
-    """Start `supervise serve` with test-friendly defaults; checks for leaks after."""
+    """Start `supervise serve` with test-friendly defaults; checks for leaks after
+    (processes of the runs, and descriptors the test process gained)."""
     mark = uuid.uuid4().hex
     runs: list[Run] = []
+    fds_before = open_fds()
 
     def start(args: list[str], command: list[str] | None = None, env: dict | None = None, **kw) -> Run:
         dump_dir = kw.pop("dump_dir", tmp_path / "dumps")
@@ -179,6 +193,9 @@ def supervise(tmp_path):
         except ProcessLookupError:
             pass
     assert not leaked, f"processes leaked: {leaked}"
+    gc.collect()  # descriptors of objects the test dropped are closed by their finalizers
+    gained = {fd: target for fd, target in open_fds().items() if fds_before.get(fd) != target}
+    assert not gained, f"the test process gained descriptors over the supervised runs: {gained}"
 
 
 def fake_rank(*args: str) -> list[str]:
