@@ -7,6 +7,7 @@ thawed, which is exactly what teardown must report as exit 85.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -215,3 +216,13 @@ def test_no_fd_leak_across_restarts_and_ranks_inherit_only_what_they_should(supe
         # Beyond 0, 1, 2 (stdout/stderr: pipes to the output pump) a rank inherits the death pipe only
         # (SUPERVISE_DEATH_FD, docs/supervisor.md).
         assert len(extra) == 1 and next(iter(extra.values())).startswith("pipe:"), (pid, fds)
+
+
+def test_log_lines_and_bundles_name_their_attempt(supervise):
+    run = supervise(["--nproc-per-node", "1", "--kill-grace", "1", "--max-restarts", "1"],
+                    ["/bin/sh", "-c", "sleep 0.5; exit 3"])
+    assert run.wait(timeout=60) == 80, run.stderr[-3000:]
+    assert [line["attempt"] for line in run.events("rank started")] == [1, 2]
+    assert [line["attempt"] for line in run.events("teardown complete")] == [1, 2]
+    summaries = sorted(json.loads((b / "summary.json").read_text())["attempt"] for b in run.bundles())
+    assert summaries == [1, 2]
