@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--native", action="store_true", help="include native frames in py-spy stacks")
     o = serve.add_argument_group("observability")
     o.add_argument("--metrics-addr", default=specs.DEFAULT_METRICS_ADDR, help="HOST:PORT for /metrics /healthz /readyz, or 'none' (binding beyond loopback exposes run state: see docs/metrics.md)")
+    o.add_argument("--health-addr", metavar="HOST:PORT", default=None,
+                   help="also serve /healthz /readyz /livez (never /metrics) here, e.g. 0.0.0.0:9181 for Kubernetes "
+                        "probes while /metrics stays on loopback (default: health only on --metrics-addr)")
     o.add_argument("--metrics-linger", type=_seconds, default=None, metavar="SECONDS", help=f"keep /metrics up this long after the run ends so the final counts get scraped (default: {specs.DEFAULT_FAULT_LINGER_S:g} s after a fault, two scrapes of the documented 5 s config; 0 after a clean run; a second Ctrl-C cuts it short)")
     o.add_argument("--metrics-textfile", type=Path, metavar="PATH", help="also write the metrics to PATH (node_exporter's textfile collector) on every incident and at exit, atomically: the final state survives the process")
     o.add_argument("--consensus", default="observe", choices=specs.CONSENSUS_MODES, help="compare the ranks' per-step decisions: observe (bundle + metric) or enforce (also stop the group, exit 82)")
@@ -170,6 +173,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         stack_method=args.stack_method,
         native_stacks=args.native,
         metrics_addr=specs.parse_hostport(args.metrics_addr, "--metrics-addr"),
+        health_addr=specs.parse_hostport(args.health_addr, "--health-addr") if args.health_addr else None,
         metrics_linger=args.metrics_linger,
         metrics_textfile=args.metrics_textfile,
         store_port=args.store_port,

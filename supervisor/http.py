@@ -176,7 +176,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self, send_body: bool) -> None:
         path = urlsplit(self.path).path
         app = self.server.app
-        if path == "/metrics":
+        if path == "/metrics" and not app.serve_metrics:
+            self._send(HTTPStatus.NOT_FOUND, b"not here: this listener serves /healthz /readyz /livez; /metrics is on "
+                       b"--metrics-addr\n", TEXT_TYPE, send_body)
+        elif path == "/metrics":
             try:
                 body, content_type = app.metrics.exposition(self.headers.get("Accept", ""))
             except Exception:  # a broken collector must not kill the endpoint
@@ -245,7 +248,9 @@ class HealthServer:
         host: str,
         port: int,
         liveness: "Liveness | None" = None,
+        serve_metrics: bool = True,
     ):
+        self.serve_metrics = serve_metrics  # False: a health-only listener (--health-addr)
         self.metrics = metrics
         self.health = health
         self.liveness = liveness or Liveness(stale_after_s=float("inf"))

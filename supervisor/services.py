@@ -69,6 +69,10 @@ class Services:
         if spec.metrics_addr is not None:
             self.http = HealthServer(self.metrics, self.health, spec.metrics_addr[0], spec.metrics_addr[1],
                                      liveness=self.liveness)
+        self.health_http: HealthServer | None = None
+        if spec.health_addr is not None:
+            self.health_http = HealthServer(self.metrics, self.health, spec.health_addr[0], spec.health_addr[1],
+                                            liveness=self.liveness, serve_metrics=False)
         self.gpu = GpuSampler(GPU_SAMPLE_INTERVAL_S)
         self._gpu_seen = 0  # seq of the last reading put into the metrics
         self._gpu_unverified_logged = False
@@ -109,6 +113,9 @@ class Services:
         if self.http is not None:
             self.http.start()
             log.info("metrics and health", url=self.http.url, endpoints="/metrics /healthz /readyz /livez")
+        if self.health_http is not None:
+            self.health_http.start()
+            log.info("health endpoints", url=self.health_http.url, endpoints="/healthz /readyz /livez")
         from .control import ControlServer, sweep_stale
 
         sweep_stale()
@@ -142,6 +149,8 @@ class Services:
             self.control.close()
         if self.http is not None:
             self.http.stop()
+        if self.health_http is not None:
+            self.health_http.stop()
         self.gpu.stop(GPU_STOP_JOIN_S)
 
     @property

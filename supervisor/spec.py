@@ -244,6 +244,9 @@ class LaunchSpec:
     stack_method: str = "auto"
     native_stacks: bool = False
     metrics_addr: tuple[str, int] | None = ("127.0.0.1", 9180)
+    # /healthz /readyz /livez only (no /metrics), e.g. routable for Kubernetes probes while /metrics stays on
+    # loopback; None: health is served on metrics_addr only.
+    health_addr: tuple[str, int] | None = None
     metrics_linger: float | None = None  # None: DEFAULT_FAULT_LINGER_S after a fault, 0 after a clean run
     metrics_textfile: Path | None = None  # node_exporter textfile collector: written on every incident and at exit
     consensus: str = "observe"
@@ -472,6 +475,12 @@ def preflight(spec: LaunchSpec) -> None:
     _check_gpus(spec)
     if spec.metrics_addr is not None and spec.metrics_addr[1] != 0:
         _check_port_free(spec.metrics_addr[0], spec.metrics_addr[1], "--metrics-addr")
+    if spec.health_addr is not None:
+        if spec.health_addr[1] != 0 and spec.metrics_addr is not None and spec.health_addr[1] == spec.metrics_addr[1]:
+            raise UsageError(f"--health-addr port {spec.health_addr[1]} is --metrics-addr's: give another port "
+                             "(or leave --health-addr out: health is served on --metrics-addr too)")
+        if spec.health_addr[1] != 0:
+            _check_port_free(spec.health_addr[0], spec.health_addr[1], "--health-addr")
     if spec.nnodes == 1 and not _is_local(spec.master_addr):
         raise UsageError(f"--master-addr {spec.master_addr} is not an address of this host: with one node the ranks "
                          "meet here; leave it out, or give this host's address")
