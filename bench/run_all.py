@@ -18,6 +18,7 @@ BENCHES = [
     ["bench.bench_early_detection"],
     ["bench.bench_hook_startup"],
     ["bench.bench_engine"],
+    ["bench.bench_multinode"],
 ]
 
 
