@@ -75,10 +75,17 @@ from .services import Services
 from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from .state import EngineState, Event, next_state
 from .teardown import KillPolicy, TeardownResult, teardown
-from .watch import ConsensusAgreed, DivergenceFound, RankClaimed, WatchdogThread, WatchdogVerdict
+from .watch import (
+    ConsensusAgreed,
+    DivergenceFound,
+    HangQueryUnanswered,
+    RankClaimed,
+    WatchdogThread,
+    WatchdogVerdict,
+)
 
 # Events produced for one attempt (they carry its number): acted on only in that attempt.
-ATTEMPT_EVENTS = (ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed)
+ATTEMPT_EVENTS = (ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed, HangQueryUnanswered)
 
 log = structlog.get_logger("supervise")
 
@@ -94,6 +101,9 @@ class Supervisor:
         self.run_key = self.run_id if spec.nnodes == 1 else f"{self.run_id}.n{spec.node_rank}"
         self.nodes = nodes
         self.node_link: nodes_mod.NodeLink | None = None
+        self.hang_query: nodes_mod.HangQuery | None = None  # this node asked the others where the missing rank is
+        self.peer_hang_query: nodes_mod.HangQuery | None = None  # another node asked this one
+        self.deferred_hang: WatchdogVerdict | None = None  # the hard verdict waiting for the answer
         self.incident_id: str | None = None  # shared by every node's bundle of one incident
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.post: Callable[[object], None] = self.events.put
@@ -128,6 +138,8 @@ class Supervisor:
             SignalReceived: self._on_signal_event,
             LoopTick: lambda _ev: self.services.liveness.beat(),
             nodes_mod.PeerFailed: self._on_peer_failed,
+            nodes_mod.PeerHangQuery: self._on_peer_hang_query,
+            HangQueryUnanswered: self._on_hang_query_unanswered,
             nodes_mod.NodeLost: self._on_node_lost,
         }
         self.last_teardown: TeardownResult | None = None
@@ -357,11 +369,11 @@ class Supervisor:
             self._tell_the_nodes(outcome)
 
     # -- multi-node: this node's fate goes on the fault bus; the others' arrives as events
-    def _announce_fault(self, reason: str, rank: int | None, verdict: str) -> None:
-        """A fatal incident here: its id is minted now, and the other nodes hear of it before this node's
-        capture (which may take up to --dump-timeout), so they tear down at once instead of blaming ranks
-        of their own when the collectives break."""
-        self.incident_id = new_incident_id(self.run_id)
+    def _announce_fault(self, reason: str, rank: int | None, verdict: str, incident_id: str | None = None) -> None:
+        """A fatal incident here: its id is minted now (or is the one a hang query named), and the other
+        nodes hear of it before this node's capture (which may take up to --dump-timeout), so they tear down
+        at once instead of blaming ranks of their own when the collectives break."""
+        self.incident_id = incident_id or new_incident_id(self.run_id)
         self.desk.next_incident_id = self.incident_id
         if self.node_link is not None:
             self.node_link.publish_fault(nodes_mod.Fault(node=self.spec.node_rank, rank=rank, reason=reason,
@@ -386,6 +398,8 @@ class Supervisor:
             return
         who = f"rank {fault.rank} on node {fault.node}" if fault.rank is not None else f"node {fault.node}"
         verdict = f"{who} failed first ({fault.reason}); this node's ranks were torn down with the group"
+        if fault.verdict:
+            verdict += f". Node {fault.node} said: {fault.verdict}"
         log.error("peer node failed: tearing this node down", node=fault.node, rank=fault.rank, reason=fault.reason,
                   incident_id=fault.incident_id)
         self._peer_incident("peer_failed", fault.node, fault.rank, verdict)
@@ -534,20 +548,60 @@ class Supervisor:
             log.info("progress resumed", stalled_s=round(ev.stalled_s, 2))
             self._clear_suspicion("hang")
         elif kind == "hard":
-            if self._divergence_was_first():
+            if self._divergence_was_first() or self._ask_the_other_nodes(ev):
                 return
-            self.transition(Event.HARD_HANG)
-            self.services.on_hang("hard")
-            log.error("hang: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)
-            self._announce_fault("hang", None, "hang: " + ev.message)
-            culprits = self.desk.hard_hang(ev, self.attempt.view)
-            self._finish(Outcome(EXIT_HANG, "hang", culprit=culprits[0] if culprits else None))
+            self._rule_hang(ev)
         elif kind == "startup_timeout":
             self.transition(Event.STARTUP_TIMEOUT)
             log.error("startup timeout: " + ev.message, startup_timeout_s=self.spec.startup_timeout)
             self._announce_fault("startup_timeout", None, "startup timeout: " + ev.message)
             self.desk.startup_timeout(ev, self.attempt.view)
             self._finish(Outcome(EXIT_STARTUP, "startup_timeout"))
+
+    def _rule_hang(self, ev: WatchdogVerdict) -> None:
+        self.transition(Event.HARD_HANG)
+        self.services.on_hang("hard")
+        log.error("hang: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)
+        asked = self.hang_query or self.peer_hang_query
+        # Answering another node's query, the rank that is elsewhere is known before any capture.
+        rank = ev.verdict.outside_collective[0] if self.peer_hang_query and ev.verdict.outside_collective else None
+        self._announce_fault("hang", rank, "hang: " + ev.message, incident_id=asked.incident_id if asked else None)
+        culprits = self.desk.hard_hang(ev, self.attempt.view)
+        self._finish(Outcome(EXIT_HANG, "hang", culprit=culprits[0] if culprits else None))
+
+    def _ask_the_other_nodes(self, ev: WatchdogVerdict) -> bool:
+        """Multi-node: when every rank of this node waits inside a collective, the rank that is elsewhere is on
+        another node, whose own watchdog may see nothing (a stopped rank outside collectives looks idle there).
+        Ask the others (nodes.HangQuery); the node that holds it raises the hang under this incident id and
+        this node follows it (84).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence."""
+        v = ev.verdict
+        if (self.node_link is None or self.hang_query is not None or self.peer_hang_query is not None
+                or v.outside_collective or not v.in_collective):
+            return False
+        seq = max(c.coll_seq for c in v.in_collective)
+        self.hang_query = nodes_mod.HangQuery(self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500])
+        self.deferred_hang = ev
+        self.node_link.ask_where(self.hang_query)
+        log.warning("hang here, cause elsewhere: every rank of this node waits in a collective; asking the other nodes",
+                    event_name="hang_query_sent", seq=seq, wait_s=nodes_mod.HANG_QUERY_WAIT_S, incident_id=self.hang_query.incident_id)
+        timer = threading.Timer(nodes_mod.HANG_QUERY_WAIT_S, self.post, args=(HangQueryUnanswered(self.attempt.number),))
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _on_hang_query_unanswered(self, ev: HangQueryUnanswered) -> None:
+        if self.attempt.outcome is None and self.deferred_hang is not None:
+            log.warning("no other node holds the missing rank: ruling the hang on this node's evidence",
+                        event_name="hang_query_unanswered", incident_id=self.hang_query.incident_id)
+            self._rule_hang(self.deferred_hang)
+
+    def _on_peer_hang_query(self, ev: "nodes_mod.PeerHangQuery") -> None:
+        if self.attempt.outcome is not None or self.hang_query is not None:
+            return
+        log.warning("another node's ranks all wait in a collective: looking for the missing rank here",
+                    event_name="hang_query_received", node=ev.query.node, seq=ev.query.seq, incident_id=ev.query.incident_id)
+        self.peer_hang_query = ev.query
+        self.watchdog.answer_hang_query(ev.query.seq, ev.query.node)
 
     def _on_divergence(self, ev: DivergenceFound) -> None:
         if self.attempt.outcome is not None:

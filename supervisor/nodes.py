@@ -16,6 +16,9 @@ Key layout (version 1, every key under ``tpsv/v1/``)::
     beat/<R>            add-counter, +1 every BEAT_S: node R's supervisor is alive
     fault               the first fatal incident of any node (compare_set): JSON {node, rank,
                         reason, incident_id, verdict}; everyone else tears down, exit 84
+    hang                the first hang query (compare_set): JSON {node, incident_id, seq, verdict}: every
+                        rank of that node waits in a collective; the node holding the missing rank
+                        raises the hang itself under that incident id (see ``HangQuery``)
     done/<R>            node R finished cleanly (its store loss or silence is not a loss)
 
 Handshake (``handshake``), before any rank starts, bounded by
@@ -72,6 +75,7 @@ PROGRESS_EVERY_S = 3.0  # handshake progress lines
 REFUSAL_LINGER_S = 1.5  # node 0 keeps the store up this long after a refusal, so every node reads it
 STORE_LINGER_S = 5.0  # node 0 keeps the store up this long at its exit, until every node read the end
 POLL_S = 0.1
+HANG_QUERY_WAIT_S = 3.0  # a node asking where the missing rank is rules alone after this
 TOKEN_MESSAGE = b"tp-supervise join token v1"
 STORE_OPS = ("connect", "set", "get", "add", "compare_set")  # the ``op`` label of supervise_store_latency_seconds
 LATENCY_PENDING_MAX = 4096  # store calls timed before the metrics exist (the handshake's), kept until attached
@@ -366,6 +370,38 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class HangQuery:
+    """A node whose every rank waits inside a collective asks the others where the missing rank is.
+
+    ``seq`` is the highest collective sequence number its ranks wait in.  A
+    node that holds the rank that is elsewhere (stopped, outside collectives,
+    behind) raises the hang itself, under ``incident_id``; when nobody does
+    within ``HANG_QUERY_WAIT_S`` the asking node rules on its own evidence.
+    """
+
+    node: int
+    incident_id: str
+    seq: int
+    verdict: str
+
+    def encode(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "HangQuery":
+        data = json.loads(raw)
+        return cls(int(data["node"]), str(data["incident_id"]), int(data["seq"]), str(data.get("verdict", "")))
+
+
+@dataclass(frozen=True)
+class PeerHangQuery:
+    """Event: another node's ranks all wait in a collective; is the missing rank here?"""
+
+    query: HangQuery
+    at: float
+
+
+@dataclass(frozen=True)
 class PeerFailed:
     """Event: another node published a fatal incident."""
 
@@ -402,6 +438,7 @@ class NodeLink:
         self._reported: set[int] = set()
         self._done: set[int] = set()  # nodes that said they finished: their silence is no loss
         self._fault_posted = False
+        self._query_posted = False
 
     # -- main thread --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -433,6 +470,10 @@ class NodeLink:
     def publish_fault(self, fault: Fault) -> None:
         """Hand a fatal incident of this node to the bus (never blocks)."""
         self._outbox.put(("fault", fault))
+
+    def ask_where(self, query: HangQuery) -> None:
+        """Hand a hang query of this node to the other nodes (never blocks)."""
+        self._outbox.put(("hang", query))
 
     def finished(self) -> None:
         """This node ends cleanly: its silence from now on is not a loss."""
@@ -467,12 +508,21 @@ class NodeLink:
                 return
             if kind == "fault":
                 self.store.first_writer("fault", item.encode())
+            elif kind == "hang":
+                self.store.first_writer("hang", item.encode())
             elif kind == "done":
                 self.store.set(f"done/{self.group.node_rank}", b"1")
 
     def _watch_fault(self) -> None:
         if self._fault_posted:
             return
+        if not self._query_posted:
+            raw = self.store.get_nowait("hang")
+            if raw is not None:
+                self._query_posted = True
+                query = HangQuery.decode(raw)
+                if query.node != self.group.node_rank:
+                    self.post(PeerHangQuery(query, time.monotonic()))
         raw = self.store.get_nowait("fault")
         if raw is None:
             return

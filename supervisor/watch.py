@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import psutil
 import structlog
 
 from .rank.heartbeat import SlotSnapshot, empty_slot
+from tp_supervise.dumps.procinfo import proc_state
 from tp_supervise.watchdogs import policy
 
 if TYPE_CHECKING:
@@ -61,6 +62,13 @@ class WatchdogVerdict:
         if v is None:
             return {}
         return {"soft_timeout_s": round(v.soft_timeout, 2), "hard_timeout_s": round(v.hard_timeout, 2)}
+
+
+@dataclass(frozen=True)
+class HangQueryUnanswered:
+    """Event (multi-node): no other node raised the hang this node asked about in time; rule it here."""
+
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,7 @@ class WatchdogThread:
         # (slot pid, rank pid) -> whether the slot's writer descends from the rank
         # (a wrapper script's python); the process tree of a pid never changes that.
         self.descends: dict[tuple[int, int], bool] = {}
+        self._hang_query: tuple[int, int] | None = None  # (seq, node) another node asked about; any thread sets it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self.adapter = AdapterThread(spec.engine_metrics_url, spec.engine_kind) if spec.engine_metrics_url else None
@@ -194,11 +203,42 @@ class WatchdogThread:
         external = self.adapter.latest if self.adapter is not None else None
         exited = {slot for slot, r in attempt.ranks.items() if not r.alive}
         self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited)
+        query, self._hang_query = self._hang_query, None
+        if query is not None and not self.state.hard_fired:
+            verdict = self._answer(query, verdict, snaps)
+            if verdict.kind is policy.VerdictKind.HARD:
+                self.state = replace(self.state, hard_fired=True)
         self._post(verdict, snaps, now, attempt)
         try:
             self.on_tick(snaps, verdict, now, {slot: r.alive for slot, r in attempt.ranks.items()})
         except Exception as exc:  # metrics must never cost a verdict
             log.error("metrics update failed", error=repr(exc))
+
+    def answer_hang_query(self, seq: int, node: int) -> None:
+        """Multi-node: every rank of ``node`` waits in collective #``seq``.  On the next tick, rule a hard
+        hang here if a rank of this node is elsewhere: stopped, outside collectives, or behind ``seq``."""
+        self._hang_query = (seq, node)
+
+    @staticmethod
+    def _answer(query: tuple[int, int], verdict, snaps: list[SlotSnapshot]):
+        seq, node = query
+        elsewhere = []
+        for s in snaps:
+            if not s.claimed or s.finished:
+                continue
+            state = proc_state(s.pid)
+            if state in ("T", "t"):
+                elsewhere.append(f"rank {s.rank} is stopped (state {state})")
+            elif not s.in_collective:
+                elsewhere.append(f"rank {s.rank} is outside collectives at step {s.step}")
+            elif s.coll_seq < seq:
+                elsewhere.append(f"rank {s.rank} is behind, in {s.coll_op or 'collective'} #{s.coll_seq}")
+        if not elsewhere:
+            log.info("hang query of another node: every rank here is in that collective too",
+                     event_name="hang_query_not_here", node=node, seq=seq)
+            return verdict
+        message = f"every rank of node {node} waits in collective #{seq}; here {'; '.join(elsewhere)}"
+        return replace(verdict, kind=policy.VerdictKind.HARD, message=message)
 
     def _post(self, verdict, snaps: list[SlotSnapshot], now: float, attempt: "AttemptView") -> None:
         """Hand the verdicts that need action to the main loop (before anything
