@@ -193,6 +193,10 @@ def supervise(tmp_path):
         except ProcessLookupError:
             pass
     assert not leaked, f"processes leaked: {leaked}"
+    for run in runs:  # a run the test waited on itself (proc.wait after a SIGKILL) still holds its pipes
+        for stream in (run.proc.stdout, run.proc.stderr):
+            if stream is not None and not stream.closed:
+                stream.close()
     gc.collect()  # descriptors of objects the test dropped are closed by their finalizers
     gained = {fd: target for fd, target in open_fds().items() if fds_before.get(fd) != target}
     assert not gained, f"the test process gained descriptors over the supervised runs: {gained}"
