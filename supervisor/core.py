@@ -483,7 +483,7 @@ class Supervisor:
             timer.daemon = True
             timer.start()
         elif ruling.meaning is Meaning.CLEAN:
-            log.info(ruling.message)
+            log.info(ruling.message, event_name="run_finished")
             self._finish(Outcome(EXIT_OK, "clean"))
         elif ruling.meaning is Meaning.FAILED:
             self._rank_failed(handle, info)
@@ -504,6 +504,7 @@ class Supervisor:
         who = "launcher" if first is self.attempt.launcher else f"rank {first.rank}"
         log.error(
             f"{who} (pid {first.pid}) {first_info.description}",
+            event_name="rank_exited",
             rank=None if first.rank < 0 else first.rank,
             pid=first.pid,
             **first_info.to_dict(),

@@ -10,6 +10,8 @@ Every rank:
 * inherits the read end of the death pipe (``SUPERVISE_DEATH_FD``): the
   rank-side runtime exits on EOF, a second line of defence for processes that
   lose the parent-death signal (e.g. across a setuid exec);
+* names the supervisor its ptracer (``PR_SET_PTRACER``), so stacks need no
+  root under Yama ``ptrace_scope=1``;
 * gets the torchrun environment plus ``SUPERVISE_*``; the user's environment is
   passed through untouched otherwise (the supervisor never edits os.environ);
 * writes its stdout and stderr to pipes the run's output pump reads
@@ -30,6 +32,7 @@ from typing import Mapping
 from . import output, procs
 from .cgroup import join_in_child
 from .rank import runtime
+from .rank.ptrace import allow_tracer
 from .exits import ExitInfo
 
 HOOK_DIR = Path(__file__).resolve().parent / "rank" / "_hook"  # holds sitecustomize.py and nothing else
@@ -172,6 +175,9 @@ def _child_setup(supervisor_pid: int, cgroup_procs: str | None):
         procs.set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != supervisor_pid:
             os._exit(runtime.EXIT_SUPERVISOR_GONE)  # it died between fork and prctl
+        # Yama ptrace_scope=1: py-spy (the supervisor's child) may attach without root or CAP_SYS_PTRACE; the
+        # relation outlives exec, so it holds for any program, Python or not (docs/supervisor.md).
+        allow_tracer(supervisor_pid)
 
     return setup
 

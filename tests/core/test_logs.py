@@ -39,11 +39,6 @@ FOREIGN = {LIBRARY_EVENT, WARNING_EVENT}
 # names they emit or are to emit.  Each entry must still match a call (the test
 # says when one is fixed: drop it here).  Fix: pass event_name="<name>".
 PENDING = {
-    # "rank 1 (pid N) exited with code 1": its name is "rank_1" until the call passes event_name.
-    ("supervisor/core.py", "f'{who} (pid {first.pid}) {first_info.description}'"): {"rank_exited"},
-    # ruling.message is one of two constants of supervisor/arbitration.py.
-    ("supervisor/core.py", "ruling.message"): {"launcher_finished_with_exit_code_0",
-                                               "every_rank_finished_with_exit_code_0"},
     # the handshake's progress callback; its only text is "waiting for nodes".
     ("supervisor/nodes.py", "event"): {"waiting_for_nodes"},
 }
@@ -198,11 +193,6 @@ def assert_agent_keys(line: dict) -> None:
     assert stamp.utcoffset() == timedelta(0), line
 
 
-def _awaiting_its_name(line: dict) -> bool:
-    """The rank-death line of supervisor/core.py until it passes event_name="rank_exited" (PENDING)."""
-    return line["level"] == "error" and "description" in line and line["message"].endswith(line["description"])
-
-
 def test_serve_json_lines_carry_the_agent_keys_and_documented_names(supervise):
     run = supervise(["--nproc-per-node", "2", "--kill-grace", str(SERVE_GRACE_S)],
                     fake_rank("--all", "sleep", "--on", "1=raise", "--delay", str(SERVE_DELAY_S)))
@@ -215,14 +205,14 @@ def test_serve_json_lines_carry_the_agent_keys_and_documented_names(supervise):
     for line in lines:
         assert_agent_keys(line)
         assert line["logger"].startswith("tp_supervise.") or line["event"] in FOREIGN, line
-        assert line["event"] in table or _awaiting_its_name(line), f"undocumented event: {line}"
+        assert line["event"] in table, f"undocumented event: {line}"
         if line["event"] not in FOREIGN:  # a library's record has the library's level
             assert line["level"] in table.get(line["event"], {line["level"]}), line
     names = [line["event"] for line in lines]
     for expected in ("supervise_starting", "rank_started", "incident_bundle_written", "teardown_complete",
                      "supervise_exiting"):
         assert expected in names, (expected, names)
-    death = [line for line in lines if line["event"] == "rank_exited" or _awaiting_its_name(line)]
+    death = [line for line in lines if line["event"] == "rank_exited"]
     assert death and death[0]["rank"] == 1 and "exit" in death[0]["message"], death
     said = [line["message"] for line in lines if line["event"] == "rank_output" and line.get("rank") == 1]
     assert "RuntimeError: injected failure in fake rank" in said, said
