@@ -71,6 +71,9 @@ PREFIX = "tpsv/v1/"
 STORE_TIMEOUT_S = 3.0  # every store call: a peer that stopped answering is lost, not waited for
 BEAT_S = 0.25  # heartbeat and fault-bus poll period
 NODE_LOST_S = 4.0  # a node whose beat counter stood still this long is lost
+# ... once it has beaten: a node that passed the handshake may take longer to start its link on a loaded
+# host (its imports, its ranks' spawn), so its first beat gets this long before it counts as lost.
+FIRST_BEAT_S = 15.0
 PROGRESS_EVERY_S = 3.0  # handshake progress lines
 REFUSAL_LINGER_S = 1.5  # node 0 keeps the store up this long after a refusal, so every node reads it
 STORE_LINGER_S = 5.0  # node 0 keeps the store up this long at its exit, until every node read the end
@@ -546,7 +549,7 @@ class NodeLink:
             if last is None or last[0] != count:
                 self._seen[node] = (count, now)
                 continue
-            if now - last[1] >= NODE_LOST_S:
+            if now - last[1] >= (NODE_LOST_S if count > 0 else FIRST_BEAT_S):
                 self._reported.add(node)
                 host = self.group.hosts.get(node, "?")
                 self.post(NodeLost(node, f"node {node} ({host}) stopped heartbeating {now - last[1]:.1f} s ago",
