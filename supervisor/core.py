@@ -85,7 +85,8 @@ from .watch import (
 )
 
 # Events produced for one attempt (they carry its number): acted on only in that attempt.
-ATTEMPT_EVENTS = (ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed, HangQueryUnanswered)
+ATTEMPT_EVENTS = (ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed, HangQueryUnanswered, DivergenceFound,
+                  ConsensusAgreed)
 
 log = structlog.get_logger("supervise")
 
@@ -176,7 +177,8 @@ class Supervisor:
             run_key=self.run_key,
             cgroup_procs=self.cgroup.procs_file if self.cgroup is not None else None,
         )
-        self.services = Services(self.spec, self.run_id, self.run_dir, self.post, run_key=self.run_key)
+        self.services = Services(self.spec, self.run_id, self.run_dir, self.post, self.attempt_view,
+                                 run_key=self.run_key)
         self.desk = IncidentDesk(
             self.spec,
             self.run_id,

@@ -32,6 +32,7 @@ from .outcome import ControlRequest, LoopTick
 from tp_supervise.watchdogs.gpu import GpuSampler, holding_memory
 
 if TYPE_CHECKING:
+    from .attempt import AttemptView
     from .spec import LaunchSpec
     from .teardown import TeardownResult
 
@@ -51,8 +52,9 @@ TEXTFILE_TIMEOUT_S = 2.0  # a --metrics-textfile write never holds the main thre
 
 class Services:
     def __init__(self, spec: "LaunchSpec", run_id: str, run_dir: Path, post: Callable[[object], None],
-                 run_key: str | None = None):
+                 attempt: Callable[[], "AttemptView"], run_key: str | None = None):
         self.spec = spec
+        self.attempt = attempt  # the main thread's latest AttemptView: the consensus threads tag their events with it
         self.run_id = run_id
         self.run_key = run_key or run_id  # names this node's registry entry (several nodes may share a host)
         self._textfile_writer: threading.Thread | None = None
@@ -89,7 +91,7 @@ class Services:
         from .watch import ConsensusThread
 
         self.consensus_monitor = ConsensusMonitor(self.run_dir, self.spec.nproc_per_node)
-        self.consensus_thread = ConsensusThread(self.consensus_monitor, self.post)
+        self.consensus_thread = ConsensusThread(self.consensus_monitor, self.post, self.attempt)
 
     def compare_across_nodes(self, group) -> None:
         """Multi-node: also compare this node's agreed steps with the other nodes' (consensus.across_nodes)."""
@@ -104,7 +106,7 @@ class Services:
             return nodes.connect(host, int(port), False, time.monotonic() + nodes.STORE_TIMEOUT_S)
 
         self.node_consensus = NodeConsensusThread(self.consensus_monitor, connect, group.node_rank, group.nnodes,
-                                                  self.spec.nproc_per_node, self.post)
+                                                  self.spec.nproc_per_node, self.post, self.attempt)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -83,8 +83,14 @@ class RankClaimed:
 
 @dataclass(frozen=True)
 class DivergenceFound:
+    """Event: the ranks disagreed (a consensus verdict)."""
+
     verdict: object  # consensus.compare.DivergenceVerdict
     at: float
+    # Number of the attempt whose digests were compared (the consensus threads
+    # read it before each pass); 0 only for the one the main thread builds
+    # and handles at once (arbitration.divergence_first), never queued.
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class ConsensusAgreed:
 
     steps: int
     at: float
+    attempt: int = 0  # number of the attempt whose ranks agreed
 
 
 class WatchdogThread:
@@ -328,11 +335,19 @@ class AdapterThread:
 
 
 class ConsensusThread:
-    """Polls the consensus monitor every few ms and posts divergences."""
+    """Polls the consensus monitor every few ms and posts divergences.
 
-    def __init__(self, monitor, post: Callable[[object], None]):
+    Each pass reads ``attempt()`` (the main thread's latest ``AttemptView``)
+    once, before it polls, and tags what it posts with that number: a verdict
+    of an attempt that ended while the pass ran reaches the main loop as a
+    stale event and is dropped there.  A new attempt also forgets an open
+    divergence (its agreement would belong to the attempt that ended).
+    """
+
+    def __init__(self, monitor, post: Callable[[object], None], attempt: Callable[[], "AttemptView"]):
         self.monitor = monitor
         self.post = post
+        self.attempt = attempt
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="consensus", daemon=True)
 
@@ -345,18 +360,22 @@ class ConsensusThread:
 
     def _run(self) -> None:
         open_at: tuple[int, int] | None = None  # (comparisons, mismatches) at the last divergence
+        watching = 0  # the attempt of the previous pass
         while not self._stop.wait(CONSENSUS_POLL_S):
             try:
+                number = self.attempt().number
+                if number != watching:
+                    watching, open_at = number, None
                 verdicts = self.monitor.poll(time.monotonic())
                 for verdict in verdicts:
-                    self.post(DivergenceFound(verdict, time.monotonic()))
+                    self.post(DivergenceFound(verdict, time.monotonic(), number))
                 comparisons, mismatches = self.monitor.counts()
                 if verdicts:
                     open_at = (comparisons, mismatches)
                 elif open_at is not None and mismatches > open_at[1]:
                     open_at = (comparisons, mismatches)  # still disagreeing
                 elif open_at is not None and comparisons - open_at[0] >= CONSENSUS_AGREE_STEPS:
-                    self.post(ConsensusAgreed(comparisons - open_at[0], time.monotonic()))
+                    self.post(ConsensusAgreed(comparisons - open_at[0], time.monotonic(), number))
                     open_at = None
             except Exception as exc:
                 log.error("consensus pass failed", error=repr(exc))
@@ -378,11 +397,12 @@ class NodeConsensusThread:
     """
 
     def __init__(self, monitor, connect: Callable[[], object], node_rank: int, nnodes: int, nproc_per_node: int,
-                 post: Callable[[object], None]):
+                 post: Callable[[object], None], attempt: Callable[[], "AttemptView"]):
         self.monitor = monitor
         self.connect = connect
         self.node_rank, self.nnodes, self.nproc_per_node = node_rank, nnodes, nproc_per_node
         self.post = post
+        self.attempt = attempt  # read once per pass: its number tags the divergences posted (as ConsensusThread)
         self.exchange = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-consensus", daemon=True)
@@ -403,6 +423,7 @@ class NodeConsensusThread:
             try:
                 if self.exchange is None:
                     self.exchange = NodeDigests(self.connect(), self.node_rank, self.nnodes, self.nproc_per_node)
+                number = self.attempt().number
                 now = time.monotonic()
                 self.exchange.agreed(self.monitor.take_agreed(), now)
                 for verdict in self.exchange.tick(now):
@@ -410,7 +431,7 @@ class NodeConsensusThread:
                     log.warning("divergence across nodes", step=verdict.step, culprit_ranks=list(verdict.culprit_ranks),
                                 verdict=verdict.verdict, acted_on_here=bool(mine))
                     if mine:
-                        self.post(DivergenceFound(verdict, time.monotonic()))
+                        self.post(DivergenceFound(verdict, time.monotonic(), number))
                 failed_with = None
             except Exception as exc:  # the store went away or answered late: say so once, keep trying
                 if type(exc) is not failed_with:
