@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from tp_supervise.watchdogs.gpu import GpuSampler
 
     from .attempt import AttemptView, RankView
+    from .nodes import NodeGroup
     from .rank.heartbeat import SlotSnapshot
     from .signals import Hurry
     from .spec import LaunchSpec
@@ -234,6 +235,12 @@ class IncidentDesk:
         self.jobs: list[DumpJob] = []  # in flight; main thread only
         self.next_incident_id: str | None = None  # set by the main thread before a fatal dump it announced
         self.previous_cpu = None
+        self.group: "NodeGroup | None" = None  # multi-node: fatal bundles are shared through the store
+
+    def link_nodes(self, group: "NodeGroup") -> None:
+        """Multi-node (main thread, before any rank starts): every fatal bundle's node summary goes to the
+        other nodes through the supervisors' store, and the originating node merges theirs."""
+        self.group = group if group.nnodes > 1 else None
 
     def close(self) -> None:
         self.soft.stop(SOFT_WORKER_JOIN_S)
