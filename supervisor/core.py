@@ -201,6 +201,7 @@ class Supervisor:
                                                 on_store_latency=self.services.metrics.observe_store_latency)
             self.sources.append(self.node_link)
             self.services.compare_across_nodes(self.nodes[1])
+            self.desk.link_nodes(self.nodes[1])
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
             source.start()
