@@ -19,7 +19,11 @@ Key layout (version 1, every key under ``tpsv/v1/``)::
     hang                the first hang query (compare_set): JSON {node, incident_id, seq, verdict}: every
                         rank of that node waits in a collective; the node holding the missing rank
                         raises the hang itself under that incident id (see ``HangQuery``)
-    done/<R>            node R finished cleanly (its store loss or silence is not a loss)
+    done/<R>            node R finished cleanly (its store loss or silence is not a loss); b"" until then
+
+Every key a node-link pass reads (fault, hang, beat/<R>, done/<R>) is created empty when the link starts, so
+one ``multi_get`` reads them all: a pass costs two store calls (this node's beat, the read) on any number of
+nodes.
 
 Handshake (``handshake``), before any rank starts, bounded by
 ``--rendezvous-timeout``: every node registers; refused on every node, with
@@ -132,6 +136,7 @@ class Store(Protocol):
     def get_nowait(self, key: str) -> bytes | None: ...
     def add(self, key: str, amount: int) -> int: ...
     def first_writer(self, key: str, value: bytes) -> bytes: ...
+    def get_many(self, keys: Sequence[str]) -> list[bytes]: ...  # every key must exist (see NodeLink)
 
 
 class TorchStore:
@@ -176,12 +181,21 @@ class TorchStore:
             self.latency.record("add", time.monotonic() - t0)
 
     def first_writer(self, key: str, value: bytes) -> bytes:
-        """Set ``key`` unless someone did first; returns the value that won."""
+        """Set ``key`` unless someone did first (a key holding b"" counts as unset); returns the value that won."""
         t0 = time.monotonic()
         try:
             return bytes(self._store.compare_set(PREFIX + key, "", value))
         finally:
             self.latency.record("compare_set", time.monotonic() - t0)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes]:
+        """One round trip for several keys; a missing key makes it wait for the store timeout, so callers
+        create every key first (``NodeLink._create_keys``)."""
+        t0 = time.monotonic()
+        try:
+            return [bytes(v) for v in self._store.multi_get([PREFIX + k for k in keys])]
+        finally:
+            self.latency.record("multi_get", time.monotonic() - t0)
 
 
 def default_store_port(master_port: int) -> int:
@@ -442,6 +456,7 @@ class NodeLink:
         self._done: set[int] = set()  # nodes that said they finished: their silence is no loss
         self._fault_posted = False
         self._query_posted = False
+        self._keys_ready = False
 
     # -- main thread --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -458,7 +473,7 @@ class NodeLink:
         deadline = time.monotonic() + STORE_LINGER_S
         while time.monotonic() < deadline:
             try:
-                if all(self.store.get_nowait(f"done/{n}") is not None for n in range(1, self.group.nnodes)):
+                if all(self.store.get_nowait(f"done/{n}") for n in range(1, self.group.nnodes)):
                     return
             except Exception:
                 return
@@ -483,14 +498,34 @@ class NodeLink:
         self._outbox.put(("done", None))
 
     # -- the thread ---------------------------------------------------------------------------------
+    def _create_keys(self) -> None:
+        """Every key a pass reads exists from the start (empty = not set), so one ``get_many`` reads them
+        all: two store calls per pass (the beat and the read) whatever the number of nodes, instead of two
+        per node.  Idempotent: a key another node already set keeps its value."""
+        for node in range(self.group.nnodes):
+            self.store.add(f"beat/{node}", 0)
+            self.store.first_writer(f"done/{node}", b"")
+        self.store.first_writer("fault", b"")
+        self.store.first_writer("hang", b"")
+        self._keys_ready = True
+
+    def _read_all(self) -> dict[str, bytes]:
+        me = self.group.node_rank
+        keys = ["fault", "hang"] + [f"{kind}/{n}" for n in range(self.group.nnodes) if n != me
+                                    for kind in ("beat", "done")]
+        return dict(zip(keys, self.store.get_many(keys)))
+
     def _run(self) -> None:
         me = self.group.node_rank
         while not self._stop.is_set():
             try:
+                if not self._keys_ready:
+                    self._create_keys()
                 self._drain_outbox()
                 self.store.add(f"beat/{me}", 1)
-                self._watch_fault()
-                self._watch_beats()
+                seen = self._read_all()
+                self._watch_fault(seen)
+                self._watch_beats(seen)
                 self._store_ok_at = time.monotonic()
                 self.on_peers({n: n not in self._reported and n not in self._done
                                for n in range(self.group.nnodes) if n != me})
@@ -516,18 +551,16 @@ class NodeLink:
             elif kind == "done":
                 self.store.set(f"done/{self.group.node_rank}", b"1")
 
-    def _watch_fault(self) -> None:
+    def _watch_fault(self, seen: Mapping[str, bytes]) -> None:
         if self._fault_posted:
             return
-        if not self._query_posted:
-            raw = self.store.get_nowait("hang")
-            if raw is not None:
-                self._query_posted = True
-                query = HangQuery.decode(raw)
-                if query.node != self.group.node_rank:
-                    self.post(PeerHangQuery(query, time.monotonic()))
-        raw = self.store.get_nowait("fault")
-        if raw is None:
+        if not self._query_posted and seen["hang"]:
+            self._query_posted = True
+            query = HangQuery.decode(seen["hang"])
+            if query.node != self.group.node_rank:
+                self.post(PeerHangQuery(query, time.monotonic()))
+        raw = seen["fault"]
+        if not raw:
             return
         fault = Fault.decode(raw)
         self._fault_posted = True
@@ -535,16 +568,16 @@ class NodeLink:
             self.post(PeerFailed(fault, time.monotonic()))
             self.store.set(f"done/{self.group.node_rank}", b"seen the fault")  # node 0 may now go
 
-    def _watch_beats(self) -> None:
+    def _watch_beats(self, seen: Mapping[str, bytes]) -> None:
         now = time.monotonic()
         for node in range(self.group.nnodes):
             if node == self.group.node_rank or node in self._reported:
                 continue
-            if node not in self._done and self.store.get_nowait(f"done/{node}") is not None:
+            if seen[f"done/{node}"]:
                 self._done.add(node)  # it finished (or saw the fault): its silence from now on is no loss
             if node in self._done:
                 continue
-            count = self.store.add(f"beat/{node}", 0)
+            count = int(seen[f"beat/{node}"] or 0)
             last = self._seen.get(node)
             if last is None or last[0] != count:
                 self._seen[node] = (count, now)
