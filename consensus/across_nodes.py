@@ -20,8 +20,8 @@ Store traffic is bounded, whatever the step rate:
 
 Keys, under the store's ``tpsv/v1/`` prefix (docs/multinode.md)::
 
-    consensus/<R>/n      add-counter: how many batches node R published
-    consensus/<R>/<i>    batch i of node R (0-based): JSON [[step, "<digest hex>"], ...]
+    consensus/<a>/<R>/n      add-counter: how many batches node R published in group attempt a
+    consensus/<a>/<R>/<i>    batch i of node R (0-based): JSON [[step, "<digest hex>"], ...]
 
 Nothing here blocks on its own: the caller (a supervisor thread) owns the
 store client, whose every call has the store's timeout.  Pure apart from the
@@ -86,10 +86,11 @@ class NodeDigests:
 
     def __init__(self, store: DigestStore, node_rank: int, nnodes: int, nproc_per_node: int,
                  publish_every_s: float = PUBLISH_EVERY_S, reads_per_s: float = READS_PER_S,
-                 wait_s: float = WAIT_S, max_pending: int = 1024):
+                 wait_s: float = WAIT_S, max_pending: int = 1024, attempt: int = 1):
         if not 0 <= node_rank < nnodes:
             raise ValueError(f"node rank {node_rank} outside 0..{nnodes - 1}")
         self.store = store
+        self.prefix = f"consensus/{attempt}"  # steps count from 0 again in every group attempt
         self.node_rank = node_rank
         self.nnodes = nnodes
         self.nproc_per_node = nproc_per_node
@@ -137,8 +138,8 @@ class NodeDigests:
         self._next_publish = now + self.publish_every_s
         batch = [self._outbox.popleft() for _ in range(min(BATCH_MAX, len(self._outbox)))]
         try:
-            self.store.set(f"consensus/{self.node_rank}/{self._published}", encode_batch(batch))
-            self.store.add(f"consensus/{self.node_rank}/n", 1)
+            self.store.set(f"{self.prefix}/{self.node_rank}/{self._published}", encode_batch(batch))
+            self.store.add(f"{self.prefix}/{self.node_rank}/n", 1)
             self.store_calls += 2
         except Exception:
             self._outbox.extendleft(reversed(batch))  # try again next time; the deque bound drops the oldest
@@ -150,11 +151,11 @@ class NodeDigests:
             return
         peer = self._peers[0]
         self._peers.rotate(-1)
-        available = self.store.add(f"consensus/{peer.node}/n", 0)
+        available = self.store.add(f"{self.prefix}/{peer.node}/n", 0)
         self.store_calls += 1
         calls = 1
         while peer.read < available:
-            raw = self.store.get_nowait(f"consensus/{peer.node}/{peer.read}")
+            raw = self.store.get_nowait(f"{self.prefix}/{peer.node}/{peer.read}")
             self.store_calls += 1
             calls += 1
             if raw is None:

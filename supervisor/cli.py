@@ -253,7 +253,7 @@ def join_nodes(spec: LaunchSpec):
              hosts_store=spec.node_rank == 0)
     store = nodes.connect(host, port, spec.node_rank == 0, deadline)
     command = list(spec.command) if not spec.builtin else ["(built-in engine)", *spec.engine.argv()]
-    fp = nodes.fingerprint(command, spec.nproc_per_node, spec.fingerprint_env)
+    fp = nodes.fingerprint(command, spec.nproc_per_node, spec.fingerprint_env, max_restarts=spec.max_restarts)
     try:
         group = nodes.handshake(store, nnodes=spec.nnodes, node_rank=spec.node_rank,
                                 run_id=spec.run_id or new_run_id(), fp=fp, token=spec.join_token, deadline=deadline,

@@ -27,6 +27,7 @@ spawned only from the main thread (parent-death signals fire when the forking
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shutil
@@ -102,6 +103,7 @@ class Supervisor:
         self.run_key = self.run_id if spec.nnodes == 1 else f"{self.run_id}.n{spec.node_rank}"
         self.nodes = nodes
         self.node_link: nodes_mod.NodeLink | None = None
+        self.group_end: Outcome | None = None  # multi-node: why the group could not restart
         self.hang_query: nodes_mod.HangQuery | None = None  # this node asked the others where the missing rank is
         self.peer_hang_query: nodes_mod.HangQuery | None = None  # another node asked this one
         self.deferred_hang: WatchdogVerdict | None = None  # the hard verdict waiting for the answer
@@ -271,15 +273,22 @@ class Supervisor:
     def _run_attempts(self) -> int:
         while True:
             outcome = self._run_attempt()
-            delay = self.restart.after(
-                outcome,
-                stopping=self.stopping is not None,
-                uptime_s=time.monotonic() - self.attempt.started_at,
-            )
+            if self._restarts_as_group():
+                delay = self._group_restart(outcome)
+            else:
+                delay = self.restart.after(
+                    outcome,
+                    stopping=self.stopping is not None,
+                    uptime_s=time.monotonic() - self.attempt.started_at,
+                )
             if delay is None:
+                outcome = self.group_end or outcome
                 break
             self.services.on_restart()
             self._wait_backoff(delay)
+            if self._restarts_as_group() and not self._group_barrier():
+                outcome = self.group_end or Outcome(EXIT_OK, "shutdown")
+                break
         code = outcome.code
         if self.last_teardown is not None and not self.last_teardown.complete:
             code = EXIT_TEARDOWN
@@ -293,8 +302,19 @@ class Supervisor:
     def _wait_backoff(self, delay: float) -> None:
         """Between attempts: a stop signal ends the run, a control request is
         refused; any other event belongs to the attempt that ended."""
-        deadline = time.monotonic() + delay
-        while time.monotonic() < deadline:
+        self._between_attempts(delay)
+        if self.stopping is None and self.group_end is None:
+            self.transition(Event.RESTART)
+
+    def _between_attempts(self, seconds: float, key: str | None = None) -> bytes | None:
+        """Read events for ``seconds`` (or, given ``key``, until the node link reports it: its value).
+
+        A stop signal ends the run (``self.stopping``); multi-node, a lost node
+        ends it too (``self.group_end``, exit 84: a group cannot restart without
+        it); a control request is refused; anything else belongs to the attempt
+        that ended."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self.stopping is None and self.group_end is None:
             try:
                 ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -302,10 +322,74 @@ class Supervisor:
             self.services.liveness.beat()  # restarting on purpose is alive
             if isinstance(ev, SignalReceived) and ev.signum != signals.DUMP_SIGNAL:
                 self.stopping = ev
-                return
-            if isinstance(ev, ControlRequest):
+            elif isinstance(ev, ControlRequest):
                 ev.reply.put({"ok": False, "error": "the group is restarting; no rank to dump right now"})
-        self.transition(Event.RESTART)
+            elif isinstance(ev, nodes_mod.NodeLost):
+                log.error("peer node lost between attempts: the group cannot restart without it",
+                          event_name="group_restart_node_lost", node=ev.node,
+                          detail=ev.detail)
+                self.group_end = Outcome(EXIT_PEER, "node_lost")
+            elif isinstance(ev, nodes_mod.PeerFailed) and ev.fault.reason == "shutdown":
+                log.info("node stopped on a signal between attempts: this node stops too",
+                         event_name="group_restart_stopped", node=ev.fault.node)
+                self.group_end = Outcome(EXIT_OK, "shutdown")
+            elif isinstance(ev, nodes_mod.StoreKeySeen) and ev.key == key:
+                return ev.value
+        return None
+
+    # -- multi-node restarts: one group attempt on every node, node 0 decides
+    def _restarts_as_group(self) -> bool:
+        return self.node_link is not None and self.spec.max_restarts > 0
+
+    def _group_restart(self, outcome: Outcome) -> float | None:
+        """After attempt n ended on this node: node 0 decides for the group (its restart policy, so the
+        crash-loop limit counts group attempts) and publishes restart/<n>; the others wait for it."""
+        n = self.attempt.number
+        if outcome.reason in ("node_lost", "shutdown") or self.stopping is not None:
+            return None  # a lost node cannot be restarted; a stop stops every node (the fault bus said so)
+        key = f"restart/{n}"
+        if self.spec.node_rank == 0:
+            delay = self.restart.after(outcome, stopping=False, uptime_s=time.monotonic() - self.attempt.started_at,
+                                       group=True)
+            decision = {"restart": delay is not None, "delay_s": delay or 0.0, "restarts": self.restart.restarts}
+            self.node_link.set(key, json.dumps(decision).encode())
+            return delay
+        self.node_link.watch(key, bool)
+        raw = self._between_attempts(self.spec.rendezvous_timeout, key=key)
+        if raw is None:
+            if self.stopping is None and self.group_end is None:
+                log.error("node 0 never said whether the group restarts: giving up",
+                          event_name="group_restart_no_decision", waited_s=self.spec.rendezvous_timeout)
+            return None
+        decision = json.loads(raw)
+        if not decision.get("restart"):
+            log.error("node 0 ends the group: no restart", event_name="group_restart_declined", restarts=decision.get("restarts"))
+            return None
+        self.restart.restarts = int(decision["restarts"])
+        log.warning("restarting the group with node 0", event_name="group_restart", restart=self.restart.restarts,
+                    max_restarts=self.spec.max_restarts, backoff_s=decision["delay_s"], after=outcome.reason)
+        return float(decision["delay_s"])
+
+    def _group_barrier(self) -> bool:
+        """Every node is ready to launch attempt n+1 before any does (the ranks rendezvous across nodes)."""
+        n = self.attempt.number + 1
+        key, nnodes = f"ready/{n}", self.spec.nnodes
+        self.node_link.begin_attempt(n)
+        if self.stopping is None and self.group_end is None:
+            self.node_link.add(key, 1)
+            self.node_link.watch(key, lambda v: int(v or b"0") >= nnodes)
+            if self._between_attempts(self.spec.rendezvous_timeout, key=key) is not None:
+                self.hang_query = self.peer_hang_query = self.deferred_hang = None
+                log.info("every node is ready for the next attempt", event_name="group_restart_ready", attempt=n)
+                return True
+        if self.stopping is not None:
+            self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))  # the others, waiting at the barrier, stop too
+        elif self.group_end is None:
+            log.error("the other nodes did not come back for the restart", event_name="group_restart_timeout",
+                      attempt=n,
+                      waited_s=self.spec.rendezvous_timeout)
+            self.group_end = Outcome(EXIT_PEER, "node_lost")
+        return False
 
     def _launch(self) -> None:
         assert self.ctx is not None

@@ -14,9 +14,12 @@ Key layout (version 1, every key under ``tpsv/v1/``)::
     refused             the first refusal (duplicate, mismatch, token), so every node says the same
     ready               add-counter of nodes that validated the group: the start barrier
     beat/<R>            add-counter, +1 every BEAT_S: node R's supervisor is alive
-    fault               the first fatal incident of any node (compare_set): JSON {node, rank,
-                        reason, incident_id, verdict}; everyone else tears down, exit 84
-    hang                the first hang query (compare_set): JSON {node, incident_id, seq, verdict}: every
+    fault/<n>           the first fatal incident of any node in group attempt n (compare_set): JSON
+                        {node, rank, reason, incident_id, verdict}; everyone else tears down, exit 84
+                        (or, with --max-restarts, all restart together: restart/<n>, ready/<n+1>)
+    restart/<n>         node 0's decision after attempt n: JSON {restart, delay_s, restarts}
+    ready/<n>           add-counter: nodes ready to launch attempt n (the barrier of a group restart)
+    hang/<n>            the first hang query (compare_set): JSON {node, incident_id, seq, verdict}: every
                         rank of that node waits in a collective; the node holding the missing rank
                         raises the hang itself under that incident id (see ``HangQuery``)
     done/<R>            node R finished cleanly (its store loss or silence is not a loss); b"" until then
@@ -210,7 +213,7 @@ def token_digest(token: str | None) -> str:
 
 
 def fingerprint(command: Sequence[str], nproc_per_node: int, env_keys: Sequence[str],
-                environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+                environ: Mapping[str, str] = os.environ, max_restarts: int = 0) -> dict[str, str]:
     """What must be equal on every node of one TP group."""
     from importlib import metadata
 
@@ -223,6 +226,7 @@ def fingerprint(command: Sequence[str], nproc_per_node: int, env_keys: Sequence[
     out = {
         "command": " ".join(command),
         "nproc_per_node": str(nproc_per_node),
+        "max_restarts": str(max_restarts),  # the group restarts together: every node must agree
         "tp_supervise": version("tp-supervise"),
         "python": platform.python_version(),
         "torch": version("torch"),
@@ -419,6 +423,14 @@ class PeerHangQuery:
 
 
 @dataclass(frozen=True)
+class StoreKeySeen:
+    """Event: a key the main thread asked the node link to watch (``NodeLink.watch``) reached what it waited for."""
+
+    key: str
+    value: bytes
+
+
+@dataclass(frozen=True)
 class PeerFailed:
     """Event: another node published a fatal incident."""
 
@@ -457,6 +469,8 @@ class NodeLink:
         self._fault_posted = False
         self._query_posted = False
         self._keys_ready = False
+        self._attempt = 1  # fault/<n> and hang/<n> of this group attempt are watched (--max-restarts)
+        self._watches: dict[str, Callable[[bytes], bool]] = {}  # key -> condition; StoreKeySeen once it holds
 
     # -- main thread --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -493,6 +507,21 @@ class NodeLink:
         """Hand a hang query of this node to the other nodes (never blocks)."""
         self._outbox.put(("hang", query))
 
+    def begin_attempt(self, number: int) -> None:
+        """The group starts attempt ``number``: from now on its fault and hang keys are the ones watched."""
+        self._outbox.put(("attempt", number))
+
+    def set(self, key: str, value: bytes) -> None:
+        """Write a key of the run (e.g. node 0's restart decision) from the link's thread (never blocks)."""
+        self._outbox.put(("set", (key, value)))
+
+    def add(self, key: str, amount: int = 1) -> None:
+        self._outbox.put(("add", (key, amount)))
+
+    def watch(self, key: str, until: Callable[[bytes], bool]) -> None:
+        """Post ``StoreKeySeen(key, value)`` once ``until(value)`` holds (missing keys read as b"")."""
+        self._outbox.put(("watch", (key, until)))
+
     def finished(self) -> None:
         """This node ends cleanly: its silence from now on is not a loss."""
         self._outbox.put(("done", None))
@@ -505,15 +534,27 @@ class NodeLink:
         for node in range(self.group.nnodes):
             self.store.add(f"beat/{node}", 0)
             self.store.first_writer(f"done/{node}", b"")
-        self.store.first_writer("fault", b"")
-        self.store.first_writer("hang", b"")
+        self._create_attempt_keys()
         self._keys_ready = True
+
+    def _create_attempt_keys(self) -> None:
+        self.store.first_writer(f"fault/{self._attempt}", b"")
+        self.store.first_writer(f"hang/{self._attempt}", b"")
 
     def _read_all(self) -> dict[str, bytes]:
         me = self.group.node_rank
-        keys = ["fault", "hang"] + [f"{kind}/{n}" for n in range(self.group.nnodes) if n != me
-                                    for kind in ("beat", "done")]
-        return dict(zip(keys, self.store.get_many(keys)))
+        keys = [f"fault/{self._attempt}", f"hang/{self._attempt}"] + [
+            f"{kind}/{n}" for n in range(self.group.nnodes) if n != me for kind in ("beat", "done")]
+        seen = dict(zip(keys, self.store.get_many(keys)))
+        seen["fault"], seen["hang"] = seen[keys[0]], seen[keys[1]]
+        return seen
+
+    def _check_watches(self) -> None:
+        for key, until in list(self._watches.items()):
+            value = self.store.get_nowait(key) or b""
+            if until(value):
+                del self._watches[key]
+                self.post(StoreKeySeen(key, value))
 
     def _run(self) -> None:
         me = self.group.node_rank
@@ -526,6 +567,7 @@ class NodeLink:
                 seen = self._read_all()
                 self._watch_fault(seen)
                 self._watch_beats(seen)
+                self._check_watches()
                 self._store_ok_at = time.monotonic()
                 self.on_peers({n: n not in self._reported and n not in self._done
                                for n in range(self.group.nnodes) if n != me})
@@ -545,9 +587,18 @@ class NodeLink:
             except queue.Empty:
                 return
             if kind == "fault":
-                self.store.first_writer("fault", item.encode())
+                self.store.first_writer(f"fault/{self._attempt}", item.encode())
             elif kind == "hang":
-                self.store.first_writer("hang", item.encode())
+                self.store.first_writer(f"hang/{self._attempt}", item.encode())
+            elif kind == "attempt":
+                self._attempt, self._fault_posted, self._query_posted = item, False, False
+                self._create_attempt_keys()
+            elif kind == "set":
+                self.store.set(*item)
+            elif kind == "add":
+                self.store.add(*item)
+            elif kind == "watch":
+                self._watches[item[0]] = item[1]
             elif kind == "done":
                 self.store.set(f"done/{self.group.node_rank}", b"1")
 

@@ -10,6 +10,10 @@
 
 Time is an argument; the main loop does the waiting (and keeps answering
 signals and control requests while it waits).
+
+Several nodes restart as one group: node 0's policy decides for all (its
+decision, backoff and count go through the store, supervisor/core.py
+``_group_restart``), so the crash-loop limit counts group attempts.
 """
 
 from __future__ import annotations
@@ -31,15 +35,18 @@ class RestartPolicy:
         self.max_restarts = max_restarts
         self.restarts = 0  # restarts of the current crash loop
 
-    def after(self, outcome: Outcome, *, stopping: bool, uptime_s: float) -> float | None:
+    def after(self, outcome: Outcome, *, stopping: bool, uptime_s: float, group: bool = False) -> float | None:
         """Seconds to wait before launching again, or None: the run is over.
 
-        ``uptime_s``: how long the attempt that ended had run.
+        ``uptime_s``: how long the attempt that ended had run.  ``group``: a
+        multi-node run, where another node's fault (``peer_failed``) ends the
+        attempt of the whole group and is restarted like a fault of this node's.
         """
-        if outcome.restartable and uptime_s >= RESTART_STABLE_S:
+        restartable = outcome.restartable or (group and outcome.reason == "peer_failed")
+        if restartable and uptime_s >= RESTART_STABLE_S:
             self.restarts = 0  # it ran long enough: not a crash loop, the budget starts over
-        if not outcome.restartable or stopping or self.restarts >= self.max_restarts:
-            if outcome.restartable and self.max_restarts > 0 and not stopping:
+        if not restartable or stopping or self.restarts >= self.max_restarts:
+            if restartable and self.max_restarts > 0 and not stopping:
                 log.error(
                     "crash loop: giving up",
                     restarts=self.restarts,

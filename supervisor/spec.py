@@ -290,9 +290,6 @@ class LaunchSpec:
                 f"--nnodes {self.nnodes} needs --master-port: every node must use the same rendezvous port "
                 "(a free port picked on each node would never meet)"
             )
-        if self.nnodes > 1 and self.max_restarts > 0:
-            raise UsageError("--max-restarts with --nnodes > 1 is not supported yet: restarts would have to be "
-                             "agreed by every node; restart the whole job from your scheduler")
         if self.store_port is not None and not 1 <= self.store_port <= 65535:
             raise UsageError(f"--store-port {self.store_port}: must be between 1 and 65535")
         if self.nnodes > 1 and self.master_port is not None and self.resolved_store_port == self.master_port:

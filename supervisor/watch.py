@@ -404,6 +404,8 @@ class NodeConsensusThread:
         self.post = post
         self.attempt = attempt  # read once per pass: its number tags the divergences posted (as ConsensusThread)
         self.exchange = None
+        self.exchange_attempt = 0
+        self.store = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-consensus", daemon=True)
 
@@ -421,9 +423,14 @@ class NodeConsensusThread:
         failed_with = None
         while not self._stop.wait(NODE_CONSENSUS_TICK_S):
             try:
-                if self.exchange is None:
-                    self.exchange = NodeDigests(self.connect(), self.node_rank, self.nnodes, self.nproc_per_node)
                 number = self.attempt().number
+                if self.exchange is None or self.exchange_attempt != number:
+                    # a new group attempt counts steps from 0 again: a fresh comparison under its own keys
+                    self.store = self.store or self.connect()
+                    self.exchange = NodeDigests(self.store, self.node_rank, self.nnodes, self.nproc_per_node,
+                                                attempt=number)
+                    self.exchange_attempt = number
+                    self.monitor.take_agreed()  # steps of the attempt that ended are not compared with this one's
                 now = time.monotonic()
                 self.exchange.agreed(self.monitor.take_agreed(), now)
                 for verdict in self.exchange.tick(now):

@@ -86,7 +86,7 @@ def test_store_writes_stay_bounded_whatever_the_step_rate(stores):
         side.agreed([(s, digest(s)) for s in range(i * 10, i * 10 + 10)], now + i * 0.005)
         side.tick(now + i * 0.005)
     # publishing: at most one batch (two writes) per PUBLISH_EVERY_S, plus the reads of the one peer
-    batches = master.add("consensus/0/n", 0)
+    batches = master.add("consensus/1/0/n", 0)
     assert batches <= 1 / PUBLISH_EVERY_S + 1, batches
     assert side.store_calls - writes_before <= 2 * batches + 1 * 20 + 1
     peer.agreed([(s, digest(s)) for s in range(2000)], now)
@@ -99,10 +99,10 @@ def test_store_writes_stay_bounded_whatever_the_step_rate(stores):
 def test_a_malformed_batch_is_skipped_not_fatal(stores):
     master, client = stores
     other = client()
-    other.set("consensus/1/0", b"{not json")
-    other.add("consensus/1/n", 1)
-    other.set("consensus/1/1", encode_batch([(1, digest(1))]))
-    other.add("consensus/1/n", 1)
+    other.set("consensus/1/1/0", b"{not json")
+    other.add("consensus/1/1/n", 1)
+    other.set("consensus/1/1/1", encode_batch([(1, digest(1))]))
+    other.add("consensus/1/1/n", 1)
     side = NodeDigests(master, 0, 2, 1)
     side.agreed([(1, digest(1))], time.monotonic())
     now = time.monotonic()
