@@ -10,6 +10,8 @@ import logging
 import os
 import signal
 import sys
+
+import structlog
 from pathlib import Path
 
 from . import spec as specs
@@ -19,10 +21,31 @@ from .spec import EngineOptions, LaunchSpec, UsageError
 
 
 
+def _wants_json_logs(argv: list[str]) -> bool:
+    """``--log-format json`` on the command line, read before argparse (whose errors come first)."""
+    return "--log-format=json" in argv or any(a == "--log-format" and b == "json" for a, b in zip(argv, argv[1:]))
+
+
+_json_errors = False  # --log-format json: errors before the run are JSON lines too (docs/logs.md, usage_error)
+
+
+def say_error(message: str) -> None:
+    """A refusal before anything starts: ``supervise: error: ...`` for people, a JSON line for machines."""
+    if not _json_errors:
+        print(f"supervise: error: {message}", file=sys.stderr)
+        return
+    from . import logs
+
+    logs.ensure_json()
+    structlog.get_logger("supervise.cli").error("supervise: error", event_name="usage_error",
+                                                message=f"supervise: error: {message}")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse exits 2; our contract says 64
-        self.print_usage(sys.stderr)
-        print(f"supervise: error: {message}", file=sys.stderr)
+        if not _json_errors:
+            self.print_usage(sys.stderr)
+        say_error(message)
         raise SystemExit(EXIT_USAGE)
 
 
@@ -209,7 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         specs.preflight(spec)
         control.registry_dir()  # a registry another user controls is refused before anything starts
     except (UsageError, control.RegistryError) as exc:
-        print(f"supervise: error: {exc}", file=sys.stderr)
+        say_error(str(exc))
         return EXIT_USAGE
     from .core import Supervisor
 
@@ -221,7 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             link = join_nodes(spec)
         except HandshakeError as exc:
-            print(f"supervise: error: {exc}", file=sys.stderr)
+            say_error(str(exc))
             return exc.code
         except KeyboardInterrupt:
             print("supervise: stopped during the rendezvous of the nodes; nothing was started", file=sys.stderr)
@@ -329,6 +352,8 @@ def cmd_drill(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
+    global _json_errors
+    _json_errors = _wants_json_logs(argv)
     args = parser.parse_args(argv)
     handler = {"serve": cmd_serve, "dump": cmd_dump, "analyze": cmd_analyze, "drill": cmd_drill}[args.cmd]
     return handler(args)

@@ -145,6 +145,15 @@ def _excepthook(exc_type, exc, tb) -> None:
     _log_uncaught(exc_type, exc, tb)
 
 
+_configured = [""]  # the format configure() set last ("" before the first call)
+
+
+def ensure_json() -> None:
+    """JSON lines from now on, unless configure() already set them (a refusal before the run's set-up)."""
+    if _configured[0] != "json":
+        configure("json")
+
+
 def configure(fmt: str = "console", level: int = logging.INFO, stream=None) -> None:
     """Send every log line of this process (ours, libraries', warnings) to ``stream`` in ``fmt``.
 
@@ -152,6 +161,7 @@ def configure(fmt: str = "console", level: int = logging.INFO, stream=None) -> N
     lines, so nothing the supervisor itself writes breaks a line-by-line parser.
     """
     stream = stream or sys.stderr
+    _configured[0] = fmt
     stamp = [
         _add_run_id,
         structlog.processors.add_log_level,

@@ -24,6 +24,8 @@ import textwrap
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT, fake_rank
 from tp_supervise.supervisor.logs import HEAD_KEYS, LIBRARY_EVENT, WARNING_EVENT, event_name
 
@@ -272,3 +274,13 @@ def test_json_mode_turns_every_line_of_the_process_into_json(tmp_path):
     crashes = [line for line in lines if line["event"] == "uncaught_exception"]
     assert [c.get("thread") for c in crashes] == ["worker-1", None]
     assert "RuntimeError: the end" in crashes[1]["exception"]
+
+
+@pytest.mark.parametrize("args", [["--log-format", "json", "--nproc-per-node", "0"], ["--log-format=json", "--bogus"]])
+def test_refusals_before_the_run_are_json_lines_too(args):
+    out = subprocess.run([sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", *args, "--", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 64
+    lines = [json.loads(line) for line in (out.stdout + out.stderr).splitlines()]
+    assert lines and all(line["event"] == "usage_error" and line["level"] == "error" for line in lines), lines
+    assert lines[0]["message"].startswith("supervise: error: ")
