@@ -59,7 +59,7 @@ import structlog
 
 from . import stacks as st
 from .evidence import CpuSamples, Evidence, ProcInfo, RankEvidence
-from .freeze import Frozen, resumed
+from .freeze import Frozen, Held, held_by, resumed
 from .procinfo import cpu_delta, read_proc
 from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
 from tp_supervise.supervisor.rank.runtime import stack_file_path
@@ -167,19 +167,17 @@ def _size(path: str) -> int | None:
         return None
 
 
-def _faulthandler(run_dir: Path, slot: int, pid: int, signum: int, end: float) -> _Attempt:
-    """Make the rank write its stacks and read what it appended."""
-    path = stack_file_path(run_dir, slot, pid)
+def _faulthandler(run_dir: Path, slot: int, proc: Held | None, signum: int, end: float) -> _Attempt:
+    """Make the rank write its stacks (the signal through its pidfd) and read what it appended."""
+    if proc is None:
+        return _Attempt(None, "faulthandler: process gone")
+    path = stack_file_path(run_dir, slot, proc.pid)
     with _lock_for(path):
         before = _size(path)
         if before is None:
             return _Attempt(None, f"faulthandler: no stack file {path}")
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            return _Attempt(None, "faulthandler: process gone")
-        except PermissionError as exc:
-            return _Attempt(None, f"faulthandler: cannot signal ({exc.strerror})")
+        if not proc.send(signum):
+            return _Attempt(None, "faulthandler: process gone (or not ours to signal)")
         sent = last_change = time.monotonic()
         last = before
         while True:
@@ -259,8 +257,9 @@ def _stack_signal(target: RankTarget) -> int:
     return hb.stack_signal
 
 
-def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, start: float, end: float):
-    """(threads, method, error, attempts) for one rank; never raises."""
+def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, start: float, end: float,
+                    held: Held | None = None):
+    """(threads, method, error, attempts) for one rank (``held``: its pidfd, for the signal); never raises."""
     dead = None
     if not target.alive or target.pid is None:
         dead = "rank is not running"
@@ -305,7 +304,7 @@ def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, star
         else:
             # A rank the freeze stopped runs again only for its own capture.
             with resumed(plan.frozen, target.rank) if frozen_here else nullcontext():
-                got = _faulthandler(plan.run_dir, target.slot, target.pid, signum, end)
+                got = _faulthandler(plan.run_dir, target.slot, held, signum, end)
             if frozen_here:
                 got = _Attempt(got.threads, f"{got.note} (resumed for the capture)")
             notes.append(got.note)
@@ -365,11 +364,17 @@ def capture_all(
 
     def work(target: RankTarget) -> None:
         t0 = time.monotonic()
+        # Signals go through a pidfd: the one the freeze holds, or one held for this capture only.
+        held = held_by(frozen, target.rank)
+        mine = Held.open(target.pid) if held is None and target.alive else None
         try:
-            out = _capture_stacks(target, first[target.rank], plan, t0, rank_end)
+            out = _capture_stacks(target, first[target.rank], plan, t0, rank_end, held or mine)
         except Exception as exc:  # one bad rank never spoils the dump
             log.warning("dump capture failed", rank=target.rank, error=repr(exc))
             out = ([], "none", f"capture failed: {exc!r}", ())
+        finally:
+            if mine is not None:
+                mine.close()
         with lock:
             results[target.rank] = (*out, time.monotonic() - t0)
 

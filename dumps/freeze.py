@@ -16,6 +16,14 @@ mismatched collective, long before py-spy has attached.  So, in this order:
    (``Frozen.before``; its per-thread states are those after the stop);
 4. the caller waits, at most ``settle_s``, until each reads ``T``.
 
+Every signal goes through a pidfd opened before the rank's first ``/proc``
+read (``Held``): from then on it reaches that process or nobody, even once
+the capture outlives its deadline and the teardown has reaped the rank and
+its pid was handed out again.  The pid itself is the one the supervisor
+knew at the decision, moments earlier: a spawned rank is its unreaped child
+until the teardown, so that pid cannot have been reused; a tree-mode rank's
+pid comes from its claim of a heartbeat slot.
+
 Stacks then come from ``py-spy --nonblocking`` (it reads a stopped
 process's memory without ptrace-stopping it), or from the faulthandler
 fallback, which must run inside the rank: ``resumed`` lets one rank run
@@ -28,8 +36,10 @@ soft watchdog, SIGUSR1 and ``supervise dump`` never do.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -45,6 +55,74 @@ log = structlog.get_logger()
 # States in which a rank is not frozen by us: already stopped or traced, or gone.
 _NOT_OURS = frozenset({"T", "t", "Z", "X"})
 SETTLE_POLL_S = 0.001
+PIDFD_SIGNAL_PROCESS_GROUP = 1 << 2  # linux/pidfd.h (Linux 6.9): the group of the pidfd's process
+
+
+class _Kernel:
+    """What the kernel supports, learnt at the first try."""
+
+    group_by_pidfd = True
+
+
+class Held:
+    """A rank held by a pidfd, with whether the signals go to the process group it leads.
+
+    ``send`` reaches the rank (or its group) or nobody.  The group is signalled
+    through the leader's pidfd (``PIDFD_SIGNAL_PROCESS_GROUP``: the group
+    the kernel knows by that process, never a number handed out again).  On
+    kernels before 6.9 it falls back to ``killpg`` by number, and that stays
+    safe: the leader's pidfd is signalled first, which succeeds only while
+    the leader still holds its pid (running, stopped or a zombie not yet
+    reaped), and a pid that names a process or a group is never handed out
+    to another; the ``killpg`` follows at once.  The owner closes it.
+    """
+
+    __slots__ = ("pid", "fd", "group", "_lock")
+
+    def __init__(self, pid: int, fd: int, group: bool = False):
+        self.pid = pid
+        self.fd = fd
+        self.group = group
+        # A capture thread left behind by its deadline may still signal while ``thaw`` closes: never a
+        # closed descriptor whose number the teardown's next pidfd took.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, pid: int | None) -> "Held | None":
+        if not pid:
+            return None
+        try:
+            return cls(pid, os.pidfd_open(pid))
+        except OSError:  # gone (or no pidfds: Linux < 5.3)
+            return None
+
+    def send(self, signum: int) -> bool:
+        """Signal the rank (or its group); False once it is gone (or closed)."""
+        with self._lock:
+            return self.fd >= 0 and self._send(signum)
+
+    def _send(self, signum: int) -> bool:
+        try:
+            if self.group and _Kernel.group_by_pidfd:
+                try:
+                    signal.pidfd_send_signal(self.fd, signum, None, PIDFD_SIGNAL_PROCESS_GROUP)
+                    return True
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        return False
+                    _Kernel.group_by_pidfd = False  # an older kernel: the fallback below from now on
+            signal.pidfd_send_signal(self.fd, signum)
+            if self.group:
+                os.killpg(self.pid, signum)  # the leader held its pid an instant ago (see the class doc)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
 
 @dataclass(frozen=True)
@@ -55,6 +133,7 @@ class Frozen:
     read_at: float  # time.monotonic() of the reads in ``before`` (their CPU times)
     stopped: Mapping[int, int] = field(default_factory=dict)
     group: Mapping[int, bool] = field(default_factory=dict)  # rank -> whether its process group was signalled
+    held: Mapping[int, Held] = field(default_factory=dict, repr=False, compare=False)  # the stopped ranks, until thaw
     settled: bool = True  # every stopped rank read as stopped before the settle deadline
     signalled_s: float = 0.0  # from the start to the last SIGSTOP sent (what a racing abort must beat)
     duration_s: float = 0.0  # from the start to settled
@@ -76,17 +155,6 @@ def _leads_group(pid: int) -> bool:
         return False
 
 
-def _signal(pid: int, group: bool, signum: int) -> bool:
-    try:
-        if group:
-            os.killpg(pid, signum)
-        else:
-            os.kill(pid, signum)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
 def _wchan(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/wchan", "rb") as f:
@@ -99,18 +167,26 @@ def _wchan(pid: int) -> str:
 def freeze(targets: Sequence, settle_s: float) -> Frozen:
     """SIGSTOP every live rank of ``targets`` (``RankTarget``-like: rank, pid, alive)."""
     start = time.monotonic()
-    live = [t for t in targets if t.alive and t.pid]
+    procs = {t.rank: Held.open(t.pid) for t in targets if t.alive and t.pid}
+    live = [t for t in targets if procs.get(t.rank) is not None]
     first = {t.rank: (proc_state(t.pid), _wchan(t.pid)) for t in live}
     stopped: dict[int, int] = {}
     group: dict[int, bool] = {}
+    held: dict[int, Held] = {}
     for t in live:
+        proc = procs[t.rank]
         letter = first[t.rank][0]
         if letter is None or letter in _NOT_OURS:
             continue
-        leads = _leads_group(t.pid)
-        if _signal(t.pid, leads, signal.SIGSTOP):
+        # Read after the pidfd was opened; the signal through it succeeds only if that very process still runs.
+        proc.group = _leads_group(t.pid)
+        if proc.send(signal.SIGSTOP):
             stopped[t.rank] = t.pid
-            group[t.rank] = leads
+            group[t.rank] = proc.group
+            held[t.rank] = procs.pop(t.rank)
+    for proc in procs.values():
+        if proc is not None:
+            proc.close()
     signalled_s = time.monotonic() - start
     before: dict[int, ProcInfo | None] = {t.rank: None for t in targets}
     for t in live:
@@ -127,30 +203,35 @@ def freeze(targets: Sequence, settle_s: float) -> Frozen:
         if not waiting or time.monotonic() >= deadline:
             break
         time.sleep(SETTLE_POLL_S)
-    frozen = Frozen(before, read_at, stopped, group, settled=not waiting, signalled_s=signalled_s,
+    frozen = Frozen(before, read_at, stopped, group, held, settled=not waiting, signalled_s=signalled_s,
                     duration_s=time.monotonic() - start)
     log.info("dump frozen", **frozen.to_dict(), not_settled=sorted(waiting))
     return frozen
 
 
 def thaw(frozen: Frozen | None) -> None:
-    """SIGCONT the ranks ``freeze`` stopped (only those)."""
+    """SIGCONT the ranks ``freeze`` stopped (only those), and let go of them (the freeze is over)."""
     if frozen is None:
         return
-    for rank, pid in frozen.stopped.items():
-        _signal(pid, frozen.group.get(rank, False), signal.SIGCONT)
+    for proc in frozen.held.values():
+        proc.send(signal.SIGCONT)
+        proc.close()
 
 
 @contextmanager
 def resumed(frozen: Frozen | None, rank: int) -> Iterator[None]:
     """Let one rank we stopped run for the block (its faulthandler must run), then stop it again."""
-    pid = frozen.stopped.get(rank) if frozen is not None else None
-    if pid is None:
+    proc = frozen.held.get(rank) if frozen is not None else None
+    if proc is None:
         yield
         return
-    group = frozen.group.get(rank, False)
-    _signal(pid, group, signal.SIGCONT)
+    proc.send(signal.SIGCONT)
     try:
         yield
     finally:
-        _signal(pid, group, signal.SIGSTOP)
+        proc.send(signal.SIGSTOP)
+
+
+def held_by(frozen: Frozen | None, rank: int) -> Held | None:
+    """The pidfd of a rank the freeze stopped (None otherwise, or after ``thaw``)."""
+    return frozen.held.get(rank) if frozen is not None else None

@@ -206,19 +206,37 @@ def _unlink_own(path: Path) -> None:
         pass
 
 
-def _run_orphans(run_id: str) -> set[int]:
-    """Processes left by a dead run: they carry its marker AND run as this user (never anyone else's)."""
+def _kill_run_orphans(run_id: str) -> set[int]:
+    """SIGKILL the processes a dead run left: they carry its marker AND run as this user (never anyone else's).
+
+    Each is held by a pidfd from the scan on (``procs.RunProcesses``: the
+    marker was read after the pidfd was opened) and killed through it; its
+    owner is read after that too, and the kill succeeds only if that very
+    process still held its pid, so a pid reused since the scan is never
+    signalled.  Returns the pids killed.
+    """
     from . import procs
 
-    found = procs.run_processes(run_id, root_pid=os.getpid()) - set(procs.descendants())
-    mine = set()
-    for pid in found:
-        try:
-            if psutil.Process(pid).uids().real == os.getuid():
-                mine.add(pid)
-        except psutil.Error:
-            continue
-    return mine
+    found = procs.RunProcesses(run_id, root_pid=os.getpid())
+    killed = set()
+    try:
+        found.scan()
+        ours = set(procs.descendants())  # our own children are no orphans of a dead run
+        for pid, proc in found.held.items():
+            if pid in ours or not _same_user(pid):
+                continue
+            if proc.send(signal.SIGKILL):
+                killed.add(pid)
+    finally:
+        found.close()
+    return killed
+
+
+def _same_user(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).uids().real == os.getuid()
+    except psutil.Error:
+        return False
 
 
 def sweep_stale() -> list[str]:
@@ -241,12 +259,7 @@ def sweep_stale() -> list[str]:
             continue
         if entry.alive():
             continue
-        orphans = _run_orphans(entry.run_id)
-        for orphan in orphans:
-            try:
-                os.kill(orphan, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        orphans = _kill_run_orphans(entry.run_id)
         for cgroup in RunCgroup.existing(entry.run_id):
             # Only our ranks' descendants can be in it, whatever they did to their environment.
             orphans |= cgroup.pids()
