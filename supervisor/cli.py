@@ -251,7 +251,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 0
     run_id = link[1].run_id if link else spec.run_id
     with output.install(spec.output, spec.log_format):  # the ranks' stdout/stderr: pipes, read by one thread
-        return Supervisor(spec, base_env, run_id=run_id, nodes=link).run()
+        code = Supervisor(spec, base_env, run_id=run_id, nodes=link).run()
+    if link is not None:
+        # Multi-node: a daemon thread may still sit in a TCPStore call (bounded by the store's timeout) and
+        # torch's store objects must not meet the interpreter's finalisation: on a loaded host that ended in
+        # C++ terminate() (SIGABRT) instead of our exit code.  Everything of ours is flushed and closed here.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def join_nodes(spec: LaunchSpec):
