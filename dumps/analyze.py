@@ -131,6 +131,7 @@ def check_summary(summary) -> dict:
     for key in ("notes", "errors"):
         items = summary.get(key) or []
         _check(isinstance(items, list), f"'{key}' is not a list")
+    _check_nodes(summary)
     groups = summary.get("stack_groups") or []
     _check(isinstance(groups, list), "'stack_groups' is not a list")
     for g in groups:
@@ -141,6 +142,22 @@ def check_summary(summary) -> dict:
         for key in ("short", "signature"):
             _check(g.get(key) is None or isinstance(g[key], str), f"a stack group's '{key}' is not a string")
     return summary
+
+
+def _check_nodes(summary: dict) -> None:
+    """A multi-node bundle's ``nodes`` (the node summaries it merged) and ``peer_bundles``."""
+    nodes = summary.get("nodes")
+    _check(nodes is None or isinstance(nodes, dict), "'nodes' is not an object")
+    for node, record in (nodes or {}).items():
+        _check(isinstance(record, dict), f"nodes[{node!r}] is not an object")
+        ranks = record.get("ranks") or {}
+        _check(isinstance(ranks, dict) and all(isinstance(r, dict) for r in ranks.values()),
+               f"nodes[{node!r}].ranks is not an object of rank records")
+    peers = summary.get("peer_bundles")
+    _check(peers is None or (isinstance(peers, dict) and all(isinstance(p, dict) for p in peers.values())),
+           "'peer_bundles' is not an object of bundle records")
+    missing = summary.get("nodes_missing") or []
+    _check(isinstance(missing, list), "'nodes_missing' is not a list")
 
 
 def _open_bundle(path: Path) -> int:

@@ -97,6 +97,38 @@ def _summary_text(summary: dict, files: Mapping[str, bytes | str]) -> str:
         return json.dumps(summary, indent=2, default=str) + "\n"
 
 
+def _replace_file(path: Path, text: str) -> None:
+    """``path`` gets ``text`` whole or not at all: a temp file beside it, then ``rename(2)`` over it."""
+    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def amend_summary(bundle: Path, fields: Mapping) -> dict:
+    """Add ``fields`` to a written bundle's summary (what a node learnt after writing it: the other
+    nodes' evidence of the same incident); returns the new summary.
+
+    The bundle stays whole for any reader: ``summary.txt`` then ``summary.json`` are each replaced
+    atomically (written beside, then renamed over), never rewritten in place; nothing else changes.
+    Raises OSError (the bundle is gone, the disk is full) or ValueError (its summary is not ours)."""
+    bundle = Path(bundle)
+    summary = json.loads((bundle / SUMMARY_JSON).read_text(encoding="utf-8"))
+    if not isinstance(summary, dict):
+        raise ValueError(f"{bundle / SUMMARY_JSON} is not a JSON object")
+    summary.update(fields)
+    stacks_dir = bundle / "stacks"
+    files = {f"stacks/{p.name}": p.read_bytes() for p in sorted(stacks_dir.glob("rank-*.txt"))} \
+        if stacks_dir.is_dir() else {}
+    _replace_file(bundle / SUMMARY_TXT, _summary_text(summary, files))
+    _replace_file(bundle / SUMMARY_JSON, json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
 @dataclass(frozen=True)
 class _Existing:
     path: Path

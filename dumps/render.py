@@ -95,6 +95,60 @@ def rank_table(summary: Mapping) -> Table:
     return table
 
 
+def _node_key(item) -> int:
+    return _rank_key(item[0])
+
+
+def nodes_table(summary: Mapping) -> Table:
+    """Every node's ranks of a merged multi-node incident (``nodes``), by global rank."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col, justify in (("node", "right"), ("rank", "right"), ("state", "left"), ("exit", "left"),
+                         ("step", "right"), ("collective", "left"), ("phase", "left"), ("hb age s", "right"),
+                         ("where", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    culprits = set(summary.get("culprit_ranks") or [])
+    origin = summary.get("culprit_node")
+    rows = []
+    for node, record in (summary.get("nodes") or {}).items():
+        for key, r in ((record or {}).get("ranks") or {}).items():
+            rows.append((_rank_key(key), _rank_key(node), r or {}))
+    for rank, node, r in sorted(rows, key=lambda row: (row[0], row[1])):
+        culprit = rank in culprits and node == origin
+        collective = r.get("collective") or ("" if not r.get("in_collective") else "yes")
+        table.add_row(
+            _cell(node), _cell(f"{'*' if culprit else ''}{rank}"), _cell(r.get("state")), _cell(_exit_cell(r.get("exit"))),
+            _cell(r.get("step")), _cell(collective), _cell(r.get("phase")), _cell(r.get("heartbeat_age_s")),
+            _cell(r.get("where")), style=CULPRIT_STYLE if culprit else None,
+        )
+    return table
+
+
+def _nodes_part(summary: Mapping) -> list:
+    nodes = summary.get("nodes") or {}
+    lines = [data(f"evidence of {len(nodes)} nodes merged (incident {summary.get('incident_id', '?')}); "
+                  f"this is node {summary.get('node_rank', '?')}'s bundle", style="bold")]
+    for node, record in sorted(nodes.items(), key=_node_key):
+        record = record or {}
+        lines.append(data(f"  node {node} ({record.get('host') or '?'}): {record.get('reason') or '?'}, "
+                          f"bundle {record.get('bundle') or '?'}"))
+        if record.get("ranks_omitted"):
+            lines.append(data(f"    {record['ranks_omitted']} ranks left out of its summary (see its bundle)",
+                              style="yellow"))
+    missing = summary.get("nodes_missing") or []
+    if missing:
+        lines.append(data(f"  no summary in time from node(s) {', '.join(map(str, missing))}", style="yellow"))
+    if summary.get("node_verdict"):
+        lines.append(data(f"  node {summary.get('culprit_node', '?')}'s own verdict: {summary['node_verdict']}"))
+    return [*lines, nodes_table(summary)]
+
+
+def _peer_bundles_part(summary: Mapping) -> list:
+    peers = summary.get("peer_bundles") or {}
+    return [data(f"node {node}'s bundle of this incident ({(p or {}).get('reason') or '?'}, "
+                 f"{(p or {}).get('host') or '?'}): {(p or {}).get('bundle') or '?'}", style="dim")
+            for node, p in sorted(peers.items(), key=_node_key)]
+
+
 def _header(summary: Mapping) -> Text:
     text = Text()
     text.append(plain(summary.get("reason", "?")), style="bold")
@@ -161,6 +215,12 @@ def render(summary: Mapping, console: Console, stacks: Mapping[int, str] | None 
         if len(lines) > MAX_STACK_LINES:
             lines = [f"… {len(lines) - MAX_STACK_LINES} earlier lines"] + lines[-MAX_STACK_LINES:]
         console.print(Panel(data("\n".join(lines)), title=data(title), title_align="left", box=box.ROUNDED))
+    if isinstance(summary.get("nodes"), Mapping) and summary["nodes"]:
+        for part in _nodes_part(summary):
+            console.print(part)
+    elif isinstance(summary.get("peer_bundles"), Mapping):
+        for part in _peer_bundles_part(summary):
+            console.print(part)
     for note in summary.get("notes") or []:
         console.print(data(f"- {note}"))
     for err in summary.get("errors") or []:

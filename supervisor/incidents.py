@@ -50,6 +50,7 @@ from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget
 from tp_supervise.dumps.incident import IncidentResult, capture_incident, write_captured, write_incident
 from .exits import ExitInfo
+from .incident_exchange import IncidentExchange
 from . import output
 from .launch import error_file
 from .outcome import new_incident_id
@@ -235,12 +236,12 @@ class IncidentDesk:
         self.jobs: list[DumpJob] = []  # in flight; main thread only
         self.next_incident_id: str | None = None  # set by the main thread before a fatal dump it announced
         self.previous_cpu = None
-        self.group: "NodeGroup | None" = None  # multi-node: fatal bundles are shared through the store
+        self.exchange: IncidentExchange | None = None  # multi-node: fatal bundles are shared through the store
 
     def link_nodes(self, group: "NodeGroup") -> None:
         """Multi-node (main thread, before any rank starts): every fatal bundle's node summary goes to the
         other nodes through the supervisors' store, and the originating node merges theirs."""
-        self.group = group if group.nnodes > 1 else None
+        self.exchange = IncidentExchange(group, self.hurry) if group.nnodes > 1 else None
 
     def close(self) -> None:
         self.soft.stop(SOFT_WORKER_JOIN_S)
@@ -400,10 +401,20 @@ class IncidentDesk:
                 incomplete=incomplete,
             )
             self._report(job, result, extra_summary)
+            self._exchange(job, result.path, extra_summary, targets)
         except Exception:
             log.exception("incident bundle failed", reason=reason)
         finally:
             job.done.set()
+
+    def _exchange(self, job: DumpJob, bundle: Path | None, extra: dict, targets: list[RankTarget]) -> None:
+        """Multi-node, on the dump thread, within the dump's deadline: this node's bundle of the incident
+        meets the other nodes' (``incident_exchange``).  A lost node publishes nothing: it cannot merge."""
+        if self.exchange is None or bundle is None or job.reason == "node_lost":
+            return
+        origin = extra.get("culprit_node") if job.reason == "peer_failed" else self.spec.node_rank
+        if isinstance(origin, int):
+            self.exchange.share(bundle, job.deadline, origin, targets)
 
     def _fatal(
         self,
