@@ -19,6 +19,10 @@ deadline).  Every bundle is made off the main thread:
 * **soft** ones (hang suspected, divergence observed, on demand) go to the
   ``dumper`` thread, in order, and never stop a rank.
 
+Multi-node (``link_nodes``): once a fatal bundle is written, its dump thread shares it with the
+other nodes' bundles of the same incident (``incident_exchange``: a summary to the store, the
+originating node's merge), within the same deadline, before the job counts as done.
+
 ``settle()`` (after the teardown) waits for every dump in flight until its
 deadline, ``--dump-timeout`` after it started (at least ``SETTLE_MIN_S``
 more), and reports those that could not finish (a dump directory that
