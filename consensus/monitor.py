@@ -373,6 +373,10 @@ class ConsensusMonitor:
             self._agreed.clear()
             return out
 
+    def rings_open(self) -> bool:
+        """Whether any rank records consensus events (a lock-free read: a hint for the poll rate only)."""
+        return any(st.reader is not None for st in self._slots)
+
     def counts(self) -> tuple[int, int]:
         """(comparisons, mismatches): the two totals exported as metrics."""
         return self._comparisons, self._mismatches
