@@ -104,6 +104,7 @@ class Supervisor:
         self.nodes = nodes
         self.node_link: nodes_mod.NodeLink | None = None
         self.group_end: Outcome | None = None  # multi-node: why the group could not restart
+        self.carried: list = []  # multi-node: events of the next attempt that arrived between attempts
         self.hang_query: nodes_mod.HangQuery | None = None  # this node asked the others where the missing rank is
         self.peer_hang_query: nodes_mod.HangQuery | None = None  # another node asked this one
         self.deferred_hang: WatchdogVerdict | None = None  # the hard verdict waiting for the answer
@@ -284,11 +285,14 @@ class Supervisor:
             if delay is None:
                 outcome = self.group_end or outcome
                 break
-            self.services.on_restart()
+            if not self._restarts_as_group():
+                self.services.on_restart()
             self._wait_backoff(delay)
-            if self._restarts_as_group() and not self._group_barrier():
-                outcome = self.group_end or Outcome(EXIT_OK, "shutdown")
-                break
+            if self._restarts_as_group():
+                if not self._group_barrier():
+                    outcome = self.group_end or Outcome(EXIT_OK, "shutdown")
+                    break
+                self.services.on_restart()  # counted once every node is back, not on a barrier that failed
         code = outcome.code
         if self.last_teardown is not None and not self.last_teardown.complete:
             code = EXIT_TEARDOWN
@@ -329,7 +333,10 @@ class Supervisor:
                           event_name="group_restart_node_lost", node=ev.node,
                           detail=ev.detail)
                 self.group_end = Outcome(EXIT_PEER, "node_lost")
-            elif isinstance(ev, nodes_mod.PeerFailed) and ev.fault.reason == "shutdown":
+            elif isinstance(ev, nodes_mod.PeerFailed) and ev.fault.reason != "shutdown":
+                if ev.attempt > self.attempt.number:
+                    self.carried.append(ev)  # a fault of the next attempt, read while this node was at the barrier
+            elif isinstance(ev, nodes_mod.PeerFailed):
                 log.info("node stopped on a signal between attempts: this node stops too",
                          event_name="group_restart_stopped", node=ev.fault.node)
                 self.group_end = Outcome(EXIT_OK, "shutdown")
@@ -345,8 +352,13 @@ class Supervisor:
         """After attempt n ended on this node: node 0 decides for the group (its restart policy, so the
         crash-loop limit counts group attempts) and publishes restart/<n>; the others wait for it."""
         n = self.attempt.number
-        if outcome.reason in ("node_lost", "shutdown") or self.stopping is not None:
-            return None  # a lost node cannot be restarted; a stop stops every node (the fault bus said so)
+        if self.stopping is not None and outcome.reason != "shutdown":
+            # stopped while the attempt was ending: every node stops, wherever it is (the run-level stop key)
+            self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))
+            self.group_end = Outcome(EXIT_OK, "shutdown")
+            return None
+        if outcome.reason in ("node_lost", "shutdown"):
+            return None  # a lost node cannot be restarted; a stop stops every node (the stop key said so)
         key = f"restart/{n}"
         if self.spec.node_rank == 0:
             delay = self.restart.after(outcome, stopping=False, uptime_s=time.monotonic() - self.attempt.started_at,
@@ -357,7 +369,10 @@ class Supervisor:
         self.node_link.watch(key, bool)
         raw = self._between_attempts(self.spec.rendezvous_timeout, key=key)
         if raw is None:
-            if self.stopping is None and self.group_end is None:
+            if self.stopping is not None:
+                self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))
+                self.group_end = Outcome(EXIT_OK, "shutdown")
+            elif self.group_end is None:
                 log.error("node 0 never said whether the group restarts: giving up",
                           event_name="group_restart_no_decision", waited_s=self.spec.rendezvous_timeout)
             return None
@@ -396,6 +411,8 @@ class Supervisor:
         self.attempt = Attempt(self.attempt_view.set, started_at=time.monotonic(), restarts=self.restart.restarts,
                                number=self.attempt.number + 1)
         logs.bind_attempt(self.attempt.number)
+        if self.attempt.number > 1:  # torch's own dump files of the attempt that ended are not this one's
+            shutil.rmtree(self.run_dir / "fr-dump", ignore_errors=True)
         self.suspicions = set()
         extra_env = self.services.rank_env
         if self.spec.tree:
@@ -428,6 +445,9 @@ class Supervisor:
         if self.stopping is not None:
             return Outcome(EXIT_OK, "shutdown")
         self._launch()
+        for ev in self.carried:  # what another node said of this attempt before this node launched it
+            self.post(ev)
+        self.carried.clear()
         while self.attempt.outcome is None:
             ev = self.events.get()
             try:
@@ -471,8 +491,8 @@ class Supervisor:
         if outcome.code == EXIT_OK and outcome.reason == "clean":
             self.node_link.finished()
         elif outcome.reason == "shutdown":
-            self.node_link.publish_fault(nodes_mod.Fault(node=self.spec.node_rank, rank=None, reason="shutdown",
-                                                         incident_id="", verdict="stopped on a signal"))
+            self.node_link.publish_stop(nodes_mod.Fault(node=self.spec.node_rank, rank=None, reason="shutdown",
+                                                        incident_id="", verdict="stopped on a signal"))
 
     def _on_peer_failed(self, ev: "nodes_mod.PeerFailed") -> None:
         fault = ev.fault
@@ -635,6 +655,8 @@ class Supervisor:
         elif kind == "recovered":
             log.info("progress resumed", stalled_s=round(ev.stalled_s, 2))
             self._clear_suspicion("hang")
+            if self.deferred_hang is not None:  # asked the other nodes, then progress came back: no hang
+                self.deferred_hang = self.hang_query = None
         elif kind == "hard":
             if self._divergence_was_first() or self._ask_the_other_nodes(ev):
                 return

@@ -72,9 +72,7 @@ def last_waits(targets: "Sequence[RankTarget]") -> dict[int, str]:
 
 
 def _connect(group: "NodeGroup", timeout_s: float) -> "Store":
-    host, port = group.store_addr.rsplit(":", 1)
-    return nodes.TorchStore(host, int(port), False, timeout_s=timeout_s,
-                            connect_timeout_s=max(MIN_CALL_S, min(CONNECT_S, timeout_s / 2)))
+    return nodes.client(group.store_addr, timeout_s, connect_timeout_s=max(MIN_CALL_S, min(CONNECT_S, timeout_s / 2)))
 
 
 class IncidentExchange:

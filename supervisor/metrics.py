@@ -82,7 +82,7 @@ DUMP_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # One call to the supervisors' store: ~0.1 ms on loopback, ~1 ms in a rack, tens of ms across sites; a call
 # times out at 3 s (supervisor.nodes.STORE_TIMEOUT_S), so 5 s is the last finite bucket.
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-# The ``op`` label: supervisor.nodes.STORE_OPS (kept here as a literal: metrics import no store code).
+# The ``op`` label: the calls of supervisor.nodes.TorchStore (the one list of them).
 STORE_OPS = ("connect", "set", "get", "add", "compare_set", "multi_get", OTHER)
 
 PERCENT = 100.0

@@ -22,9 +22,10 @@ Key layout (version 1, every key under ``tpsv/v1/``)::
     hang/<n>            the first hang query (compare_set): JSON {node, incident_id, seq, verdict}: every
                         rank of that node waits in a collective; the node holding the missing rank
                         raises the hang itself under that incident id (see ``HangQuery``)
-    done/<R>            node R finished cleanly (its store loss or silence is not a loss); b"" until then
+    done/<a>/<R>        node R finished attempt a cleanly, or saw its fault (its silence is then no loss)
+    stop                a node stopped on a signal (first writer): every node stops, in an attempt or between
 
-Every key a node-link pass reads (fault, hang, beat/<R>, done/<R>) is created empty when the link starts, so
+Every key a node-link pass reads (fault/<a>, hang/<a>, stop, beat/<R>, done/<a>/<R>) is created empty, so
 one ``multi_get`` reads them all: a pass costs two store calls (this node's beat, the read) on any number of
 nodes.
 
@@ -87,7 +88,6 @@ STORE_LINGER_S = 5.0  # node 0 keeps the store up this long at its exit, until e
 POLL_S = 0.1
 HANG_QUERY_WAIT_S = 3.0  # a node asking where the missing rank is rules alone after this
 TOKEN_MESSAGE = b"tp-supervise join token v1"
-STORE_OPS = ("connect", "set", "get", "add", "compare_set")  # the ``op`` label of supervise_store_latency_seconds
 LATENCY_PENDING_MAX = 4096  # store calls timed before the metrics exist (the handshake's), kept until attached
 
 
@@ -432,10 +432,11 @@ class StoreKeySeen:
 
 @dataclass(frozen=True)
 class PeerFailed:
-    """Event: another node published a fatal incident."""
+    """Event: another node published a fatal incident (or stopped: reason ``shutdown``)."""
 
     fault: Fault
     at: float
+    attempt: int = 1  # the group attempt whose fault key held it
 
 
 @dataclass(frozen=True)
@@ -470,6 +471,8 @@ class NodeLink:
         self._query_posted = False
         self._keys_ready = False
         self._attempt = 1  # fault/<n> and hang/<n> of this group attempt are watched (--max-restarts)
+        self._stop_posted = False
+        self._retry: deque = deque()  # an outbox item whose store call failed: first in line next pass
         self._watches: dict[str, Callable[[bytes], bool]] = {}  # key -> condition; StoreKeySeen once it holds
 
     # -- main thread --------------------------------------------------------------------------------
@@ -487,7 +490,7 @@ class NodeLink:
         deadline = time.monotonic() + STORE_LINGER_S
         while time.monotonic() < deadline:
             try:
-                if all(self.store.get_nowait(f"done/{n}") for n in range(1, self.group.nnodes)):
+                if all(self.store.get_nowait(f"done/{self._attempt}/{n}") for n in range(1, self.group.nnodes)):
                     return
             except Exception:
                 return
@@ -498,6 +501,10 @@ class NodeLink:
             self._drain_outbox()
         except Exception as exc:
             log.warning("node link: could not reach the store before stopping", error=repr(exc)[:200])
+
+    def publish_stop(self, fault: Fault) -> None:
+        """This node stops on a signal: every other node stops too, whatever attempt it is in (never blocks)."""
+        self._outbox.put(("stop", fault))
 
     def publish_fault(self, fault: Fault) -> None:
         """Hand a fatal incident of this node to the bus (never blocks)."""
@@ -533,20 +540,34 @@ class NodeLink:
         per node.  Idempotent: a key another node already set keeps its value."""
         for node in range(self.group.nnodes):
             self.store.add(f"beat/{node}", 0)
-            self.store.first_writer(f"done/{node}", b"")
+        self.store.first_writer("stop", b"")
         self._create_attempt_keys()
         self._keys_ready = True
 
     def _create_attempt_keys(self) -> None:
-        self.store.first_writer(f"fault/{self._attempt}", b"")
-        self.store.first_writer(f"hang/{self._attempt}", b"")
+        a = self._attempt
+        for node in range(self.group.nnodes):
+            self.store.first_writer(f"done/{a}/{node}", b"")
+        self.store.first_writer(f"fault/{a}", b"")
+        self.store.first_writer(f"hang/{a}", b"")
+
+    def _new_attempt(self, number: int) -> None:
+        """What the link knew of the attempt that ended does not hold for the next: who finished or saw
+        its fault, the beat history, the fault and hang query it posted."""
+        self._attempt, self._fault_posted, self._query_posted = number, False, False
+        self._done, self._seen = set(), {}
+        self._store_ok_at = time.monotonic()
+        self._create_attempt_keys()
 
     def _read_all(self) -> dict[str, bytes]:
-        me = self.group.node_rank
-        keys = [f"fault/{self._attempt}", f"hang/{self._attempt}"] + [
-            f"{kind}/{n}" for n in range(self.group.nnodes) if n != me for kind in ("beat", "done")]
+        me, a = self.group.node_rank, self._attempt
+        keys = [f"fault/{a}", f"hang/{a}", "stop"] + [
+            key for n in range(self.group.nnodes) if n != me for key in (f"beat/{n}", f"done/{a}/{n}")]
         seen = dict(zip(keys, self.store.get_many(keys)))
         seen["fault"], seen["hang"] = seen[keys[0]], seen[keys[1]]
+        for n in range(self.group.nnodes):
+            if n != me:
+                seen[f"done/{n}"] = seen[f"done/{a}/{n}"]
         return seen
 
     def _check_watches(self) -> None:
@@ -581,28 +602,50 @@ class NodeLink:
             self._stop.wait(BEAT_S)
 
     def _drain_outbox(self) -> None:
+        """Hand what the main thread queued to the store, in order.  An item whose store call failed stays
+        first in line for the next pass (a fault, a barrier count or a decision is never dropped on a
+        timeout; the writes are first-writer or set, so a repeat is harmless, except an ``add`` that was
+        applied although its answer timed out: the barrier then counts this node twice)."""
         while True:
+            if self._retry:
+                kind, item = self._retry.popleft()
+            else:
+                try:
+                    kind, item = self._outbox.get_nowait()
+                except queue.Empty:
+                    return
             try:
-                kind, item = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "fault":
-                self.store.first_writer(f"fault/{self._attempt}", item.encode())
-            elif kind == "hang":
-                self.store.first_writer(f"hang/{self._attempt}", item.encode())
-            elif kind == "attempt":
-                self._attempt, self._fault_posted, self._query_posted = item, False, False
-                self._create_attempt_keys()
-            elif kind == "set":
-                self.store.set(*item)
-            elif kind == "add":
-                self.store.add(*item)
-            elif kind == "watch":
-                self._watches[item[0]] = item[1]
-            elif kind == "done":
-                self.store.set(f"done/{self.group.node_rank}", b"1")
+                self._apply(kind, item)
+            except Exception:
+                self._retry.appendleft((kind, item))
+                raise
+
+    def _apply(self, kind: str, item) -> None:
+        """One queued item: one store call (or none)."""
+        if kind == "fault":
+            self.store.first_writer(f"fault/{self._attempt}", item.encode())
+        elif kind == "stop":
+            self.store.first_writer("stop", item.encode())
+        elif kind == "hang":
+            self.store.first_writer(f"hang/{self._attempt}", item.encode())
+        elif kind == "attempt":
+            self._new_attempt(item)
+        elif kind == "set":
+            self.store.set(*item)
+        elif kind == "add":
+            self.store.add(*item)
+        elif kind == "watch":
+            self._watches[item[0]] = item[1]
+        elif kind == "done":
+            self.store.set(f"done/{self._attempt}/{self.group.node_rank}", b"1")
 
     def _watch_fault(self, seen: Mapping[str, bytes]) -> None:
+        if seen["stop"] and not self._stop_posted:
+            # A node stopped on a signal, in an attempt or between two: every node stops (exit 0).
+            self._stop_posted = True
+            fault = Fault.decode(seen["stop"])
+            if fault.node != self.group.node_rank:
+                self.post(PeerFailed(fault, time.monotonic(), self._attempt))
         if self._fault_posted:
             return
         if not self._query_posted and seen["hang"]:
@@ -616,8 +659,8 @@ class NodeLink:
         fault = Fault.decode(raw)
         self._fault_posted = True
         if fault.node != self.group.node_rank:
-            self.post(PeerFailed(fault, time.monotonic()))
-            self.store.set(f"done/{self.group.node_rank}", b"seen the fault")  # node 0 may now go
+            self.post(PeerFailed(fault, time.monotonic(), self._attempt))
+            self.store.set(f"done/{self._attempt}/{self.group.node_rank}", b"seen the fault")  # node 0 may go
 
     def _watch_beats(self, seen: Mapping[str, bytes]) -> None:
         now = time.monotonic()
@@ -638,6 +681,13 @@ class NodeLink:
                 host = self.group.hosts.get(node, "?")
                 self.post(NodeLost(node, f"node {node} ({host}) stopped heartbeating {now - last[1]:.1f} s ago",
                                    now))
+
+
+def client(store_addr: str, timeout_s: float = STORE_TIMEOUT_S, connect_timeout_s: float | None = None) -> TorchStore:
+    """One more client of node 0's store (``NodeGroup.store_addr``), for a thread that needs its own
+    connection (the cross-node consensus, the incident exchange); every call has ``timeout_s``."""
+    host, port = store_addr.rsplit(":", 1)
+    return TorchStore(host, int(port), False, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
 
 
 def connect(host: str, port: int, is_master: bool, deadline: float,
@@ -669,5 +719,5 @@ def connect(host: str, port: int, is_master: bool, deadline: float,
                          "(supervise serve --node-rank 0) or check --master-addr/--store-port", EXIT_STARTUP)
 
 
-__all__ = ["Fault", "HandshakeError", "NodeGroup", "NodeLink", "NodeLost", "PeerFailed", "STORE_OPS", "Store",
+__all__ = ["Fault", "HandshakeError", "NodeGroup", "NodeLink", "NodeLost", "PeerFailed", "Store",
            "StoreLatency", "TorchStore", "connect", "default_store_port", "fingerprint", "handshake", "mismatches", "token_digest"]

@@ -100,10 +100,10 @@ class Services:
         from . import nodes
         from .watch import NodeConsensusThread
 
-        host, port = group.store_addr.rsplit(":", 1)
-
         def connect():
-            return nodes.connect(host, int(port), False, time.monotonic() + nodes.STORE_TIMEOUT_S)
+            store = nodes.client(group.store_addr)
+            store.latency.attach(self.metrics.observe_store_latency)  # supervise_store_latency_seconds too
+            return store
 
         self.node_consensus = NodeConsensusThread(self.consensus_monitor, connect, group.node_rank, group.nnodes,
                                                   self.spec.nproc_per_node, self.post, self.attempt)
