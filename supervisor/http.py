@@ -288,13 +288,16 @@ class HealthServer:
             daemon=True,
         )
         self._thread.start()
-        if not is_loopback(self.host):
+        if not is_loopback(self.host) and self.serve_metrics:
             log.warning(
                 "metrics endpoint exposed",
                 address=self.url,
                 risk="no authentication: anyone who can reach it reads run id, ranks, states and GPU telemetry",
             )
-        log.info("metrics endpoint listening", url=self.url)
+        elif not is_loopback(self.host):
+            log.info("health endpoints exposed", event_name="health_endpoints_exposed", address=self.url,
+                     risk="no authentication: anyone who can reach it reads the engine state and its one-line detail")
+        log.info("metrics endpoint listening" if self.serve_metrics else "health endpoints listening", url=self.url)
 
     def stop(self) -> None:
         """Stop serving and release the port; idempotent."""

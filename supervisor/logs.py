@@ -43,7 +43,9 @@ _HEADLINE_END = re.compile(r"[:;(]")
 _NOT_NAME = re.compile(r"[^a-z0-9]+")
 _SKIPPED_MODULES = ("structlog", "logging")
 
-_run: dict[str, object] = {}
+# What every line names (run id, attempt): replaced whole, never changed in place, so a thread that is
+# logging while the main thread binds a new attempt iterates a dict that does not change under it.
+_run: list[dict[str, object]] = [{}]
 
 
 def event_name(text: str) -> str:
@@ -69,6 +71,16 @@ def _calling_module() -> str:
     return "tp_supervise"
 
 
+RANK_OUTPUT_LOGGER = "tp_supervise.rank_output"  # the ranks' own lines in JSON mode: never filtered by level
+
+
+def rank_output_logger():
+    """The logger of the ranks' lines (``rank_output`` records): ``--log-level`` is the supervisor's own
+    verbosity, the ranks' output is not the supervisor's to drop (console mode forwards it whatever the level)."""
+    return structlog.wrap_logger(logging.getLogger(RANK_OUTPUT_LOGGER),
+                                 wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+
+
 def _module_logger(*_names: str) -> logging.Logger:
     """structlog's logger factory: a stdlib logger named after the calling module."""
     return logging.getLogger(_calling_module())
@@ -77,7 +89,7 @@ def _module_logger(*_names: str) -> logging.Logger:
 def _add_run_id(_logger, _method, event: dict) -> dict:
     """Every line of every thread carries the run id and, once the group was
     launched, the attempt (contextvars do not cross into the supervisor's threads)."""
-    for key, value in _run.items():
+    for key, value in _run[0].items():
         event.setdefault(key, value)
     return event
 
@@ -191,6 +203,7 @@ def configure(fmt: str = "console", level: int = logging.INFO, stream=None) -> N
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+    logging.getLogger(RANK_OUTPUT_LOGGER).setLevel(logging.DEBUG)
     logging.captureWarnings(True)
     structlog.configure(
         processors=[
@@ -210,9 +223,9 @@ def configure(fmt: str = "console", level: int = logging.INFO, stream=None) -> N
 
 def bind_run(run_id: str) -> None:
     """From now on every log line names this run."""
-    _run["run_id"] = run_id
+    _run[0] = {**_run[0], "run_id": run_id}
 
 
 def bind_attempt(number: int) -> None:
     """From now on every log line names this attempt (1, 2, … with --max-restarts)."""
-    _run["attempt"] = number
+    _run[0] = {**_run[0], "attempt": number}

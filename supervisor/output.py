@@ -50,6 +50,7 @@ from typing import IO, Iterator
 
 import structlog
 
+from . import logs
 from .spec import OutputOptions
 
 log = structlog.get_logger("supervise.output")
@@ -180,6 +181,7 @@ class RankOutput:
                  console_out: IO[str] | None = None, console_err: IO[str] | None = None):
         self.options = options
         self.json = log_format == "json"
+        self._rank_log = logs.rank_output_logger()
         self._console = {"stdout": console_out or sys.stdout, "stderr": console_err or sys.stderr}
         self._locks = {name: _console_locks(stream) for name, stream in self._console.items()}
         self._selector = selectors.DefaultSelector()
@@ -387,7 +389,7 @@ class RankOutput:
         if self.json:
             ids = {"launcher": True} if source.rank is None else {"rank": source.rank, "local_rank": source.local_rank}
             for line in lines:
-                log.info("rank_output", **ids, stream=stream.name, message=line)
+                self._rank_log.info("rank_output", **ids, stream=stream.name, message=line)
             return
         prefix = f"[{source.label}]:"
         text = "".join(f"{prefix}{line}\n" for line in lines)

@@ -52,13 +52,13 @@ SERVE_LIMIT_S = 40.0
 
 # -- the source walk -------------------------------------------------------------------------------
 def _receivers(tree: ast.AST) -> set[str]:
-    """Names assigned from a ``get_logger(...)`` call anywhere in the module (``log``, ``self._log``)."""
+    """Names assigned from a ``get_logger(...)`` (or ``rank_output_logger()``) call anywhere in the module (``log``, ``self._log``)."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
             func = node.value.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if called == "get_logger":
+            if called in ("get_logger", "rank_output_logger"):
                 names.update(ast.unparse(target) for target in node.targets)
     return names
 

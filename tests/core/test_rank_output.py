@@ -230,3 +230,14 @@ def test_pipes_are_closed_across_restarts_and_at_close(tmp_path):
     assert _open_fds() <= baseline, "close() closed every pipe, file and the pump's own descriptors"
     assert (tmp_path / "out").read_text().count("[rank0]:hello") == 20
     assert (tmp_path / "logs" / "t" / "attempt_19" / "1" / "stderr.log").read_text() == "bye 19\n"
+
+
+def test_json_rank_output_is_not_filtered_by_the_supervisors_log_level(supervise):
+    """--log-level sets the supervisor's verbosity; the ranks' lines reach the stream whatever it is."""
+    run = supervise(["--nproc-per-node", "1", "--log-level", "warning"],
+                    [sys.executable, "-c", "print('hello from the rank', flush=True)"])
+    assert run.wait(60) == 0, run.stderr[-2000:]
+    lines = [json.loads(line) for line in (run.stdout + run.stderr).splitlines() if line.startswith("{")]
+    said = [line for line in lines if line.get("event") == "rank_output"]
+    assert [line["message"] for line in said] == ["hello from the rank"], lines
+    assert all(line["level"] != "info" for line in lines if line.get("event") != "rank_output")
