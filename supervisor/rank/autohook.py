@@ -49,6 +49,7 @@ import time
 
 from . import runtime, works
 from .collectives import COALESCING_MANAGER, COLLECTIVES, cached_describe
+from .heartbeat import _D_TS_COLL_BEGIN as _TS_COLL_BEGIN
 
 _installed = False
 _monotonic = time.monotonic
@@ -88,7 +89,33 @@ def _wrap_collective(name: str, fn):
             return fn(*args, **kwargs)
         if not _monitor.awake:
             _monitor.wake()
-        result = ln.call(name, fn, args, kwargs, _monotonic())
+        # ``ln.call(name, fn, args, kwargs, now)`` inlined: the same stores in
+        # the same order, one Python frame less per collective (slot_writer.Lane).
+        now = _monotonic()
+        w = ln.writer
+        ln.depth = 1
+        ln.op = name
+        ln.desc = None
+        ln.args = args
+        ln.kwargs = kwargs
+        ln.ts = now
+        w.text_lane = ln
+        if name is not w.op or w.desc:
+            w.show(ln, now)
+        else:
+            ln.f64[_TS_COLL_BEGIN] = now
+        u64, at = ln.u64, ln.at
+        ln.value = value = ln.value + 3  # one more collective, and inside
+        u64[at] = value
+        try:
+            result = fn(*args, **kwargs) if kwargs else fn(*args)
+        finally:
+            ln.value = value = value - 1  # outside again
+            u64[at] = value
+            ln.depth = 0
+            ln.args = ln.kwargs = None
+            if w.several and w.text_lane is ln:
+                w.lane_left(ln, now)
         if result is not None:  # work to wait for later: in flight until then (works)
             works.issued(result, name, args, kwargs, cache)
         return result

@@ -26,7 +26,9 @@ Layout (version 2, little endian)::
      20  stack_signal   i32  signal that makes the rank write its stacks (0: none)
      24  step           u64  steps completed
      32  coll_seq       u64  collectives entered outside the lanes (see below)
-     40  ts_heartbeat   f64  monotonic time of the last update
+     40  ts_heartbeat   f64  monotonic time of the last update other than entering a
+                             collective (that one is ts_coll_begin: the reader reports
+                             the later of the two as the heartbeat)
      48  ts_step_begin  f64
      56  ts_coll_begin  f64  when the latest collective began
      64  last_step_s    f64  duration of the last completed step
@@ -49,8 +51,9 @@ no lock, from any number of threads: each lane has exactly one writing thread
 a single aligned u64 store is atomic, so a reader sees either value.  The
 flag covers the rest: threads without a lane, work objects issued and not
 completed (``works``); it counts holders and is written under the writer's
-lock and the seqlock.  ``ts_coll_begin`` and ``ts_heartbeat`` are single
-f64 stores as well; ``coll_op``/``coll_desc`` change only when the text
+lock and the seqlock.  Entering through a lane also stores
+``ts_coll_begin`` (a single f64 store) and nothing else: the heartbeat a
+reader reports is the later of ``ts_heartbeat`` and ``ts_coll_begin``; ``coll_op``/``coll_desc`` change only when the text
 changes (under the lock and the seqlock), which in a model's steady state is
 almost never.
 
@@ -288,7 +291,7 @@ def _decode(slot: int, raw: bytes, torn: bool) -> SlotSnapshot:
         stack_signal=stack_signal,
         step=step,
         coll_seq=coll_seq,
-        ts_heartbeat=ts_hb,
+        ts_heartbeat=ts_hb if ts_hb >= ts_coll else ts_coll,  # entering a collective stores only ts_coll_begin
         ts_step_begin=ts_step,
         ts_coll_begin=ts_coll,
         last_step_s=last_step,

@@ -5,9 +5,9 @@ The layout, the reader and the ordering rules of the slot are in
 writes it from any number of threads:
 
 * entering or leaving a collective through a **lane** is one aligned u64
-  store into the thread's own lane (plus two f64 timestamp stores), with no
-  lock: a lane has exactly one writing thread, and the reader sees either
-  value of each store;
+  store into the thread's own lane (entering also stores ``ts_coll_begin``),
+  with no lock: a lane has exactly one writing thread, and the reader sees
+  either value of each store;
 * everything else (identity, flags, steps, phase, the collective text, the
   holder count of ``IN_COLLECTIVE``) takes the writer's lock and the slot's
   seqlock, so the seqlock has one writer at a time whichever thread updates.
@@ -89,7 +89,7 @@ class SlotWriter:
 
     __slots__ = (
         "slot", "nslots", "flags", "stack_signal", "step", "coll_seq", "ts_step_begin", "last_step_s",
-        "holders", "lanes", "op", "desc", "text_lane", "described", "_map", "_base", "_lock", "_seq", "_u64",
+        "holders", "lanes", "several", "op", "desc", "text_lane", "described", "_map", "_base", "_lock", "_seq", "_u64",
         "_u32", "_f64", "_free_lanes", "_pid",
     )
 
@@ -126,6 +126,7 @@ class SlotWriter:
         self.last_step_s = 0.0
         self.holders = 0  # holders of IN_COLLECTIVE: threads without a lane in a collective, works in flight
         self.lanes: list[Lane] = []  # lanes handed out (their threads may have ended)
+        self.several = False  # more than one lane handed out: leaving may have to show another lane's collective
         self._free_lanes = list(range(LANES - 1, -1, -1))
         self.op = ""  # what coll_op / coll_desc hold
         self.desc = ""
@@ -272,6 +273,7 @@ class SlotWriter:
             index = self._free_lanes.pop()
             lane = Lane(self, index, int(self._u64[_Q_LANE0 + index]) & ~1)  # a freed lane keeps counting
             self.lanes.append(lane)
+            self.several = len(self.lanes) > 1
             return lane
 
     def release_lane(self, lane: Lane) -> None:
@@ -282,6 +284,7 @@ class SlotWriter:
             if lane.writer is not self or lane not in self.lanes:
                 return
             self.lanes.remove(lane)
+            self.several = len(self.lanes) > 1
             lane.value &= ~1
             self._u64[_Q_LANE0 + lane.index] = lane.value
             if self.text_lane is lane:
@@ -373,9 +376,17 @@ class Lane:
     made inside a collective call (``send`` runs ``isend``) are part of it and
     must not enter again.  The slot's text is rewritten (under the writer's
     lock) only when it changes, which in a model's steady state is never.
+
+    Entering stores ``ts_coll_begin`` and the lane, leaving the lane: two
+    u64 stores and one f64 store per collective, no lock.  ``ts_heartbeat``
+    is not stored on this path; the reader takes the later of the two
+    (``heartbeat._decode``).  The zero-code hook's wrapper
+    (``autohook._wrap_collective``) does what ``call`` does inline, one Python
+    frame less per collective: change both together
+    (tests/core/test_hook_fast_path.py compares them).
     """
 
-    __slots__ = ("writer", "index", "value", "depth", "op", "desc", "args", "kwargs", "ts", "_u64", "_f64", "_at")
+    __slots__ = ("writer", "index", "value", "depth", "op", "desc", "args", "kwargs", "ts", "u64", "f64", "at")
 
     def __init__(self, writer: SlotWriter, index: int, value: int):
         self.writer = writer
@@ -387,9 +398,9 @@ class Lane:
         self.args: tuple | weakref.ref | None = None  # a call's arguments (a wait's tensor), only until leave()
         self.kwargs: dict | None = None
         self.ts = 0.0
-        self._u64 = writer._u64
-        self._f64 = writer._f64
-        self._at = _Q_LANE0 + index
+        self.u64 = writer._u64  # the slot, as u64 and f64 views (the lane is u64[at])
+        self.f64 = writer._f64
+        self.at = _Q_LANE0 + index
 
     def call(self, op: str, fn: Callable, args: tuple, kwargs: dict, now: float):
         """Run the collective call ``fn(*args, **kwargs)`` inside; returns what it returns.
@@ -407,20 +418,18 @@ class Lane:
         if op is not w.op or w.desc:
             w.show(self, now)
         else:
-            f64 = self._f64
-            f64[_D_TS_COLL_BEGIN] = now
-            f64[_D_TS_HEARTBEAT] = now
-        u64, at = self._u64, self._at
+            self.f64[_D_TS_COLL_BEGIN] = now
+        u64, at = self.u64, self.at
         self.value = value = self.value + 3  # one more collective, and inside
         u64[at] = value
         try:
-            return fn(*args, **kwargs)
+            return fn(*args, **kwargs) if kwargs else fn(*args)
         finally:
             self.value = value = value - 1  # outside again
             u64[at] = value
             self.depth = 0
             self.args = self.kwargs = None
-            if w.text_lane is self and len(w.lanes) > 1:
+            if w.several and w.text_lane is self:
                 w.lane_left(self, now)
 
     def enter(self, op: str, desc: str, now: float) -> None:
@@ -434,11 +443,9 @@ class Lane:
         if op != w.op or desc != w.desc:
             w.show(self, now)
         else:
-            f64 = self._f64
-            f64[_D_TS_COLL_BEGIN] = now
-            f64[_D_TS_HEARTBEAT] = now
+            self.f64[_D_TS_COLL_BEGIN] = now
         self.value = value = self.value + 3
-        self._u64[self._at] = value
+        self.u64[self.at] = value
 
     def wait(self, op: str, desc: str | None, arg: weakref.ref | None, now: float) -> None:
         """Blocking on work issued earlier by ``op``: inside, not counted again.
@@ -458,17 +465,15 @@ class Lane:
         if op is not w.op or w.desc:
             w.show(self, now)
         else:
-            f64 = self._f64
-            f64[_D_TS_COLL_BEGIN] = now
-            f64[_D_TS_HEARTBEAT] = now
+            self.f64[_D_TS_COLL_BEGIN] = now
         self.value = value = self.value + 1
-        self._u64[self._at] = value
+        self.u64[self.at] = value
 
     def leave(self) -> None:
         self.value = value = self.value - 1
-        self._u64[self._at] = value
+        self.u64[self.at] = value
         self.depth = 0
         self.args = self.kwargs = None
         w = self.writer
-        if w.text_lane is self and len(w.lanes) > 1:
+        if w.several and w.text_lane is self:
             w.lane_left(self, self.ts)
