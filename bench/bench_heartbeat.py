@@ -385,9 +385,13 @@ def per_call_in_processes(runs: int, quick: bool) -> dict[str, float]:
     """The per-call table, each row the median over ``runs`` fresh processes (a process's
     memory layout moves small timings by more than the best of repeats removes)."""
     argv = [sys.executable, "-m", "bench.bench_heartbeat", "--per-call-only"] + (["--quick"] if quick else [])
+    # A fresh rank of its own: not this process's child rank (the runtime marks the slot's owner in the environment).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISE_")}
     tables = []
     for _ in range(runs):
-        out = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+        out = subprocess.run(argv, capture_output=True, text=True, cwd=Path(__file__).parents[1], env=env)
+        if out.returncode:
+            raise RuntimeError(f"per-call process failed:\n{out.stderr[-4000:]}")
         tables.append(json.loads(out.stdout))
     return {name: statistics.median(t[name] for t in tables) for name in tables[0]}
 
@@ -461,14 +465,14 @@ def _per_call_table(res: Result, before: dict | None) -> str:
 
 
 def _loop_rows(name: str, f: LoopFigures, old: dict | None) -> str:
-    def was(key: str, fmt: str) -> str:
-        return f" | {format(old[key], fmt)}" if old else ""
+    def was(key: str, fmt: str, unit: str) -> str:
+        return f" | {format(old[key], fmt)} {unit}" if old else ""
 
     lo, hi = f.overhead_spread_pct
-    return f"""| {name}: step CPU time (median) | {f.step_ms_with:.3f} ms{was("step_ms_with", ".3f")} ms |
-| {name}: throughput overhead (median of pair ratios) | {f.overhead_pct:+.2f} % (interquartile {lo:+.2f} … {hi:+.2f} %){was("overhead_pct", "+.2f")} % |
-| {name}: timed inside the loop, per call | {f.in_loop_ns_per_call:,.0f} ns{was("in_loop_ns_per_call", ",.0f")} ns |
-| {name}: timed inside the loop, share of the step | {f.in_loop_pct:.2f} %{was("in_loop_pct", ".2f")} % |"""
+    return f"""| {name}: step CPU time (median) | {f.step_ms_with:.3f} ms{was("step_ms_with", ".3f", "ms")} |
+| {name}: throughput overhead (median of pair ratios) | {f.overhead_pct:+.2f} % (interquartile {lo:+.2f} … {hi:+.2f} %){was("overhead_pct", "+.2f", "%")} |
+| {name}: timed inside the loop, per call | {f.in_loop_ns_per_call:,.0f} ns{was("in_loop_ns_per_call", ",.0f", "ns")} |
+| {name}: timed inside the loop, share of the step | {f.in_loop_pct:.2f} %{was("in_loop_pct", ".2f", "%")} |"""
 
 
 def markdown(res: Result, command: str, before: dict | None = None, before_label: str = "the previous code") -> str:
