@@ -4,6 +4,7 @@ all meet at a barrier, and every node launches again; out of restarts, each node
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -64,3 +65,44 @@ def test_mismatched_max_restarts_are_refused_before_anything_starts(supervise, t
     for run in runs:
         assert run.wait(60) == 64, run.stderr[-3000:]
         assert "mismatch" in run.stderr and "max_restarts" in run.stderr
+
+
+FIRST_ATTEMPT_FAULT = ('if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then sleep 1; exit 3; fi; '
+                       'exec sleep 1000')
+
+
+def _sh_nodes(supervise, tmp_path, restarts: int):
+    port, store_port = free_port(), free_port()
+    runs = []
+    for node in range(2):
+        args = ["--nnodes", "2", "--node-rank", str(node), "--master-port", str(port), "--store-port", str(store_port),
+                "--nproc-per-node", "1", "--kill-grace", "2", "--max-restarts", str(restarts), "--no-hook",
+                "--rendezvous-timeout", "60"]
+        runs.append(supervise(args, ["sh", "-c", FIRST_ATTEMPT_FAULT], dump_dir=tmp_path / f"dumps-{node}"))
+    return runs
+
+
+def _wait_bundle(path, pattern, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not list(path.glob(pattern)):
+        time.sleep(0.1)
+    assert list(path.glob(pattern)), f"no {pattern} in {path}"
+
+
+def test_a_node_lost_after_a_group_restart_is_still_seen(supervise, tmp_path):
+    node0, node1 = _sh_nodes(supervise, tmp_path, 2)
+    _wait_bundle(tmp_path / "dumps-0", "*peer_failed*")
+    time.sleep(6.0)  # backoff (1 s) and the barrier: attempt 2 runs on both nodes
+    os.kill(node1.proc.pid, signal.SIGKILL)
+    node1.proc.wait(timeout=10)
+    assert node0.wait(EXIT_TIMEOUT_S) == 84, node0.stderr[-3000:]
+    assert node0.events("peer node lost")
+    assert [line["attempt"] for line in node0.events("rank started")] == [1, 2]
+
+
+def test_a_stop_on_node_1_between_attempts_stops_node_0_too(supervise, tmp_path):
+    node0, node1 = _sh_nodes(supervise, tmp_path, 3)
+    _wait_bundle(tmp_path / "dumps-1", "*rank_exit*")
+    node1.proc.send_signal(signal.SIGTERM)  # node 1 is between attempts (waiting for node 0, backoff or barrier)
+    assert node1.wait(EXIT_TIMEOUT_S) == 0, node1.stderr[-3000:]
+    assert node0.wait(EXIT_TIMEOUT_S) == 0, node0.stderr[-3000:]
