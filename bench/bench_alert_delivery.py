@@ -1,0 +1,148 @@
+"""Issue 13 acceptance: with the shipped Prometheus config and default metrics flags, a hard hang is seen.
+
+    .venv/bin/python -m bench.bench_alert_delivery [--runs 10]
+
+Each run is independent: a fresh real Prometheus (Debian's ``prometheus``)
+loads docs/prometheus/prometheus.yml and alerts.yml unchanged (5 s scrapes
+of 127.0.0.1:9180, 5 s evaluations), then ``supervise serve`` runs with the
+default metrics flags (``--metrics-addr 127.0.0.1:9180``, the default linger
+after a fault) and two fake ranks that SIGSTOP themselves inside a step,
+``--hard-timeout 3``: the supervisor exits 81.  A run counts as seen when
+Prometheus stored ``supervise_hangs_total{kind="hard"} >= 1`` from that run,
+and as alerting when the ``TPSuperviseHang`` rule's own expression (read
+from alerts.yml) is true at the supervisor's exit (evaluated there through
+the query API).  Prints one line per run and a summary; exit 1 if a run was
+missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PROM_DIR = ROOT / "docs" / "prometheus"
+FAKE_RANK = ROOT / "tests" / "fakes" / "rank.py"
+METRICS_PORT = 9180  # the default --metrics-addr, which the shipped prometheus.yml scrapes
+RUN_LIMIT_S = 120.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hang_expr() -> str:
+    rules = yaml.safe_load((PROM_DIR / "alerts.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "TPSuperviseHang":
+                return rule["expr"]
+    raise SystemExit("TPSuperviseHang is not in docs/prometheus/alerts.yml")
+
+
+def query(base: str, expr: str, at: float) -> list:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        doc = json.loads(resp.read())
+    return doc["data"]["result"] if doc.get("status") == "success" else []
+
+
+def start_prometheus(work: Path) -> tuple[subprocess.Popen, str]:
+    conf = work / "prom"
+    conf.mkdir()
+    for name in ("prometheus.yml", "alerts.yml"):
+        shutil.copy(PROM_DIR / name, conf / name)  # unchanged
+    port = free_port()
+    proc = subprocess.Popen(
+        ["prometheus", f"--config.file={conf / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/-/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("prometheus did not become ready")
+
+
+def one_run(work: Path, expr: str, extra: list[str]) -> dict:
+    prom, base = start_prometheus(work)
+    try:
+        time.sleep(1.0)
+        started = time.time()
+        cmd = [sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--nproc-per-node", "2",
+               "--hard-timeout", "3", "--soft-timeout", "1.5", "--kill-grace", "2", "--dump-dir", str(work / "dumps"),
+               "--log-format", "json", *extra, "--", sys.executable, str(FAKE_RANK), "--all", "stop", "--steps", "20",
+               "--delay", "2"]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_LIMIT_S, cwd=work)
+        ended = time.time()
+        hung = [json.loads(line) for line in run.stderr.splitlines()
+                if line.startswith("{") and '"event": "hang"' in line]
+        fault_at = ended
+        if hung:
+            from datetime import datetime
+
+            fault_at = datetime.fromisoformat(hung[0]["timestamp"].replace("Z", "+00:00")).timestamp()
+        time.sleep(6.0)  # one more evaluation round after the exit
+        window = max(1, int(ended - started) + 2)
+        seen = query(base, f'max_over_time(supervise_hangs_total{{kind="hard"}}[{window}s]) >= 1', ended)
+        alerting = query(base, expr, ended)
+        return {"exit": run.returncode, "seen": bool(seen), "alert_expr_true": bool(alerting),
+                "linger_s": round(ended - fault_at, 1)}
+    finally:
+        prom.terminate()
+        try:
+            prom.wait(15)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--control", action="store_true",
+                    help="control runs with --metrics-linger 0 (the old default): shows what the check catches")
+    args = ap.parse_args(argv)
+    if shutil.which("prometheus") is None:
+        print("prometheus is not installed (apt-get install prometheus)", file=sys.stderr)
+        return 2
+    expr = hang_expr()
+    results = []
+    for i in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="tp-alert-") as tmp:
+            res = one_run(Path(tmp), expr, ["--metrics-linger", "0"] if args.control else [])
+        results.append(res)
+        print(f"run {i + 1}: exit {res['exit']}, counter seen by Prometheus: {res['seen']}, "
+              f"TPSuperviseHang expression true: {res['alert_expr_true']}, exited {res['linger_s']} s after the "
+              "hang verdict", flush=True)
+    seen = sum(r["seen"] for r in results)
+    alerting = sum(r["alert_expr_true"] for r in results)
+    exits = sum(r["exit"] == 81 for r in results)
+    print(f"summary: {seen}/{len(results)} seen, {alerting}/{len(results)} alert expression true, "
+          f"{exits}/{len(results)} exit 81")
+    if args.control:
+        return 0
+    return 0 if seen == alerting == exits == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
