@@ -75,6 +75,7 @@ def decode_batch(raw: bytes) -> list[tuple[int, bytes]]:
 class _Peer:
     node: int
     read: int = 0  # batches of this node already read
+    missing_since: float | None = None  # batch `read` is counted but not readable since then
 
 
 def ranks_of(node: int, nproc_per_node: int) -> tuple[int, ...]:
@@ -159,8 +160,16 @@ class NodeDigests:
             self.store_calls += 1
             calls += 1
             if raw is None:
-                break  # announced but not readable yet: next round
+                # Announced but not readable: written next round, or never (the peer's counter add was
+                # applied although its answer timed out, and it wrote that batch again at the next index).
+                peer.missing_since = peer.missing_since or now
+                if now - peer.missing_since < self.table.wait_s:
+                    break
+                self.bad_batches += 1
+            peer.missing_since = None
             peer.read += 1
+            if raw is None:
+                continue
             try:
                 entries = decode_batch(raw)
             except ValueError:

@@ -139,6 +139,10 @@ class Store(Protocol):
     def get_nowait(self, key: str) -> bytes | None: ...
     def add(self, key: str, amount: int) -> int: ...
     def first_writer(self, key: str, value: bytes) -> bytes: ...
+    def call_timeout(self, seconds: float) -> None:
+        """Every later call of this client gives up after ``seconds`` (a caller with a deadline shrinks it)."""
+        self._store.set_timeout(timedelta(seconds=max(0.001, seconds)))
+
     def get_many(self, keys: Sequence[str]) -> list[bytes]: ...  # every key must exist (see NodeLink)
 
 

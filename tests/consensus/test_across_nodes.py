@@ -115,3 +115,18 @@ def test_a_malformed_batch_is_skipped_not_fatal(stores):
 def test_decode_batch_refuses_what_is_not_a_batch(raw):
     with pytest.raises(ValueError):
         decode_batch(raw)
+
+
+def test_a_batch_announced_but_never_written_is_skipped_after_the_wait(stores):
+    """A peer whose counter add was applied although its answer timed out writes its batch again at the
+    next index: the announced index stays empty for good, and the reader must not stop there."""
+    master, client = stores
+    other = client()
+    other.add("consensus/1/1/n", 2)  # index 0 never written
+    other.set("consensus/1/1/1", encode_batch([(1, digest(1))]))
+    side = NodeDigests(master, 0, 2, 1, wait_s=1.0)
+    side.agreed([(1, digest(1))], time.monotonic())
+    now = time.monotonic()
+    for i in range(40):
+        assert side.tick(now + i * 0.1) == []
+    assert side.bad_batches == 1 and side.table.pending == 0
