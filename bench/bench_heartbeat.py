@@ -475,6 +475,12 @@ def _loop_rows(name: str, f: LoopFigures, old: dict | None) -> str:
 | {name}: timed inside the loop, share of the step | {f.in_loop_pct:.2f} %{was("in_loop_pct", ".2f", "%")} |"""
 
 
+def _goal(pct: float, goal: float = 0.5, margin: float = 0.05) -> str:
+    if pct > goal:
+        return "not met"
+    return "met, with no margin: runs on this shared machine differ by more" if pct > goal - margin else "met"
+
+
 def markdown(res: Result, command: str, before: dict | None = None, before_label: str = "the previous code") -> str:
     s = res.shape
     blocking = res.per_call_ns[BLOCKING_ROW]
@@ -483,9 +489,7 @@ def markdown(res: Result, command: str, before: dict | None = None, before_label
     if before is not None:
         source = f"""
 "Before" is the same benchmark (`--json before.json`) run just before against
-{before_label}, 1-minute load average {before["load"][0]:.1f}.  There the async path was not
-seen at all (the hook marked only the issuing call), so its figure is the
-cost of marking the call, not of following the work.
+{before_label}, 1-minute load average {before["load"][0]:.1f}.
 """
     return f"""{HEADING}
 
@@ -502,6 +506,20 @@ Goal (issue 11): the zero-code hook costs <= 1 us per collective on this machine
 {blocking:,.0f} ns on the blocking path ({"met" if blocking <= 1000 else "not met"}), {res.per_call_ns[ASYNC_ROW]:,.0f} ns for an
 async call and the wait on its work together.
 
+Where a blocking collective's time goes (hot caches, each piece timed
+alone on this machine): the wrapper's own call with `*args, **kwargs`
+~130 ns; the hook's `Work.wait`, which torch's blocking collectives call
+in Python, ~170 ns; the thread's lane through a `threading.local` ~40 ns;
+`time.monotonic()` ~25 ns; three stores into the shared slot through
+memoryviews (lane in, `ts_coll_begin`, lane out) ~30 ns each; the rest is
+the call's bookkeeping (its arguments kept for a late description, the
+nesting depth) and the `try`/`finally` that leaves the collective on an
+exception.  That is the floor of a pure-Python hook that keeps what the
+watchdog, the flight view and the dumps read (the count, "in collective",
+the begin time, the description); going lower needs C.  The async path is
+two hooked calls (the issue, then the wait on its work) plus tracking the
+work by weak reference.
+
 Realistic loop, same run: a decode step of a Llama-like TP shard in plain
 torch ({s.layers} layers, hidden {s.hidden}, FFN {s.ffn}, batch {s.batch}, attention over {s.context}
 positions, {res.collectives_per_step} gloo all_reduces per step on a single-rank group), {res.pairs} pairs of
@@ -517,7 +535,7 @@ hook, as in any torch.distributed program under `supervise serve`:
 | runtime API: overhead predicted from the per-call table (hot caches) | {res.predicted_pct:.2f} %{f" | {before['predicted_pct']:.2f} %" if before else ""} |
 
 Goal: overhead <= 0.5 % (issue 11); this run, measured inside the loop: {res.zero_code.in_loop_pct:.2f} % with
-the zero-code hook ({"met" if res.zero_code.in_loop_pct <= 0.5 else "not met"}), {res.api.in_loop_pct:.2f} % with the runtime API
+the zero-code hook ({_goal(res.zero_code.in_loop_pct)}), {res.api.in_loop_pct:.2f} % with the runtime API
 ({"met" if res.api.in_loop_pct <= 0.5 else "not met"}).
 Reading the estimates: the per-call table is measured with hot caches and
 is a lower bound; inside the model loop the same calls run with caches the
