@@ -67,6 +67,7 @@ GOAL_FLOOR_S = 2.0
 GOAL_P99_MULTIPLE = 5.0
 QUANTILE = 0.99
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
 _FAULT_LINE = re.compile(r"^(\S+Z) \[\w+\s*\] inject: (firing|skipping a collective)\b")
 
 
@@ -223,6 +224,11 @@ def parse_log(text: str) -> dict:
             event, at = str(ev.get("message", ev.get("event", ""))), ev.get("timestamp")
             if not at:
                 continue
+            if ev.get("event") == "rank_output":  # a rank's own line (the engine's inject log), as a record
+                m = _FAULT_LINE.match(_ANSI.sub("", event).strip())
+                if m:
+                    out.setdefault("fault", _ts(m.group(1)))
+                continue
             if event == "watchdog thresholds" and ev.get("hard_source") == "learned":
                 out.setdefault("learned", _ts(at))
             elif event.startswith("hang suspected:"):
@@ -234,7 +240,7 @@ def parse_log(text: str) -> dict:
             elif event == "supervise exiting":
                 out["exit"] = _ts(at)
             continue
-        m = _FAULT_LINE.match(line)
+        m = _FAULT_LINE.match(_RANK_PREFIX.sub("", line))  # console mode: "[rank1]:" before the rank's line
         if m:
             out.setdefault("fault", _ts(m.group(1)))
     return out
