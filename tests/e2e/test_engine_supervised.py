@@ -203,7 +203,7 @@ def test_skipped_collective_under_decode_load_is_a_hang_named_by_the_flight_reco
     # The raw traces say the same: rank 0's newest default-group entry is an
     # all_reduce that never completed, one past rank 1's newest.
     def default_pg(rank: int) -> list[dict]:
-        trace = json.loads((bundle / "fr" / f"rank-{rank}.json").read_text())
+        trace = json.loads((bundle / "fr-json" / f"rank-{rank}.json").read_text())  # fr/ has the pickles
         return [e for e in trace["entries"] if e["process_group"][1] == "default_pg"]
 
     r0, r1 = default_pg(0), default_pg(1)
