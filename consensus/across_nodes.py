@@ -148,8 +148,8 @@ class NodeDigests:
         self._published += 1
 
     def _read(self, now: float) -> None:
-        if not self._peers or now < self._next_read:
-            return
+        if not self._peers or now < self._next_read or not self._published:
+            return  # nothing of this node's to compare yet (ranks that record no consensus events): no reads
         peer = self._peers[0]
         self._peers.rotate(-1)
         available = self.store.add(f"{self.prefix}/{peer.node}/n", 0)
