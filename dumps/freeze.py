@@ -36,7 +36,6 @@ soft watchdog, SIGUSR1 and ``supervise dump`` never do.
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import threading
@@ -49,32 +48,19 @@ import structlog
 
 from .evidence import ProcInfo
 from .procinfo import proc_state, read_proc
+from tp_supervise.supervisor.procs import send_to_group
 
 log = structlog.get_logger()
 
 # States in which a rank is not frozen by us: already stopped or traced, or gone.
 _NOT_OURS = frozenset({"T", "t", "Z", "X"})
 SETTLE_POLL_S = 0.001
-PIDFD_SIGNAL_PROCESS_GROUP = 1 << 2  # linux/pidfd.h (Linux 6.9): the group of the pidfd's process
-
-
-class _Kernel:
-    """What the kernel supports, learnt at the first try."""
-
-    group_by_pidfd = True
-
-
 class Held:
     """A rank held by a pidfd, with whether the signals go to the process group it leads.
 
-    ``send`` reaches the rank (or its group) or nobody.  The group is signalled
-    through the leader's pidfd (``PIDFD_SIGNAL_PROCESS_GROUP``: the group
-    the kernel knows by that process, never a number handed out again).  On
-    kernels before 6.9 it falls back to ``killpg`` by number, and that stays
-    safe: the leader's pidfd is signalled first, which succeeds only while
-    the leader still holds its pid (running, stopped or a zombie not yet
-    reaped), and a pid that names a process or a group is never handed out
-    to another; the ``killpg`` follows at once.  The owner closes it.
+    ``send`` reaches the rank (or its group) or nobody: the group through
+    ``supervisor.procs.send_to_group`` (why that is safe is said there).
+    The owner closes it.
     """
 
     __slots__ = ("pid", "fd", "group", "_lock")
@@ -102,18 +88,10 @@ class Held:
             return self.fd >= 0 and self._send(signum)
 
     def _send(self, signum: int) -> bool:
+        if self.group:
+            return send_to_group(self.fd, self.pid, signum)
         try:
-            if self.group and _Kernel.group_by_pidfd:
-                try:
-                    signal.pidfd_send_signal(self.fd, signum, None, PIDFD_SIGNAL_PROCESS_GROUP)
-                    return True
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        return False
-                    _Kernel.group_by_pidfd = False  # an older kernel: the fallback below from now on
             signal.pidfd_send_signal(self.fd, signum)
-            if self.group:
-                os.killpg(self.pid, signum)  # the leader held its pid an instant ago (see the class doc)
             return True
         except (OSError, ValueError):
             return False

@@ -228,11 +228,6 @@ def signal_group(handle: RankHandle, signum: int) -> bool:
     proc = handle.proc
     if proc is None:
         return False
-    delivered = proc.send(signum)
-    if proc.child and not proc.reaped:
-        try:
-            os.killpg(proc.pid, signum)
-            delivered = True
-        except (ProcessLookupError, PermissionError):
-            pass
-    return delivered
+    if proc.child and not proc.reaped and proc.fd >= 0:
+        return procs.send_to_group(proc.fd, proc.pid, signum)
+    return proc.send(signum)

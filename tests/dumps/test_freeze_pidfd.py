@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from tp_supervise.dumps.freeze import Held, _Kernel
+from tp_supervise.dumps.freeze import Held
+from tp_supervise.supervisor.procs import _group_by_pidfd
 from tp_supervise.dumps.procinfo import proc_state
 
 STATE_WAIT_S = 5.0
@@ -48,15 +49,15 @@ def test_a_group_is_stopped_and_resumed_through_the_leaders_pidfd(group, by_pidf
     held = Held.open(leader.pid)
     assert held is not None
     held.group = True
-    saved = _Kernel.group_by_pidfd
-    _Kernel.group_by_pidfd = by_pidfd and saved
+    saved = _group_by_pidfd[0]
+    _group_by_pidfd[0] = by_pidfd and saved
     try:
         assert held.send(signal.SIGSTOP)
         wait_states([leader.pid, child], "T")
         assert held.send(signal.SIGCONT)
         wait_states([leader.pid, child], "S")
     finally:
-        _Kernel.group_by_pidfd = saved
+        _group_by_pidfd[0] = saved
         held.close()
     assert not held.send(signal.SIGCONT), "a closed hold signals nobody"
 
@@ -71,11 +72,11 @@ def test_a_reaped_rank_is_not_signalled(as_group):
     proc.wait()  # reaped: its pid may be handed out again from now on
     try:
         assert not held.send(signal.SIGSTOP)
-        saved = _Kernel.group_by_pidfd
-        _Kernel.group_by_pidfd = False
+        saved = _group_by_pidfd[0]
+        _group_by_pidfd[0] = False
         try:
             assert not held.send(signal.SIGSTOP), "the killpg fallback needs the leader to hold its pid"
         finally:
-            _Kernel.group_by_pidfd = saved
+            _group_by_pidfd[0] = saved
     finally:
         held.close()
