@@ -43,7 +43,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("supervise.incident")
 
-MERGE_WAIT_S = 3.0  # the originating node waits at most this long for the other nodes' summaries
+# The originating node waits at most this long for the other nodes' summaries: a peer hears of the fault
+# within a node-link pass (0.25 s), then captures its own ranks for up to the hang capture budget (3 s,
+# supervisor/incidents.HANG_CAPTURE_S) before it writes and publishes; a wait of 3 s lost that race on a
+# loaded host about half the time.
+MERGE_WAIT_S = 5.0
 PEER_WAIT_S = 2.0  # a peer node waits at most this long to learn where the originating node's bundle is
 # A store that does not take a connection within this is gone (c10d adds a retry pause: ~1.3 s in all).
 CONNECT_S = 0.8
