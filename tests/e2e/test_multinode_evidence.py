@@ -1,7 +1,11 @@
 """Incidents span nodes (issue 12): every node's bundle of one incident is published to the supervisors'
 store as a node summary; the originating node merges them into its summary.json (``nodes`` and a verdict
 naming the culprit by global rank and node, and where the other nodes' ranks wait), and the other nodes'
-bundles point at the originating node's (``peer_bundles``).  Two real supervisors on loopback."""
+bundles point at the originating node's (``peer_bundles``).  Two real supervisors on loopback.
+
+The stopped-rank case is also the hang query's acceptance run: rank 1 on node 1 stops outside collectives,
+so only node 0 sees a busy group; it asks, node 1 raises the hang (81, culprit [1]) under that incident id,
+and node 0 follows it (84), its verdict naming rank 1 on node 1."""
 
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ def test_a_stopped_rank_on_node_1_is_merged_with_node_0s_waiting_rank(supervise,
     assert re.search(r"; rank 0 on node 0 wait(s|ed) in all_reduce #\d+", verdict), verdict
     assert "stopped" in origin["node_verdict"] and "nodes_missing" not in origin
     assert origin["peer_bundles"]["0"]["bundle"] == str(peer_path.resolve())
+    assert "rank 1 on node 1" in peer["verdict"], peer["verdict"]
     # summary.txt was rewritten with it
     assert "evidence of 2 nodes merged" in (origin_path / "summary.txt").read_text()
     # the peer's bundle points at the originating node's
