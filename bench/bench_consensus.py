@@ -44,7 +44,7 @@ from bench._docs import replace_section
 
 HEADING = "## Rank consensus"
 NS = 1e9
-POLL_S = 0.005  # the supervisor's consensus poll period (supervisor/watch.py)
+POLL_S = 0.005  # the supervisor's consensus poll period (supervisor/observers/watchdog_thread.py)
 BATCH = 16
 INJECT_STEP = 20
 # Where the run directory lives: tmpfs, as the supervisor's (supervisor/core.py).

@@ -22,10 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from tp_supervise.supervisor import launch, procs
-from tp_supervise.supervisor.launch import RankSpec, RunContext
-from tp_supervise.supervisor.monitor import ExitMonitor
-from tp_supervise.supervisor.teardown import KillPolicy, teardown
+from tp_supervise.supervisor.processes import spawn as launch
+from tp_supervise.supervisor.processes import pidfds as procs
+from tp_supervise.supervisor.processes.spawn import RankSpec, RunContext
+from tp_supervise.supervisor.processes.exit_monitor import ExitMonitor
+from tp_supervise.supervisor.processes.teardown import KillPolicy, teardown
 
 SLEEPER = "import time\nwhile True: time.sleep(3600)\n"
 IGNORER = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\nwhile True: time.sleep(3600)\n"

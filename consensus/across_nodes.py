@@ -3,7 +3,7 @@
 Each node's ``ConsensusMonitor`` compares its own ranks; a step they all
 agreed on leaves one digest for the node (``ConsensusMonitor.take_agreed``).
 ``NodeDigests`` publishes those in batches to the supervisors' store (the
-node-0-hosted TCPStore of supervisor/nodes.py), reads the other nodes'
+node-0-hosted TCPStore of supervisor/nodes/link.py), reads the other nodes'
 batches and compares them step by step with the same ``StepTable`` the ranks
 use, its members being node ranks.  A node whose digest differs is named at
 its step by its global ranks.
@@ -46,7 +46,7 @@ WAIT_S = 5.0  # a node that has not published a step this long after a mismatch 
 
 
 class DigestStore(Protocol):
-    """The part of supervisor.nodes.Store this needs."""
+    """The part of supervisor.nodes.store.Store this needs."""
 
     def set(self, key: str, value: bytes) -> None: ...
     def get_nowait(self, key: str) -> bytes | None: ...

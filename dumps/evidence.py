@@ -5,8 +5,8 @@ at one instant, carried from one capture to the next), ``RankEvidence`` (all
 that is known about one rank) and ``Evidence`` (one capture pass).  The
 readers live at the edges (``dumps.procinfo.read_proc``,
 ``dumps.capture.capture_all``); this module does no I/O and loads no I/O
-library, so the verdict over it stays a pure function (DESIGN.md,
-"Packages").
+library, so the verdict over it stays a pure function (docs/contracts.md,
+"Package boundaries").
 """
 
 from __future__ import annotations

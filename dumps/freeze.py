@@ -30,7 +30,7 @@ fallback, which must run inside the rank: ``resumed`` lets one rank run
 only for its own capture.  ``thaw`` resumes the ranks stopped here (never
 one the fault stopped); teardown sends SIGCONT to everything anyway.
 
-The supervisor decides *when* to freeze (``supervisor.incidents``); the
+The supervisor decides *when* to freeze (``supervisor.incidents.desk``); the
 soft watchdog, SIGUSR1 and ``supervise dump`` never do.
 """
 
@@ -47,8 +47,7 @@ from dataclasses import dataclass, field, replace
 import structlog
 
 from .evidence import ProcInfo
-from .procinfo import proc_state, read_proc
-from tp_supervise.supervisor.procs import send_to_group
+from .procinfo import proc_state, read_proc, send_to_group
 
 log = structlog.get_logger()
 
@@ -59,7 +58,7 @@ class Held:
     """A rank held by a pidfd, with whether the signals go to the process group it leads.
 
     ``send`` reaches the rank (or its group) or nobody: the group through
-    ``supervisor.procs.send_to_group`` (why that is safe is said there).
+    ``procinfo.send_to_group`` (why that is safe is said there).
     The owner closes it.
     """
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import structlog
 
-from . import flight
+from . import flight_capture as flight
 from .bundle import BundleWriter, fr_file, fr_json_file, iso_utc, stack_file, torch_dump_file
 from .capture import RankTarget, capture_all
 from .diagnose import Diagnosis, diagnose

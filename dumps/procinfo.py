@@ -15,7 +15,9 @@ diagnosis reads without importing this reader.
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 
 from .evidence import CpuSamples, ProcInfo
 
@@ -100,3 +102,35 @@ def cpu_delta(
     if window <= 0:
         return None, None
     return max(0.0, now_cpu_s - previous.cpu_s[pid]), window
+
+
+PIDFD_SIGNAL_PROCESS_GROUP = 1 << 2  # linux/pidfd.h (Linux 6.9): the group of the pidfd's process
+_group_by_pidfd = [True]  # what the kernel supports, learnt at the first try
+
+
+def send_to_group(fd: int, pid: int, signum: int) -> bool:
+    """Signal the process group led by the process behind pidfd ``fd`` (whose pid is ``pid``).
+
+    Through the pidfd (``PIDFD_SIGNAL_PROCESS_GROUP``: the group the kernel
+    knows by that process, never a number handed out again).  On kernels
+    before 6.9, the leader's pidfd first, which succeeds only while the leader
+    still holds its pid (running, stopped, or a zombie not yet reaped), then
+    ``killpg`` by number at once: a pid that names a process or a group is
+    never handed out to another while it is held.  False once the leader is
+    gone.  The one implementation for the teardown (``supervisor.processes.spawn.signal_group``)
+    and the freeze (``dumps.freeze.Held``).
+    """
+    try:
+        if _group_by_pidfd[0]:
+            try:
+                signal.pidfd_send_signal(fd, signum, None, PIDFD_SIGNAL_PROCESS_GROUP)
+                return True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    return False
+                _group_by_pidfd[0] = False  # an older kernel: the fallback below from now on
+        signal.pidfd_send_signal(fd, signum)
+        os.killpg(pid, signum)
+        return True
+    except (OSError, ValueError):
+        return False

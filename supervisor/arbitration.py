@@ -25,13 +25,14 @@ import signal
 from dataclasses import dataclass
 from typing import Callable
 
-from . import exits
-from .attempt import Attempt
-from .exits import ExitInfo, ExitStatus
-from .launch import RankHandle
-from .outcome import TEARDOWN_EXIT, EarlyExitCheck
+from .processes import exits
+from .processes.attempt import Attempt
+from .processes.exits import ExitInfo, ExitStatus
+from .processes.spawn import RankHandle
+from .outcome import TEARDOWN_EXIT
+from .events import EarlyExitCheck
 from .rank.heartbeat import SlotSnapshot
-from .watch import DivergenceFound
+from .events import DivergenceFound
 
 # A rank that exits 0 is a fault only if its peers do not follow it within
 # this window (all ranks of a finished job exit within moments of each other).

@@ -14,8 +14,11 @@ import sys
 import structlog
 from pathlib import Path
 
+from tp_supervise.engine.inject import KINDS as INJECT_KINDS  # the engine owns its fault kinds
+
 from . import spec as specs
-from .nodes import HandshakeError
+from .preflight import preflight
+from .nodes.handshake import HandshakeError
 from .outcome import EXIT_USAGE
 from .spec import EngineOptions, LaunchSpec, UsageError
 
@@ -123,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sync-token-ids", action="store_true", help="replicated plane: agree on sampled token ids every step (MIN all-reduce)")
     e.add_argument("--max-waiting", type=int, metavar="N", help="requests that may wait for a batch slot before the API answers 429 with Retry-After (engine default 256)")
     e.add_argument("--read-timeout", type=_seconds, metavar="SECONDS", help="a client must send a request's headers, then its body, within this (engine default 15)")
-    e.add_argument("--inject", action="append", default=[], metavar="KIND@RANK[:STEP]", help=f"fault injection: {', '.join(specs.INJECT_KINDS)}")
+    e.add_argument("--inject", action="append", default=[], metavar="KIND@RANK[:STEP]", help=f"fault injection: {', '.join(INJECT_KINDS)}")
     e.add_argument("--engine-arg", action="append", default=[], metavar="ARG", help="extra argument passed to the engine")
     serve.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
@@ -162,7 +165,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         raise UsageError(f"--max-waiting {args.max_waiting}: must be >= 0")
     if args.read_timeout is not None and not 0.1 <= args.read_timeout <= 3600:
         raise UsageError(f"--read-timeout {args.read_timeout}: must be a number of seconds in 0.1..3600")
-    injections = tuple(specs.parse_injection(text) for text in args.inject)
+    injections = tuple(specs.parse_injection(text, INJECT_KINDS) for text in args.inject)
     engine = EngineOptions(
         device=args.device,
         control_plane=args.control_plane,
@@ -224,12 +227,14 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from . import control, logs, output
+    from . import logs
+    from .observers import control_socket as control
+    from .processes import output_pump as output
 
     logs.configure(args.log_format, level=logging.getLevelName(args.log_level.upper()))
     try:
         spec = spec_from_args(args)
-        specs.preflight(spec)
+        preflight(spec)
         control.registry_dir()  # a registry another user controls is refused before anything starts
     except (UsageError, control.RegistryError) as exc:
         say_error(str(exc))
@@ -269,7 +274,9 @@ def join_nodes(spec: LaunchSpec):
 
     import structlog
 
-    from . import nodes
+    from .nodes import handshake
+
+    from .nodes import link
     from .outcome import new_run_id
 
     log = structlog.get_logger("supervise")
@@ -283,16 +290,16 @@ def join_nodes(spec: LaunchSpec):
         signal.signal(signum, interrupt)
     log.info("joining the nodes", node_rank=spec.node_rank, nnodes=spec.nnodes, store=f"{host}:{port}",
              hosts_store=spec.node_rank == 0)
-    store = nodes.connect(host, port, spec.node_rank == 0, deadline)
+    store = handshake.connect(host, port, spec.node_rank == 0, deadline)
     command = list(spec.command) if not spec.builtin else ["(built-in engine)", *spec.engine.argv()]
-    fp = nodes.fingerprint(command, spec.nproc_per_node, spec.fingerprint_env, max_restarts=spec.max_restarts)
+    fp = handshake.fingerprint(command, spec.nproc_per_node, spec.fingerprint_env, max_restarts=spec.max_restarts)
     try:
-        group = nodes.handshake(store, nnodes=spec.nnodes, node_rank=spec.node_rank,
+        group = handshake.handshake(store, nnodes=spec.nnodes, node_rank=spec.node_rank,
                                 run_id=spec.run_id or new_run_id(), fp=fp, token=spec.join_token, deadline=deadline,
                                 store_addr=f"{host}:{port}")
-    except nodes.HandshakeError:
+    except handshake.HandshakeError:
         if spec.node_rank == 0:
-            time.sleep(nodes.REFUSAL_LINGER_S)  # the store dies with us: let every node read the refusal
+            time.sleep(link.REFUSAL_LINGER_S)  # the store dies with us: let every node read the refusal
         raise
     log.info("every node joined", run_id=group.run_id, nnodes=group.nnodes, node_rank=group.node_rank,
              hosts=[group.hosts[n] for n in sorted(group.hosts)])
@@ -313,7 +320,7 @@ def _explain_launch(args: argparse.Namespace, spec: LaunchSpec) -> None:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    from . import control
+    from .observers import control_socket as control
 
     try:
         jobs = control.list_jobs()

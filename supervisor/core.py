@@ -27,7 +27,6 @@ spawned only from the main thread (parent-death signals fire when the forking
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import shutil
@@ -39,51 +38,37 @@ from typing import Any, Callable, Mapping
 
 import structlog
 
-from . import arbitration, exits, launch, logs, procs
+from . import arbitration, logs
+from .processes import exits
+from .processes import spawn as launch
+from .processes import pidfds as procs
 from .arbitration import EARLY_EXIT_WINDOW_S, Meaning, Ruling
-from .attempt import NOT_STARTED, Attempt, AttemptView, Published, RankView
-from .exits import ExitInfo
+from .processes.attempt import NOT_STARTED, Attempt, AttemptView, Published, RankView
+from .processes.exits import ExitInfo
 from .rank.heartbeat import HeartbeatSegment
-from .incidents import IncidentDesk
-from .launch import RankHandle, RankSpec, RunContext
-from .monitor import ExitMonitor, ProcessExited
-from .outcome import (
-    EXIT_DIVERGENCE,
-    EXIT_HANG,
-    EXIT_INTERNAL,
-    EXIT_OK,
-    EXIT_PEER,
-    EXIT_RANK,
-    EXIT_STARTUP,
-    EXIT_TEARDOWN,
-    LAUNCHER_KEY,
-    ControlRequest,
-    LoopTick,
-    EarlyExitCheck,
-    Outcome,
-    SignalReceived,
-    new_incident_id,
-    new_run_id,
-    run_dir_for,
-)
-from . import nodes as nodes_mod
+from .incidents.desk import IncidentDesk
+from .processes.spawn import RankHandle, RankSpec, RunContext
+from .processes.exit_monitor import ExitMonitor
+from .events import ProcessExited
+from .outcome import EXIT_DIVERGENCE, EXIT_HANG, EXIT_INTERNAL, EXIT_OK, EXIT_PEER, EXIT_RANK, EXIT_STARTUP, EXIT_TEARDOWN, LAUNCHER_KEY, Outcome, new_incident_id, new_run_id, run_dir_for
+from .events import ControlRequest, LoopTick, EarlyExitCheck, SignalReceived
+from . import events
+from .nodes import handshake
+from .nodes import link
+from .nodes import messages
+from .nodes import store
 from . import signals
-from .cgroup import RunCgroup
+from .processes.cgroup import RunCgroup
 from .rank.net import free_port
 from .signals import Hurry
 from .restart import RestartPolicy
-from .services import Services
+from .multinode import NodeGroupRules
+from .observers.services import Services
 from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from .state import EngineState, Event, next_state
-from .teardown import KillPolicy, TeardownResult, teardown
-from .watch import (
-    ConsensusAgreed,
-    DivergenceFound,
-    HangQueryUnanswered,
-    RankClaimed,
-    WatchdogThread,
-    WatchdogVerdict,
-)
+from .processes.teardown import KillPolicy, TeardownResult, teardown
+from .observers.watchdog_thread import WatchdogThread
+from .events import ConsensusAgreed, DivergenceFound, HangQueryUnanswered, RankClaimed, WatchdogVerdict
 
 # Events produced for one attempt (they carry its number): acted on only in that attempt.
 ATTEMPT_EVENTS = (ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed, HangQueryUnanswered, DivergenceFound,
@@ -92,9 +77,9 @@ ATTEMPT_EVENTS = (ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed, H
 log = structlog.get_logger("supervise")
 
 
-class Supervisor:
+class Supervisor(NodeGroupRules):
     def __init__(self, spec: LaunchSpec, base_env: Mapping[str, str], run_id: str | None = None,
-                 nodes: "tuple[nodes_mod.Store, nodes_mod.NodeGroup] | None" = None):
+                 nodes: "tuple[store.Store, handshake.NodeGroup] | None" = None):
         self.spec = spec
         self.base_env = dict(base_env)
         self.run_id = run_id or new_run_id()
@@ -102,11 +87,11 @@ class Supervisor:
         # alone on one node; with several nodes (several may share a host) the node rank too.
         self.run_key = self.run_id if spec.nnodes == 1 else f"{self.run_id}.n{spec.node_rank}"
         self.nodes = nodes
-        self.node_link: nodes_mod.NodeLink | None = None
+        self.node_link: link.NodeLink | None = None
         self.group_end: Outcome | None = None  # multi-node: why the group could not restart
         self.carried: list = []  # multi-node: events of the next attempt that arrived between attempts
-        self.hang_query: nodes_mod.HangQuery | None = None  # this node asked the others where the missing rank is
-        self.peer_hang_query: nodes_mod.HangQuery | None = None  # another node asked this one
+        self.hang_query: messages.HangQuery | None = None  # this node asked the others where the missing rank is
+        self.peer_hang_query: messages.HangQuery | None = None  # another node asked this one
         self.deferred_hang: WatchdogVerdict | None = None  # the hard verdict waiting for the answer
         self.incident_id: str | None = None  # shared by every node's bundle of one incident
         self.events: queue.SimpleQueue = queue.SimpleQueue()
@@ -141,10 +126,10 @@ class Supervisor:
             ControlRequest: self._on_control,
             SignalReceived: self._on_signal_event,
             LoopTick: lambda _ev: self.services.liveness.beat(),
-            nodes_mod.PeerFailed: self._on_peer_failed,
-            nodes_mod.PeerHangQuery: self._on_peer_hang_query,
+            events.PeerFailed: self._on_peer_failed,
+            events.PeerHangQuery: self._on_peer_hang_query,
             HangQueryUnanswered: self._on_hang_query_unanswered,
-            nodes_mod.NodeLost: self._on_node_lost,
+            events.NodeLost: self._on_node_lost,
         }
         self.last_teardown: TeardownResult | None = None
         self.suspicions: set[str] = set()  # why the engine is SUSPECT: "hang", "divergence"
@@ -199,7 +184,7 @@ class Supervisor:
             on_tick=self.services.on_tick,
         )
         if self.nodes is not None:
-            self.node_link = nodes_mod.NodeLink(self.nodes[0], self.nodes[1], self.post,
+            self.node_link = link.NodeLink(self.nodes[0], self.nodes[1], self.post,
                                                 on_peers=self.services.metrics.set_nodes,
                                                 on_store_latency=self.services.metrics.observe_store_latency)
             self.sources.append(self.node_link)
@@ -328,83 +313,24 @@ class Supervisor:
                 self.stopping = ev
             elif isinstance(ev, ControlRequest):
                 ev.reply.put({"ok": False, "error": "the group is restarting; no rank to dump right now"})
-            elif isinstance(ev, nodes_mod.NodeLost):
+            elif isinstance(ev, events.NodeLost):
                 log.error("peer node lost between attempts: the group cannot restart without it",
                           event_name="group_restart_node_lost", node=ev.node,
                           detail=ev.detail)
                 self.group_end = Outcome(EXIT_PEER, "node_lost")
-            elif isinstance(ev, nodes_mod.PeerFailed) and ev.fault.reason != "shutdown":
+            elif isinstance(ev, events.PeerFailed) and ev.fault.reason != "shutdown":
                 if ev.attempt > self.attempt.number:
                     self.carried.append(ev)  # a fault of the next attempt, read while this node was at the barrier
-            elif isinstance(ev, nodes_mod.PeerFailed):
+            elif isinstance(ev, events.PeerFailed):
                 log.info("node stopped on a signal between attempts: this node stops too",
                          event_name="group_restart_stopped", node=ev.fault.node)
                 self.group_end = Outcome(EXIT_OK, "shutdown")
-            elif isinstance(ev, nodes_mod.StoreKeySeen) and ev.key == key:
+            elif isinstance(ev, events.StoreKeySeen) and ev.key == key:
                 return ev.value
         return None
 
-    # -- multi-node restarts: one group attempt on every node, node 0 decides
-    def _restarts_as_group(self) -> bool:
-        return self.node_link is not None and self.spec.max_restarts > 0
 
-    def _group_restart(self, outcome: Outcome) -> float | None:
-        """After attempt n ended on this node: node 0 decides for the group (its restart policy, so the
-        crash-loop limit counts group attempts) and publishes restart/<n>; the others wait for it."""
-        n = self.attempt.number
-        if self.stopping is not None and outcome.reason != "shutdown":
-            # stopped while the attempt was ending: every node stops, wherever it is (the run-level stop key)
-            self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))
-            self.group_end = Outcome(EXIT_OK, "shutdown")
-            return None
-        if outcome.reason in ("node_lost", "shutdown"):
-            return None  # a lost node cannot be restarted; a stop stops every node (the stop key said so)
-        key = f"restart/{n}"
-        if self.spec.node_rank == 0:
-            delay = self.restart.after(outcome, stopping=False, uptime_s=time.monotonic() - self.attempt.started_at,
-                                       group=True)
-            decision = {"restart": delay is not None, "delay_s": delay or 0.0, "restarts": self.restart.restarts}
-            self.node_link.set(key, json.dumps(decision).encode())
-            return delay
-        self.node_link.watch(key, bool)
-        raw = self._between_attempts(self.spec.rendezvous_timeout, key=key)
-        if raw is None:
-            if self.stopping is not None:
-                self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))
-                self.group_end = Outcome(EXIT_OK, "shutdown")
-            elif self.group_end is None:
-                log.error("node 0 never said whether the group restarts: giving up",
-                          event_name="group_restart_no_decision", waited_s=self.spec.rendezvous_timeout)
-            return None
-        decision = json.loads(raw)
-        if not decision.get("restart"):
-            log.error("node 0 ends the group: no restart", event_name="group_restart_declined", restarts=decision.get("restarts"))
-            return None
-        self.restart.restarts = int(decision["restarts"])
-        log.warning("restarting the group with node 0", event_name="group_restart", restart=self.restart.restarts,
-                    max_restarts=self.spec.max_restarts, backoff_s=decision["delay_s"], after=outcome.reason)
-        return float(decision["delay_s"])
 
-    def _group_barrier(self) -> bool:
-        """Every node is ready to launch attempt n+1 before any does (the ranks rendezvous across nodes)."""
-        n = self.attempt.number + 1
-        key, nnodes = f"ready/{n}", self.spec.nnodes
-        self.node_link.begin_attempt(n)
-        if self.stopping is None and self.group_end is None:
-            self.node_link.add(key, 1)
-            self.node_link.watch(key, lambda v: int(v or b"0") >= nnodes)
-            if self._between_attempts(self.spec.rendezvous_timeout, key=key) is not None:
-                self.hang_query = self.peer_hang_query = self.deferred_hang = None
-                log.info("every node is ready for the next attempt", event_name="group_restart_ready", attempt=n)
-                return True
-        if self.stopping is not None:
-            self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))  # the others, waiting at the barrier, stop too
-        elif self.group_end is None:
-            log.error("the other nodes did not come back for the restart", event_name="group_restart_timeout",
-                      attempt=n,
-                      waited_s=self.spec.rendezvous_timeout)
-            self.group_end = Outcome(EXIT_PEER, "node_lost")
-        return False
 
     def _launch(self) -> None:
         assert self.ctx is not None
@@ -483,48 +409,12 @@ class Supervisor:
         self.incident_id = incident_id or new_incident_id(self.run_id)
         self.desk.next_incident_id = self.incident_id
         if self.node_link is not None:
-            self.node_link.publish_fault(nodes_mod.Fault(node=self.spec.node_rank, rank=rank, reason=reason,
+            self.node_link.publish_fault(messages.Fault(node=self.spec.node_rank, rank=rank, reason=reason,
                                                          incident_id=self.incident_id, verdict=verdict[:500]))
 
-    def _tell_the_nodes(self, outcome: Outcome) -> None:
-        """The end of this node's attempt, for the others: done, or a stop they should follow."""
-        if outcome.code == EXIT_OK and outcome.reason == "clean":
-            self.node_link.finished()
-        elif outcome.reason == "shutdown":
-            self.node_link.publish_stop(nodes_mod.Fault(node=self.spec.node_rank, rank=None, reason="shutdown",
-                                                        incident_id="", verdict="stopped on a signal"))
 
-    def _on_peer_failed(self, ev: "nodes_mod.PeerFailed") -> None:
-        fault = ev.fault
-        if self.attempt.outcome is not None:
-            return
-        self.incident_id = fault.incident_id
-        if fault.reason == "shutdown":
-            log.info("node stopped on a signal: graceful shutdown of this node too", node=fault.node)
-            self._finish(Outcome(EXIT_OK, "shutdown"))
-            return
-        who = f"rank {fault.rank} on node {fault.node}" if fault.rank is not None else f"node {fault.node}"
-        verdict = f"{who} failed first ({fault.reason}); this node's ranks were torn down with the group"
-        if fault.verdict:
-            verdict += f". Node {fault.node} said: {fault.verdict}"
-        log.error("peer node failed: tearing this node down", node=fault.node, rank=fault.rank, reason=fault.reason,
-                  incident_id=fault.incident_id)
-        self._peer_incident("peer_failed", fault.node, fault.rank, verdict)
 
-    def _on_node_lost(self, ev: "nodes_mod.NodeLost") -> None:
-        if self.attempt.outcome is not None:
-            return
-        self.incident_id = new_incident_id(self.run_id)
-        verdict = f"node {ev.node} was lost: {ev.detail}; this node's ranks were torn down with the group"
-        log.error("peer node lost: tearing this node down", node=ev.node, detail=ev.detail)
-        self._peer_incident("node_lost", ev.node, None, verdict)
 
-    def _peer_incident(self, reason: str, node: int, rank: int | None, verdict: str) -> None:
-        self.transition(Event.RANK_EXIT)
-        extra = {"culprit_ranks": [rank] if rank is not None else [], "verdict": verdict,
-                 "incident_id": self.incident_id, "culprit_node": node}
-        self.desk.peer_incident(reason, extra, self.attempt.view)
-        self._finish(Outcome(EXIT_PEER, reason, culprit=rank))
 
     def _on_signal_event(self, ev: SignalReceived) -> None:
         name = exits.signal_name(ev.signum)
@@ -679,39 +569,8 @@ class Supervisor:
         culprits = self.desk.hard_hang(ev, self.attempt.view)
         self._finish(Outcome(EXIT_HANG, "hang", culprit=culprits[0] if culprits else None))
 
-    def _ask_the_other_nodes(self, ev: WatchdogVerdict) -> bool:
-        """Multi-node: when every rank of this node waits inside a collective, the rank that is elsewhere is on
-        another node, whose own watchdog may see nothing (a stopped rank outside collectives looks idle there).
-        Ask the others (nodes.HangQuery); the node that holds it raises the hang under this incident id and
-        this node follows it (84).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence."""
-        v = ev.verdict
-        if (self.node_link is None or self.hang_query is not None or self.peer_hang_query is not None
-                or v.outside_collective or not v.in_collective):
-            return False
-        seq = max(c.coll_seq for c in v.in_collective)
-        self.hang_query = nodes_mod.HangQuery(self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500])
-        self.deferred_hang = ev
-        self.node_link.ask_where(self.hang_query)
-        log.warning("hang here, cause elsewhere: every rank of this node waits in a collective; asking the other nodes",
-                    event_name="hang_query_sent", seq=seq, wait_s=nodes_mod.HANG_QUERY_WAIT_S, incident_id=self.hang_query.incident_id)
-        timer = threading.Timer(nodes_mod.HANG_QUERY_WAIT_S, self.post, args=(HangQueryUnanswered(self.attempt.number),))
-        timer.daemon = True
-        timer.start()
-        return True
 
-    def _on_hang_query_unanswered(self, ev: HangQueryUnanswered) -> None:
-        if self.attempt.outcome is None and self.deferred_hang is not None:
-            log.warning("no other node holds the missing rank: ruling the hang on this node's evidence",
-                        event_name="hang_query_unanswered", incident_id=self.hang_query.incident_id)
-            self._rule_hang(self.deferred_hang)
 
-    def _on_peer_hang_query(self, ev: "nodes_mod.PeerHangQuery") -> None:
-        if self.attempt.outcome is not None or self.hang_query is not None:
-            return
-        log.warning("another node's ranks all wait in a collective: looking for the missing rank here",
-                    event_name="hang_query_received", node=ev.query.node, seq=ev.query.seq, incident_id=ev.query.incident_id)
-        self.peer_hang_query = ev.query
-        self.watchdog.answer_hang_query(ev.query.seq, ev.query.node)
 
     def _on_divergence(self, ev: DivergenceFound) -> None:
         if self.attempt.outcome is not None:

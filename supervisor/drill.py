@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .rank.net import free_port
-from .spec import INJECT_KINDS
+from tp_supervise.engine.inject import KINDS as INJECT_KINDS  # the engine owns its fault kinds
 
 FAULT_RANK = 1
 FAULT_STEP = 20

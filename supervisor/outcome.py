@@ -1,5 +1,5 @@
 """Events and outcomes of the supervisor's main loop, and the exit codes of
-``supervise serve`` (DESIGN.md's table).
+``supervise serve`` (docs/supervisor.md, "Exit codes").
 
 Per-attempt state is in ``attempt``, what an exit means in ``arbitration``,
 the restart policy in ``restart``."""
@@ -7,7 +7,6 @@ the restart policy in ``restart``."""
 from __future__ import annotations
 
 import os
-import queue
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -27,29 +26,12 @@ LAUNCHER_KEY = "launcher"
 TEARDOWN_EXIT = "teardown"  # metrics reason of exits caused by our own teardown
 
 
-@dataclass(frozen=True)
-class LoopTick:
-    """Posted every second: the main loop taking it proves it goes round (/livez)."""
 
 
-@dataclass(frozen=True)
-class SignalReceived:
-    signum: int
 
 
-@dataclass(frozen=True)
-class ControlRequest:
-    request: dict
-    reply: "queue.SimpleQueue[dict]"
 
 
-@dataclass(frozen=True)
-class EarlyExitCheck:
-    """Event: look again at a rank that exited 0 while its peers ran."""
-
-    slot: int
-    pid: int
-    attempt: int = 0  # the attempt the rank belongs to
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tp_supervise.supervisor import nodes
+from tp_supervise.supervisor.nodes import link
 from tp_supervise.supervisor.cli import build_parser, spec_from_args
-from tp_supervise.supervisor.http import HealthCell, HealthServer, HealthStatus
-from tp_supervise.supervisor.metrics import SupervisorMetrics
+from tp_supervise.supervisor.observers.http_server import HealthCell, HealthServer, HealthStatus
+from tp_supervise.supervisor.observers.metrics import SupervisorMetrics
 from tp_supervise.supervisor.spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from tp_supervise.supervisor.state import EngineState
 
@@ -202,7 +202,7 @@ def test_the_probe_paths_answer_as_docs_say_on_a_real_server(state, live, ready)
 def test_the_grace_period_covers_dump_teardown_linger_and_the_store():
     for index, _container, spec, pod in pods():
         linger = spec.metrics_linger if spec.metrics_linger is not None else DEFAULT_FAULT_LINGER_S
-        store = nodes.STORE_LINGER_S if index == 0 else 0.0
+        store = link.STORE_LINGER_S if index == 0 else 0.0
         needed = spec.dump_timeout + spec.kill_grace + linger + store
         assert pod["terminationGracePeriodSeconds"] >= needed, (index, needed)
 

@@ -1,4 +1,4 @@
-"""Verdict modules are pure: importing one loads no I/O library (DESIGN.md, "Packages").
+"""Verdict modules are pure: importing one loads no I/O library (docs/contracts.md, "Package boundaries").
 
 Each module is imported in a fresh interpreter, since this test process has
 long since loaded everything; the check is what that import actually pulls
@@ -51,7 +51,7 @@ FORBIDDEN_LIBRARIES = (
 FORBIDDEN_OWN = (
     "tp_supervise.dumps.capture",
     "tp_supervise.dumps.procinfo",
-    "tp_supervise.dumps.flight",
+    "tp_supervise.dumps.flight_capture",
     "tp_supervise.dumps.bundle",
     "tp_supervise.dumps.incident",
     "tp_supervise.dumps.render",

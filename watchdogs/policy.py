@@ -46,9 +46,9 @@ neither exists the time between two progressing observations.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import AbstractSet, Sequence
+from typing import AbstractSet, Mapping, Sequence
 
 from tp_supervise.supervisor.rank.heartbeat import RENDEZVOUS_PHASE, SlotSnapshot
 from . import adaptive
@@ -487,3 +487,29 @@ def _message(
             else f"; engine metrics unavailable ({external.error})"
         )
     return f"no progress for {stalled:.1f} s while busy ({limit}): {_where(colls, live)}{ext}"
+
+
+def answer_hang_query(seq: int, node: int, verdict: Verdict, snaps: Sequence[SlotSnapshot],
+                      states: Mapping[int, str | None]) -> tuple[Verdict, list[str]]:
+    """Multi-node: every rank of ``node`` waits in collective #``seq``.  Is the missing rank here?
+
+    A rank of this node is elsewhere when it is stopped (``states``: pid -> the
+    scheduler state the caller read), outside collectives, or behind ``seq``.
+    Returns the verdict, made HARD naming those ranks when there are any, and
+    the list of what is elsewhere (empty: every rank here is in that
+    collective too, and the verdict is unchanged)."""
+    elsewhere = []
+    for s in snaps:
+        if not s.claimed or s.finished:
+            continue
+        state = states.get(s.pid)
+        if state in ("T", "t"):
+            elsewhere.append(f"rank {s.rank} is stopped (state {state})")
+        elif not s.in_collective:
+            elsewhere.append(f"rank {s.rank} is outside collectives at step {s.step}")
+        elif s.coll_seq < seq:
+            elsewhere.append(f"rank {s.rank} is behind, in {s.coll_op or 'collective'} #{s.coll_seq}")
+    if not elsewhere:
+        return verdict, elsewhere
+    message = f"every rank of node {node} waits in collective #{seq}; here {'; '.join(elsewhere)}"
+    return replace(verdict, kind=VerdictKind.HARD, message=message), elsewhere

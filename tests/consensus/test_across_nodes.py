@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tp_supervise.consensus.across_nodes import PUBLISH_EVERY_S, NodeDigests, decode_batch, encode_batch
-from tp_supervise.supervisor import nodes
+from tp_supervise.supervisor.nodes import handshake
 from tp_supervise.supervisor.rank.net import free_port
 
 
@@ -21,11 +21,11 @@ def digest(step: int, variant: str = "") -> bytes:
 def stores():
     port = free_port()
     deadline = time.monotonic() + 10
-    master = nodes.connect("127.0.0.1", port, True, deadline)
+    master = handshake.connect("127.0.0.1", port, True, deadline)
     made = [master]
 
     def client():
-        s = nodes.connect("127.0.0.1", port, False, deadline)
+        s = handshake.connect("127.0.0.1", port, False, deadline)
         made.append(s)
         return s
 

@@ -6,12 +6,14 @@ import signal
 
 import pytest
 
-from tp_supervise.supervisor import arbitration, exits
+from tp_supervise.supervisor import arbitration
+from tp_supervise.supervisor.processes import exits
 from tp_supervise.supervisor.arbitration import Meaning
-from tp_supervise.supervisor.attempt import NOT_STARTED, Attempt, Published
-from tp_supervise.supervisor.exits import ExitStatus
-from tp_supervise.supervisor.launch import RankHandle, RankSpec
-from tp_supervise.supervisor.outcome import EXIT_OK, EXIT_RANK, TEARDOWN_EXIT, EarlyExitCheck, Outcome
+from tp_supervise.supervisor.processes.attempt import NOT_STARTED, Attempt, Published
+from tp_supervise.supervisor.processes.exits import ExitStatus
+from tp_supervise.supervisor.processes.spawn import RankHandle, RankSpec
+from tp_supervise.supervisor.outcome import EXIT_OK, EXIT_RANK, TEARDOWN_EXIT, Outcome
+from tp_supervise.supervisor.events import EarlyExitCheck
 from tp_supervise.supervisor.rank.heartbeat import CLAIMED, FINISHED, empty_slot
 from tp_supervise.supervisor.restart import RESTART_BACKOFF_MAX_S, RESTART_STABLE_S, RestartPolicy
 
@@ -180,7 +182,7 @@ def test_no_restart_when_stopping_or_clean_or_not_allowed():
 
 def test_watchdog_reads_the_published_view_and_only_posts():
     from tp_supervise.supervisor.spec import LaunchSpec
-    from tp_supervise.supervisor.watch import WatchdogThread
+    from tp_supervise.supervisor.observers.watchdog_thread import WatchdogThread
 
     spec = LaunchSpec(command=("rank-binary",), nproc_per_node=2, zero_code_hook=False, metrics_addr=None)
     cell = Published(NOT_STARTED)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tp_supervise.supervisor.cgroup import RunCgroup
+from tp_supervise.supervisor.processes.cgroup import RunCgroup
 from tests.conftest import fake_rank
 from tests.live import wait_for
 

@@ -18,13 +18,14 @@ from types import MappingProxyType
 import pytest
 
 from tp_supervise.consensus.monitor import ConsensusMonitor
-from tp_supervise.supervisor.attempt import Attempt, AttemptView, Published
+from tp_supervise.supervisor.processes.attempt import Attempt, AttemptView, Published
 from tp_supervise.supervisor.core import ATTEMPT_EVENTS, Supervisor
 from tp_supervise.supervisor.rank import encoding
 from tp_supervise.supervisor.rank.channel import ring_path
 from tp_supervise.supervisor.rank.ring import RingWriter
 from tp_supervise.supervisor.spec import LaunchSpec
-from tp_supervise.supervisor.watch import CONSENSUS_AGREE_STEPS, ConsensusAgreed, ConsensusThread, DivergenceFound
+from tp_supervise.supervisor.observers.consensus_thread import CONSENSUS_AGREE_STEPS, ConsensusThread
+from tp_supervise.supervisor.events import ConsensusAgreed, DivergenceFound
 
 EVENT_WAIT_S = 10.0  # generous: the thread polls every 5 ms
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from tp_supervise.supervisor import exits
-from tp_supervise.supervisor.exits import ExitStatus, classify
+from tp_supervise.supervisor.processes import exits
+from tp_supervise.supervisor.processes.exits import ExitStatus, classify
 
 
 def test_codes():

@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import structlog
 
-from tp_supervise.supervisor import incidents
-from tp_supervise.supervisor.attempt import AttemptView, RankView
-from tp_supervise.supervisor.exits import ExitInfo
-from tp_supervise.supervisor.incidents import SETTLE_MIN_S, SOFT_WORKER_JOIN_S, IncidentDesk
+from tp_supervise.supervisor.incidents import desk as incidents
+from tp_supervise.supervisor.processes.attempt import AttemptView, RankView
+from tp_supervise.supervisor.processes.exits import ExitInfo
+from tp_supervise.supervisor.incidents.desk import SETTLE_MIN_S, SOFT_WORKER_JOIN_S, IncidentDesk
 from tp_supervise.supervisor.signals import Hurry
 from tp_supervise.supervisor.spec import LaunchSpec
 

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import textwrap
 from datetime import datetime, timedelta
-from pathlib import Path
 
 import pytest
 
@@ -42,7 +41,7 @@ FOREIGN = {LIBRARY_EVENT, WARNING_EVENT}
 # says when one is fixed: drop it here).  Fix: pass event_name="<name>".
 PENDING = {
     # the handshake's progress callback; its only text is "waiting for nodes".
-    ("supervisor/nodes.py", "event"): {"waiting_for_nodes"},
+    ("supervisor/nodes/handshake.py", "event"): {"waiting_for_nodes"},
 }
 
 SERVE_GRACE_S = 2.0
@@ -199,7 +198,7 @@ def test_serve_json_lines_carry_the_agent_keys_and_documented_names(supervise):
     run = supervise(["--nproc-per-node", "2", "--kill-grace", str(SERVE_GRACE_S)],
                     fake_rank("--all", "sleep", "--on", "1=raise", "--delay", str(SERVE_DELAY_S)))
     assert run.wait(timeout=SERVE_LIMIT_S) == 80, run.stderr[-3000:]
-    # Every line, the ranks' own text included (rank_output records, supervisor/output.py).
+    # Every line, the ranks' own text included (rank_output records, supervisor/processes/output_pump.py).
     raw = (run.stdout + run.stderr).splitlines()
     lines = json_lines(run.stdout, run.stderr)
     assert len(lines) == len(raw) >= 5, [line for line in raw if not line.startswith("{")][:5]

@@ -15,8 +15,9 @@ import pytest
 from tp_supervise.dumps import node_merge
 from tp_supervise.dumps.analyze import check_summary
 from tp_supervise.dumps.bundle import SUMMARY_JSON, SUMMARY_TXT, BundleWriter, amend_summary
-from tp_supervise.supervisor import nodes
-from tp_supervise.supervisor.incident_exchange import IncidentExchange, summary_key
+from tp_supervise.supervisor.nodes import handshake
+from tp_supervise.supervisor.nodes import store as stores
+from tp_supervise.supervisor.incidents.exchange import IncidentExchange, summary_key
 from tp_supervise.supervisor.signals import Hurry
 
 WAITING = {"state": "S", "alive": True, "exit": None, "in_collective": True,
@@ -162,13 +163,13 @@ def test_amend_summary_replaces_both_files_whole_and_analyze_accepts_it(tmp_path
 
 # -- the exchange, through a real store ---------------------------------------------------------------
 def test_two_nodes_exchange_through_the_store(tmp_path):
-    store = nodes.TorchStore("127.0.0.1", 0, True)
+    store = stores.TorchStore("127.0.0.1", 0, True)
     addr = f"127.0.0.1:{store.port}"
     store.first_writer("fault/1", json.dumps({"incident_id": "run-1234"}).encode())
     hurry = Hurry()
     origin = written_bundle(tmp_path, 1, "hang", {"1": STOPPED}, [1], "rank 1 is stopped")
     peer = written_bundle(tmp_path, 0, "peer_failed", {"0": WAITING}, [1], "rank 1 on node 1 failed first")
-    exchanges = [IncidentExchange(nodes.NodeGroup("run", 2, node, addr, {0: "a", 1: "b"}), hurry) for node in (0, 1)]
+    exchanges = [IncidentExchange(handshake.NodeGroup("run", 2, node, addr, {0: "a", 1: "b"}), hurry) for node in (0, 1)]
     deadline = time.monotonic() + 8.0
     threads = [threading.Thread(target=exchanges[0].share, args=(peer, deadline, 1)),
                threading.Thread(target=exchanges[1].share, args=(origin, deadline, 1))]
@@ -186,11 +187,11 @@ def test_two_nodes_exchange_through_the_store(tmp_path):
 
 def test_a_fault_that_lost_the_bus_is_not_merged(tmp_path):
     """Another node's incident went out first: nobody publishes under this one's id, so it waits for none."""
-    store = nodes.TorchStore("127.0.0.1", 0, True)
+    store = stores.TorchStore("127.0.0.1", 0, True)
     store.first_writer("fault/1", json.dumps({"incident_id": "another"}).encode())
     hurry = Hurry()
     path = written_bundle(tmp_path, 1, "rank_exit", {"1": STOPPED}, [1], "rank 1 exited")
-    exchange = IncidentExchange(nodes.NodeGroup("run", 2, 1, f"127.0.0.1:{store.port}", {}), hurry)
+    exchange = IncidentExchange(handshake.NodeGroup("run", 2, 1, f"127.0.0.1:{store.port}", {}), hurry)
     started = time.monotonic()
     exchange.share(path, time.monotonic() + 8.0, 1)
     assert time.monotonic() - started < 1.5
@@ -205,7 +206,7 @@ def test_a_store_that_is_gone_costs_one_line_and_leaves_the_bundle_as_it_was(tmp
     hurry = Hurry()
     path = written_bundle(tmp_path, 1, "hang", {"1": STOPPED}, [1], "rank 1 is stopped")
     before = (path / SUMMARY_JSON).read_bytes()
-    exchange = IncidentExchange(nodes.NodeGroup("run", 2, 1, f"127.0.0.1:{free_port()}", {}), hurry)
+    exchange = IncidentExchange(handshake.NodeGroup("run", 2, 1, f"127.0.0.1:{free_port()}", {}), hurry)
     started = time.monotonic()
     exchange.share(path, time.monotonic() + 6.0, 1)
     assert time.monotonic() - started < 2.5  # the connect is bounded well inside the dump's deadline

@@ -1,4 +1,4 @@
-"""The ranks' stdout and stderr (supervisor/output.py, issue 13): pipes read by one pump thread.
+"""The ranks' stdout and stderr (supervisor/processes/output_pump.py, issue 13): pipes read by one pump thread.
 
 Real supervisors, real rank processes printing through real pipes: JSON logs stay one JSON object per
 line while ranks print, console lines carry ``[rank<N>]:``, ``--log-dir`` files have torchrun's layout,
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tp_supervise.supervisor.launch import RankSpec, RunContext, spawn
-from tp_supervise.supervisor.output import RankOutput
+from tp_supervise.supervisor.processes.spawn import RankSpec, RunContext, spawn
+from tp_supervise.supervisor.processes.output_pump import RankOutput
 from tp_supervise.supervisor.spec import OutputOptions
 
 CHATTY = ROOT / "tests" / "fakes" / "chatty_rank.py"

@@ -10,8 +10,12 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tp_supervise.supervisor import nodes
-from tp_supervise.supervisor.metrics import STORE_BUCKETS, SupervisorMetrics
+from tp_supervise.supervisor.nodes import handshake
+
+from tp_supervise.supervisor.nodes import link as links
+
+from tp_supervise.supervisor.nodes import store as stores
+from tp_supervise.supervisor.observers.metrics import STORE_BUCKETS, SupervisorMetrics
 from tp_supervise.supervisor.rank.net import free_port
 
 FP = {"command": "python serve.py", "nproc_per_node": "1"}
@@ -37,12 +41,12 @@ def latency_counts(metrics: SupervisorMetrics) -> dict[str, tuple[float, float]]
 
 def two_node_handshake(port: int):
     deadline = time.monotonic() + 20
-    master = nodes.connect("127.0.0.1", port, True, deadline)
-    client = nodes.connect("127.0.0.1", port, False, deadline)
+    master = handshake.connect("127.0.0.1", port, True, deadline)
+    client = handshake.connect("127.0.0.1", port, False, deadline)
     groups: dict[int, object] = {}
 
     def join(store, rank):
-        groups[rank] = nodes.handshake(store, nnodes=2, node_rank=rank, run_id="latency", fp=FP, token=None,
+        groups[rank] = handshake.handshake(store, nnodes=2, node_rank=rank, run_id="latency", fp=FP, token=None,
                                        deadline=deadline, store_addr=f"127.0.0.1:{port}")
 
     threads = [threading.Thread(target=join, args=(s, r)) for r, s in enumerate((master, client))]
@@ -63,13 +67,13 @@ def test_every_store_call_is_timed_into_the_metric_the_handshakes_first():
     assert all(count == 0 for count, _ in before.values()), before  # every op exported at 0 from the start
 
     # node 1's link: the handshake's calls (made before any metrics) arrive when it attaches
-    link = nodes.NodeLink(client, groups[1], lambda _ev: None, on_store_latency=metrics.observe_store_latency)
+    link = links.NodeLink(client, groups[1], lambda _ev: None, on_store_latency=metrics.observe_store_latency)
     attached = latency_counts(metrics)
     assert attached["connect"][0] == 1  # node 1 connected once
     assert attached["set"][0] >= 1 and attached["get"][0] >= 2 and attached["add"][0] >= 3
     assert attached["compare_set"][0] == 0  # only node 0 publishes the run id
 
-    node0 = nodes.NodeLink(master, groups[0], lambda _ev: None)
+    node0 = links.NodeLink(master, groups[0], lambda _ev: None)
     node0.start()
     link.start()
     time.sleep(LINK_RUN_S)
@@ -92,12 +96,12 @@ def test_a_call_to_a_store_that_went_away_is_timed_too():
     port = free_port()
     host = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time\nfrom tp_supervise.supervisor import nodes\n"
-         f"store = nodes.TorchStore('127.0.0.1', {port}, True)\nprint('up', flush=True)\ntime.sleep(120)\n"],
+         "import sys, time\nfrom tp_supervise.supervisor.nodes import store as stores\n"
+         f"store = stores.TorchStore('127.0.0.1', {port}, True)\nprint('up', flush=True)\ntime.sleep(120)\n"],
         stdout=subprocess.PIPE, text=True)
     try:
         assert host.stdout.readline().strip() == "up"
-        client = nodes.connect("127.0.0.1", port, False, time.monotonic() + 20)
+        client = handshake.connect("127.0.0.1", port, False, time.monotonic() + 20)
         seen: list[tuple[str, float]] = []
         client.latency.attach(lambda op, s: seen.append((op, s)))
         assert client.add("beat/1", 1) == 1
@@ -112,7 +116,7 @@ def test_a_call_to_a_store_that_went_away_is_timed_too():
         assert failures == 3
         adds = [s for op, s in seen if op == "add"]
         assert len(adds) == 4, seen  # the one that worked and the three that failed
-        assert all(s <= nodes.STORE_TIMEOUT_S + 1.0 for s in adds), adds  # bounded by the store's timeout
+        assert all(s <= stores.STORE_TIMEOUT_S + 1.0 for s in adds), adds  # bounded by the store's timeout
     finally:
         host.kill()
         host.wait(10)
@@ -120,7 +124,7 @@ def test_a_call_to_a_store_that_went_away_is_timed_too():
 
 
 def test_the_buffer_is_bounded_and_a_broken_sink_breaks_no_call():
-    latency = nodes.StoreLatency(keep=3)
+    latency = stores.StoreLatency(keep=3)
     for i in range(5):
         latency.record("get", float(i))
     got: list[tuple[str, float]] = []
@@ -138,4 +142,4 @@ def test_an_unknown_op_is_folded_and_buckets_span_loopback_to_the_timeout():
     metrics = SupervisorMetrics("latency", [0])
     metrics.observe_store_latency("watch", 0.002)
     assert latency_counts(metrics)["other"][0] == 1
-    assert STORE_BUCKETS[0] <= 0.0005 and STORE_BUCKETS[-1] > nodes.STORE_TIMEOUT_S
+    assert STORE_BUCKETS[0] <= 0.0005 and STORE_BUCKETS[-1] > stores.STORE_TIMEOUT_S

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tp_supervise.dumps import flight
+from tp_supervise.dumps import flight_capture as flight
 from tp_supervise.supervisor.rank import flight as rank_flight
 from tp_supervise.dumps.bundle import SUMMARY_JSON, BundleWriter
 from tp_supervise.dumps.capture import find_pyspy
@@ -27,7 +27,7 @@ from tp_supervise.dumps.incident import write_incident
 pytestmark = pytest.mark.e2e
 
 GLOO_RANK = Path(__file__).with_name("gloo_rank.py")
-from tp_supervise.supervisor.launch import HOOK_DIR  # noqa: E402
+from tp_supervise.supervisor.processes.spawn import HOOK_DIR  # noqa: E402
 from tp_supervise.supervisor.rank.net import free_port
 START_TIMEOUT_S = 90.0
 FR_WAIT_S = 20.0

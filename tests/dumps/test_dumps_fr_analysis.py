@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tp_supervise.dumps import flight
+from tp_supervise.dumps import flight_capture as flight
 from tp_supervise.supervisor.rank import flight as rank_flight
 from tp_supervise.dumps.fr_analysis import analyze
 

@@ -22,7 +22,6 @@ from tp_supervise.dumps import capture, freeze
 from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget, capture_all
 from tp_supervise.dumps.incident import capture_incident, write_captured
-from tp_supervise.supervisor.rank.runtime import stack_file_path
 
 SETTLE_S = 2.0
 BUDGET_S = 10.0

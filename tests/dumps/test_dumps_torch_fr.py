@@ -12,7 +12,7 @@ import pickle
 import subprocess
 import sys
 
-from tp_supervise.dumps import flight
+from tp_supervise.dumps import flight_capture as flight
 from tp_supervise.dumps.bundle import SUMMARY_JSON, BundleWriter
 from tp_supervise.dumps.incident import write_incident
 from tp_supervise.supervisor.rank import flight as rank_flight
@@ -73,7 +73,7 @@ import json, os, pickle, sys
 os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
 import torch, torch.distributed as dist
 from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
-from tp_supervise.dumps.flight import fr_dump
+from tp_supervise.dumps.flight_capture import fr_dump
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 t = torch.ones(8, 4)
 dist.all_reduce(t)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tp_supervise.dumps.freeze import Held
-from tp_supervise.supervisor.procs import _group_by_pidfd
+from tp_supervise.dumps.procinfo import _group_by_pidfd
 from tp_supervise.dumps.procinfo import proc_state
 
 STATE_WAIT_S = 5.0

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tp_supervise.supervisor.launch import HOOK_DIR
+from tp_supervise.supervisor.processes.spawn import HOOK_DIR
 from tp_supervise.supervisor.rank import heartbeat as hb
 from tp_supervise.supervisor.rank.net import free_port
 

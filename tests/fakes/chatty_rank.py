@@ -1,4 +1,4 @@
-"""A torch-free rank that prints (tests of the output pump, supervisor/output.py).
+"""A torch-free rank that prints (tests of the output pump, supervisor/processes/output_pump.py).
 
     python chatty_rank.py [--lines N] [--partial] [--bad-bytes] [--progress]
                           [--flood-mb M] [--die-after S] [--raise-on RANK] [--linger S] [--exit CODE]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from tp_supervise.supervisor.rank import heartbeat as hb
-from tp_supervise.supervisor.metrics import SupervisorMetrics
+from tp_supervise.supervisor.observers.metrics import SupervisorMetrics
 from tp_supervise.supervisor.state import EngineState
 
 HTTP_TIMEOUT_S = 10.0

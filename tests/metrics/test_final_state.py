@@ -1,4 +1,4 @@
-"""The final state of a run reaches Prometheus with default flags (DESIGN.md, issue 13).
+"""The final state of a run reaches Prometheus with default flags (docs/metrics.md, "Keeping the last scrape"; issue 13).
 
 After a fault, `/metrics` stays up long enough for two scrapes of the
 documented 5 s config (no flag needed), and `--metrics-textfile` leaves the

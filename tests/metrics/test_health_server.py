@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tp_supervise.supervisor.rank import heartbeat as hb
 from tp_supervise.supervisor.rank import runtime
-from tp_supervise.supervisor.http import SERVE_THREAD_NAME, HealthCell, HealthServer, HealthStatus
+from tp_supervise.supervisor.observers.http_server import SERVE_THREAD_NAME, HealthCell, HealthServer, HealthStatus
 from tp_supervise.supervisor.rank.net import is_loopback
-from tp_supervise.supervisor.metrics import SupervisorMetrics
+from tp_supervise.supervisor.observers.metrics import SupervisorMetrics
 from tp_supervise.supervisor.state import EngineState
 
 FAKE_RANK = Path(__file__).with_name("fake_rank.py")
@@ -116,7 +116,7 @@ def test_a_failing_health_callback_reads_as_unhealthy(http):
 
 
 def test_livez_reports_the_loop_age_and_turns_503_only_when_the_loop_is_wedged(http):
-    from tp_supervise.supervisor.http import Liveness
+    from tp_supervise.supervisor.observers.http_server import Liveness
 
     liveness = Liveness(stale_after_s=1.0)
     cell = HealthCell(HealthStatus.for_state(EngineState.TEARING_DOWN, "tearing down"))

@@ -9,9 +9,9 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tp_supervise.supervisor import exits
+from tp_supervise.supervisor.processes import exits
 from tp_supervise.supervisor.rank import heartbeat as hb
-from tp_supervise.supervisor.metrics import (
+from tp_supervise.supervisor.observers.metrics import (
     DUMP_REASONS,
     DUMP_RESULTS,
     ENGINE_STATES,

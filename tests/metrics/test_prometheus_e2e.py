@@ -23,8 +23,8 @@ import pytest
 from tests.live import wait_for
 
 from tp_supervise.supervisor.rank import heartbeat as hb
-from tp_supervise.supervisor.http import HealthCell, HealthServer, HealthStatus
-from tp_supervise.supervisor.metrics import SupervisorMetrics
+from tp_supervise.supervisor.observers.http_server import HealthCell, HealthServer, HealthStatus
+from tp_supervise.supervisor.observers.metrics import SupervisorMetrics
 from tp_supervise.supervisor.state import EngineState
 from tp_supervise.supervisor.rank.net import free_port
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tp_supervise.supervisor.http import HealthCell, HealthServer, HealthStatus
+from tp_supervise.supervisor.observers.http_server import HealthCell, HealthServer, HealthStatus
 from tp_supervise.supervisor.state import EngineState
 
 REPO = Path(__file__).resolve().parents[2]

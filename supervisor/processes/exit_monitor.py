@@ -33,9 +33,10 @@ from typing import Callable, Iterator
 
 import structlog
 
-from . import procs
+from . import pidfds as procs
+from ..events import ProcessExited
 from .exits import ExitStatus
-from .procs import Pidfd
+from .pidfds import Pidfd
 
 log = structlog.get_logger("supervise.monitor")
 
@@ -45,17 +46,6 @@ ERROR_BACKOFF_S = 0.05  # after a failed pass, before the next (never a busy loo
 REAP_INTERVAL_S = 0.25
 
 
-@dataclass(frozen=True)
-class ProcessExited:
-    """Event: a watched process ended.  ``status`` is None when it was not our child.
-
-    ``attempt``: the number of the attempt the process belongs to."""
-
-    key: object
-    pid: int
-    status: ExitStatus | None
-    at: float
-    attempt: int = 0
 
 
 @dataclass

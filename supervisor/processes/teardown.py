@@ -37,12 +37,12 @@ from typing import Callable, Iterable
 
 import structlog
 
-from . import procs
+from . import pidfds as procs
 from .cgroup import RunCgroup
 from .exits import ExitStatus
-from .launch import RankHandle, signal_group
-from .procs import Pidfd
-from .signals import Hurry
+from .spawn import RankHandle, signal_group
+from .pidfds import Pidfd
+from ..signals import Hurry
 
 log = structlog.get_logger("supervise.teardown")
 

@@ -18,23 +18,22 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import structlog
 
-from . import state as engine_state
-from .rank.heartbeat import SlotSnapshot
-from .http import HealthCell, HealthServer, HealthStatus, Liveness
+from .. import state as engine_state
+from ..rank.heartbeat import SlotSnapshot
+from .http_server import HealthCell, HealthServer, HealthStatus, Liveness
 from .metrics import SupervisorMetrics
-from .outcome import ControlRequest, LoopTick
+from ..events import ControlRequest, LoopTick
 from tp_supervise.watchdogs.gpu import GpuSampler, holding_memory
 
 if TYPE_CHECKING:
-    from .attempt import AttemptView
-    from .spec import LaunchSpec
-    from .teardown import TeardownResult
+    from ..processes.attempt import AttemptView
+    from ..spec import LaunchSpec
+    from ..processes.teardown import TeardownResult
 
 log = structlog.get_logger("supervise")
 
@@ -88,7 +87,7 @@ class Services:
 
     def _init_consensus(self) -> None:
         from tp_supervise.consensus.monitor import ConsensusMonitor
-        from .watch import ConsensusThread
+        from .consensus_thread import ConsensusThread
 
         self.consensus_monitor = ConsensusMonitor(self.run_dir, self.spec.nproc_per_node)
         self.consensus_thread = ConsensusThread(self.consensus_monitor, self.post, self.attempt)
@@ -97,11 +96,11 @@ class Services:
         """Multi-node: also compare this node's agreed steps with the other nodes' (consensus.across_nodes)."""
         if self.consensus_monitor is None or group.nnodes < 2:
             return
-        from . import nodes
-        from .watch import NodeConsensusThread
+        from ..nodes import store as stores
+        from .consensus_thread import NodeConsensusThread
 
         def connect():
-            store = nodes.client(group.store_addr)
+            store = stores.client(group.store_addr)
             store.latency.attach(self.metrics.observe_store_latency)  # supervise_store_latency_seconds too
             return store
 
@@ -118,7 +117,7 @@ class Services:
         if self.health_http is not None:
             self.health_http.start()
             log.info("health endpoints", url=self.health_http.url, endpoints="/healthz /readyz /livez")
-        from .control import ControlServer, sweep_stale
+        from .control_socket import ControlServer, sweep_stale
 
         sweep_stale()
         self.control = ControlServer(
@@ -165,13 +164,13 @@ class Services:
         env: dict[str, str] = {}
         run_dir = self.run_dir
         try:
-            from .rank import flight
+            from ..rank import flight
 
             env.update(flight.rank_env(run_dir, slot if slot is not None else -1))
         except ImportError:
             pass
         if self.spec.consensus != "off" or self.spec.consensus_inband:
-            from .rank.channel import rank_env as consensus_env
+            from ..rank.channel import rank_env as consensus_env
 
             env.update(
                 consensus_env(

@@ -37,9 +37,9 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from . import state as engine_state
+from .. import state as engine_state
 from .metrics import SupervisorMetrics
-from .rank.net import is_loopback
+from ..rank.net import is_loopback
 
 log = structlog.get_logger()
 

@@ -15,7 +15,7 @@ Every rank:
 * gets the torchrun environment plus ``SUPERVISE_*``; the user's environment is
   passed through untouched otherwise (the supervisor never edits os.environ);
 * writes its stdout and stderr to pipes the run's output pump reads
-  (``supervisor/output.py``: console prefixes, ``--log-dir`` files, the stderr
+  (``supervisor/processes/output_pump.py``: console prefixes, ``--log-dir`` files, the stderr
   tail of its ``rank_exit`` bundle); ``isatty()`` is false in the rank.
 """
 
@@ -29,15 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from . import output, procs
+from . import output_pump as output
+from . import pidfds as procs
 from .cgroup import join_in_child
-from .rank import runtime
-from .rank.ptrace import allow_tracer
+from ..rank import runtime
+from ..rank.ptrace import allow_tracer
 from .exits import ExitInfo
+from tp_supervise.dumps.procinfo import send_to_group
 
 HOOK_DIR = Path(__file__).resolve().parent / "rank" / "_hook"  # holds sitecustomize.py and nothing else
 STACK_SIGNAL = signal.SIGRTMIN + 3
-ENV_RUN_KEY = "SUPERVISE_RUN_KEY"  # the marker teardown and the sweep look for (supervisor/procs.py)
+ENV_RUN_KEY = "SUPERVISE_RUN_KEY"  # the marker teardown and the sweep look for (supervisor/processes/pidfds.py)
 ROLE_NAME = "default"  # torchrun's role name when none is given
 FR_BUFFER_DEFAULT = "2000"
 
@@ -59,7 +61,7 @@ class RunContext:
     zero_code_hook: bool
     max_restarts: int = 0
     run_key: str = ""  # what marks this node's processes of the run (run id, plus the node rank on several nodes)
-    cgroup_procs: str | None = None  # the run's cgroup.procs: ranks join it before exec (supervisor/cgroup.py)
+    cgroup_procs: str | None = None  # the run's cgroup.procs: ranks join it before exec (supervisor/processes/cgroup.py)
 
 
 @dataclass(frozen=True)
@@ -229,5 +231,5 @@ def signal_group(handle: RankHandle, signum: int) -> bool:
     if proc is None:
         return False
     if proc.child and not proc.reaped and proc.fd >= 0:
-        return procs.send_to_group(proc.fd, proc.pid, signum)
+        return send_to_group(proc.fd, proc.pid, signum)
     return proc.send(signum)

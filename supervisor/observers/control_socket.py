@@ -34,7 +34,7 @@ from typing import Callable
 import psutil
 import structlog
 
-from .cgroup import RunCgroup
+from ..processes.cgroup import RunCgroup
 
 log = structlog.get_logger("supervise.control")
 
@@ -215,7 +215,7 @@ def _kill_run_orphans(run_id: str) -> set[int]:
     process still held its pid, so a pid reused since the scan is never
     signalled.  Returns the pids killed.
     """
-    from . import procs
+    from ..processes import pidfds as procs
 
     found = procs.RunProcesses(run_id, root_pid=os.getpid())
     killed = set()

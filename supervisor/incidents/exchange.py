@@ -31,15 +31,18 @@ import structlog
 from tp_supervise.dumps.bundle import SUMMARY_JSON, amend_summary
 from tp_supervise.dumps import node_merge
 
-from . import nodes
+
+
+from ..nodes import store as stores
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from tp_supervise.dumps.capture import RankTarget
 
-    from .nodes import NodeGroup, Store
-    from .signals import Hurry
+    from ..nodes.handshake import NodeGroup
+    from ..nodes.store import Store
+    from ..signals import Hurry
 
 log = structlog.get_logger("supervise.incident")
 
@@ -76,7 +79,7 @@ def last_waits(targets: "Sequence[RankTarget]") -> dict[int, str]:
 
 
 def _connect(group: "NodeGroup", timeout_s: float) -> "Store":
-    return nodes.client(group.store_addr, timeout_s, connect_timeout_s=max(MIN_CALL_S, min(CONNECT_S, timeout_s / 2)))
+    return stores.client(group.store_addr, timeout_s, connect_timeout_s=max(MIN_CALL_S, min(CONNECT_S, timeout_s / 2)))
 
 
 class IncidentExchange:
@@ -108,7 +111,7 @@ class IncidentExchange:
         host = self.group.hosts.get(me) or ""
         mine = node_merge.node_summary(summary, node_rank=me, host=host, bundle=str(bundle.resolve()), last_waits=waits)
         try:
-            store = self.connect(self.group, min(nodes.STORE_TIMEOUT_S, left))
+            store = self.connect(self.group, min(stores.STORE_TIMEOUT_S, left))
             store.set(summary_key(incident_id, me), node_merge.encode(mine))
         except Exception as exc:
             log.warning("node summary not published: the store did not answer (node 0 gone?)",

@@ -13,31 +13,26 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import psutil
 import structlog
 
-from .rank.heartbeat import SlotSnapshot, empty_slot
+from ..rank.heartbeat import SlotSnapshot, empty_slot
 from tp_supervise.dumps.procinfo import proc_state
 from tp_supervise.watchdogs import policy
 
+from ..events import RankClaimed, WatchdogVerdict
+
 if TYPE_CHECKING:
-    from .attempt import AttemptView
-    from .spec import LaunchSpec
+    from ..processes.attempt import AttemptView
+    from ..spec import LaunchSpec
 
 log = structlog.get_logger("supervise.watchdog")
 
 TICK_S = 0.1  # one watchdog tick: /healthz follows a fault within this
 THREAD_JOIN_S = 2.0
-CONSENSUS_POLL_S = 0.005
-# No rank records consensus events (a program that is not the built-in engine, or ranks not started yet):
-# look for their rings this often instead, so a supervisor of such ranks costs ~0.1 % of a core, not 3 %.
-CONSENSUS_IDLE_POLL_S = 0.1
-CONSENSUS_ERROR_BACKOFF_S = 0.5
-# Steps compared without a mismatch before an observed divergence counts as over.
-CONSENSUS_AGREE_STEPS = 20
 ADAPTER_INTERVAL_S = 0.5  # engine /metrics scrape period (tree mode adapters)
 ADAPTER_TIMEOUT_S = 2.0
 # A spawned rank that does not report readiness (no slot: not Python or no
@@ -47,62 +42,14 @@ ADAPTER_TIMEOUT_S = 2.0
 UNCLAIMED_READY_GRACE_S = 2.0
 
 
-@dataclass(frozen=True)
-class WatchdogVerdict:
-    """Event: something the main loop must act on."""
-
-    kind: str  # all_ready | soft | recovered | hard | startup_timeout
-    stalled_s: float
-    message: str
-    verdict: object  # watchdogs.policy.Verdict (None for all_ready)
-    snapshots: tuple[SlotSnapshot, ...]
-    at: float
-    attempt: int = 0  # number of the attempt whose ranks were judged
-
-    @property
-    def log_fields(self) -> dict:
-        v = self.verdict
-        if v is None:
-            return {}
-        return {"soft_timeout_s": round(v.soft_timeout, 2), "hard_timeout_s": round(v.hard_timeout, 2)}
 
 
-@dataclass(frozen=True)
-class HangQueryUnanswered:
-    """Event (multi-node): no other node raised the hang this node asked about in time; rule it here."""
-
-    attempt: int
 
 
-@dataclass(frozen=True)
-class RankClaimed:
-    """Event (tree mode): a process claimed a heartbeat slot."""
-
-    slot: int
-    rank: int
-    pid: int
-    attempt: int = 0  # number of the attempt being watched
 
 
-@dataclass(frozen=True)
-class DivergenceFound:
-    """Event: the ranks disagreed (a consensus verdict)."""
-
-    verdict: object  # consensus.compare.DivergenceVerdict
-    at: float
-    # Number of the attempt whose digests were compared (the consensus threads
-    # read it before each pass); 0 only for the one the main thread builds
-    # and handles at once (arbitration.divergence_first), never queued.
-    attempt: int = 0
 
 
-@dataclass(frozen=True)
-class ConsensusAgreed:
-    """Event: after an observed divergence, the ranks agreed again for a while."""
-
-    steps: int
-    at: float
-    attempt: int = 0  # number of the attempt whose ranks agreed
 
 
 class WatchdogThread:
@@ -215,7 +162,11 @@ class WatchdogThread:
         self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited)
         query, self._hang_query = self._hang_query, None
         if query is not None and not self.state.hard_fired:
-            verdict = self._answer(query, verdict, snaps)
+            states = {s.pid: proc_state(s.pid) for s in snaps if s.claimed and not s.finished}
+            verdict, elsewhere = policy.answer_hang_query(query[0], query[1], verdict, snaps, states)
+            if not elsewhere:
+                log.info("hang query of another node: every rank here is in that collective too",
+                         event_name="hang_query_not_here", node=query[1], seq=query[0])
             if verdict.kind is policy.VerdictKind.HARD:
                 self.state = replace(self.state, hard_fired=True)
         self._post(verdict, snaps, now, attempt)
@@ -228,27 +179,6 @@ class WatchdogThread:
         """Multi-node: every rank of ``node`` waits in collective #``seq``.  On the next tick, rule a hard
         hang here if a rank of this node is elsewhere: stopped, outside collectives, or behind ``seq``."""
         self._hang_query = (seq, node)
-
-    @staticmethod
-    def _answer(query: tuple[int, int], verdict, snaps: list[SlotSnapshot]):
-        seq, node = query
-        elsewhere = []
-        for s in snaps:
-            if not s.claimed or s.finished:
-                continue
-            state = proc_state(s.pid)
-            if state in ("T", "t"):
-                elsewhere.append(f"rank {s.rank} is stopped (state {state})")
-            elif not s.in_collective:
-                elsewhere.append(f"rank {s.rank} is outside collectives at step {s.step}")
-            elif s.coll_seq < seq:
-                elsewhere.append(f"rank {s.rank} is behind, in {s.coll_op or 'collective'} #{s.coll_seq}")
-        if not elsewhere:
-            log.info("hang query of another node: every rank here is in that collective too",
-                     event_name="hang_query_not_here", node=node, seq=seq)
-            return verdict
-        message = f"every rank of node {node} waits in collective #{seq}; here {'; '.join(elsewhere)}"
-        return replace(verdict, kind=policy.VerdictKind.HARD, message=message)
 
     def _post(self, verdict, snaps: list[SlotSnapshot], now: float, attempt: "AttemptView") -> None:
         """Hand the verdicts that need action to the main loop (before anything
@@ -337,116 +267,8 @@ class AdapterThread:
             self._stop.wait(ADAPTER_INTERVAL_S)
 
 
-class ConsensusThread:
-    """Polls the consensus monitor every few ms and posts divergences.
-
-    Each pass reads ``attempt()`` (the main thread's latest ``AttemptView``)
-    once, before it polls, and tags what it posts with that number: a verdict
-    of an attempt that ended while the pass ran reaches the main loop as a
-    stale event and is dropped there.  A new attempt also forgets an open
-    divergence (its agreement would belong to the attempt that ended).
-    """
-
-    def __init__(self, monitor, post: Callable[[object], None], attempt: Callable[[], "AttemptView"]):
-        self.monitor = monitor
-        self.post = post
-        self.attempt = attempt
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="consensus", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=THREAD_JOIN_S)
-
-    def _run(self) -> None:
-        open_at: tuple[int, int] | None = None  # (comparisons, mismatches) at the last divergence
-        watching = 0  # the attempt of the previous pass
-        interval = CONSENSUS_IDLE_POLL_S
-        while not self._stop.wait(interval):
-            try:
-                number = self.attempt().number
-                if number != watching:
-                    watching, open_at = number, None
-                verdicts = self.monitor.poll(time.monotonic())
-                for verdict in verdicts:
-                    self.post(DivergenceFound(verdict, time.monotonic(), number))
-                comparisons, mismatches = self.monitor.counts()
-                if verdicts:
-                    open_at = (comparisons, mismatches)
-                elif open_at is not None and mismatches > open_at[1]:
-                    open_at = (comparisons, mismatches)  # still disagreeing
-                elif open_at is not None and comparisons - open_at[0] >= CONSENSUS_AGREE_STEPS:
-                    self.post(ConsensusAgreed(comparisons - open_at[0], time.monotonic(), number))
-                    open_at = None
-                interval = CONSENSUS_POLL_S if self.monitor.rings_open() else CONSENSUS_IDLE_POLL_S
-            except Exception as exc:
-                log.error("consensus pass failed", error=repr(exc))
-                self._stop.wait(CONSENSUS_ERROR_BACKOFF_S)
 
 
 
-NODE_CONSENSUS_TICK_S = 0.05
-NODE_CONSENSUS_ERROR_BACKOFF_S = 1.0
 
 
-class NodeConsensusThread:
-    """Multi-node: the steps this node's ranks agreed on, compared with the other nodes' (consensus.across_nodes).
-
-    Its own store client on its own thread: a slow store delays this
-    comparison only, never the local one, the fault bus or a teardown.  A
-    divergence is posted (and acted on) only by a node that holds a culprit
-    rank; the reference nodes log it and learn the end from the fault bus.
-    """
-
-    def __init__(self, monitor, connect: Callable[[], object], node_rank: int, nnodes: int, nproc_per_node: int,
-                 post: Callable[[object], None], attempt: Callable[[], "AttemptView"]):
-        self.monitor = monitor
-        self.connect = connect
-        self.node_rank, self.nnodes, self.nproc_per_node = node_rank, nnodes, nproc_per_node
-        self.post = post
-        self.attempt = attempt  # read once per pass: its number tags the divergences posted (as ConsensusThread)
-        self.exchange = None
-        self.exchange_attempt = 0
-        self.store = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="node-consensus", daemon=True)
-
-    def start(self) -> None:
-        self.monitor.keep_agreed()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=THREAD_JOIN_S)  # a store call in flight has its own timeout; daemon otherwise
-
-    def _run(self) -> None:
-        from tp_supervise.consensus.across_nodes import NodeDigests
-
-        failed_with = None
-        while not self._stop.wait(NODE_CONSENSUS_TICK_S):
-            try:
-                number = self.attempt().number
-                if self.exchange is None or self.exchange_attempt != number:
-                    # a new group attempt counts steps from 0 again: a fresh comparison under its own keys
-                    self.store = self.store or self.connect()
-                    self.exchange = NodeDigests(self.store, self.node_rank, self.nnodes, self.nproc_per_node,
-                                                attempt=number)
-                    self.exchange_attempt = number
-                    self.monitor.take_agreed()  # steps of the attempt that ended are not compared with this one's
-                now = time.monotonic()
-                self.exchange.agreed(self.monitor.take_agreed(), now)
-                for verdict in self.exchange.tick(now):
-                    mine = [r for r in verdict.culprit_ranks if r // self.nproc_per_node == self.node_rank]
-                    log.warning("divergence across nodes", step=verdict.step, culprit_ranks=list(verdict.culprit_ranks),
-                                verdict=verdict.verdict, acted_on_here=bool(mine))
-                    if mine:
-                        self.post(DivergenceFound(verdict, time.monotonic(), number))
-                failed_with = None
-            except Exception as exc:  # the store went away or answered late: say so once, keep trying
-                if type(exc) is not failed_with:
-                    log.warning("cross-node consensus pass failed", error=repr(exc))
-                    failed_with = type(exc)
-                self._stop.wait(NODE_CONSENSUS_ERROR_BACKOFF_S)

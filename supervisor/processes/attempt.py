@@ -20,8 +20,8 @@ from types import MappingProxyType
 from typing import Callable, Generic, Mapping, TypeVar
 
 from .exits import ExitInfo
-from .launch import RankHandle
-from .outcome import LAUNCHER_KEY, Outcome
+from .spawn import RankHandle
+from ..outcome import LAUNCHER_KEY, Outcome
 
 T = TypeVar("T")
 

@@ -50,8 +50,8 @@ from typing import IO, Iterator
 
 import structlog
 
-from . import logs
-from .spec import OutputOptions
+from .. import logs
+from ..spec import OutputOptions
 
 log = structlog.get_logger("supervise.output")
 

@@ -4,7 +4,7 @@ It decides nothing; it knows *how* to ask ``dumps/`` for a bundle of the
 right reason with the supervisor's own knowledge (the first failure, the
 watchdog verdict, the consensus verdict) added to the evidence.
 
-Nothing it does can hold a teardown back (DESIGN.md: every dump has a
+Nothing it does can hold a teardown back (docs/contracts.md, "Process tree": every dump has a
 deadline).  Every bundle is made off the main thread:
 
 * **fatal** incidents (rank exit, hard hang, startup timeout, enforced
@@ -39,8 +39,6 @@ mutates.
 
 from __future__ import annotations
 
-import json
-import os
 import queue
 import threading
 import time
@@ -53,22 +51,23 @@ import structlog
 from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget
 from tp_supervise.dumps.incident import IncidentResult, capture_incident, write_captured, write_incident
-from .exits import ExitInfo
-from .incident_exchange import IncidentExchange
-from . import output
-from .launch import error_file
-from .outcome import new_incident_id
+from ..processes.exits import ExitInfo
+from .error_file import last_traceback, read_error_file
+from .exchange import IncidentExchange
+from ..processes import output_pump as output
+from ..processes.spawn import error_file
+from ..outcome import new_incident_id
 from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
 
 if TYPE_CHECKING:
     from tp_supervise.watchdogs.gpu import GpuSampler
 
-    from .attempt import AttemptView, RankView
-    from .nodes import NodeGroup
-    from .rank.heartbeat import SlotSnapshot
-    from .signals import Hurry
-    from .spec import LaunchSpec
-    from .watch import DivergenceFound, WatchdogVerdict
+    from ..processes.attempt import AttemptView, RankView
+    from ..nodes.handshake import NodeGroup
+    from ..rank.heartbeat import SlotSnapshot
+    from ..signals import Hurry
+    from ..spec import LaunchSpec
+    from ..events import DivergenceFound, WatchdogVerdict
 
 log = structlog.get_logger("supervise.incident")
 
@@ -76,8 +75,6 @@ log = structlog.get_logger("supervise.incident")
 # teardown much (exit within --kill-grace + 1 s of the death).
 RANK_EXIT_CAPTURE_S = 0.8
 HANG_CAPTURE_S = 3.0
-ERROR_FILE_MAX_BYTES = 256 * 1024
-ERROR_TRACEBACK_CHARS = 16 * 1024
 # After the teardown, a dump still writing gets at least this long (its
 # capture may have used the whole --dump-timeout).
 SETTLE_MIN_S = 1.0
@@ -86,64 +83,12 @@ WAIT_SLICE_S = 0.02
 SOFT_WORKER_JOIN_S = 0.5
 # A dead rank's last stderr: the dump thread waits at most this long for the pump to reach its EOF.
 STDERR_DRAIN_S = 0.5
-TRACEBACK_HEAD = "Traceback (most recent call last):"
-TRACEBACK_MAX_LINES = 400
-EXCEPTION_NOTE_LINES = 20
 
 
-def read_error_file(path: Path) -> tuple[bytes, str, str] | None:
-    """The structured error torch's ``@record`` wrote to ``TORCHELASTIC_ERROR_FILE``: (raw, exception line,
-    traceback), or None.  A small file in the run's tmpfs directory, read non-blocking and capped."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        raw = os.read(fd, ERROR_FILE_MAX_BYTES)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return raw, "", ""
-    message = data.get("message") if isinstance(data, dict) else None
-    extra = {}
-    if isinstance(message, dict):  # torch: {"message": {"message": "Err: ...", "extraInfo": {"py_callstack": ...}}}
-        extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
-        message = message.get("message")
-    text = str(message or "").strip().splitlines()
-    return raw, (text[-1][:500] if text else ""), str(extra.get("py_callstack", ""))[-ERROR_TRACEBACK_CHARS:]
 
 
-def last_traceback(text: str) -> tuple[str, str] | None:
-    """The last Python traceback in a rank's stderr: (exception line, traceback text), or None.
-
-    From the last ``Traceback (most recent call last):`` (so a chained exception yields the final one),
-    through its indented frame lines, to the exception line and what follows it up to a blank line
-    (a multi-line message, notes).  A ``[rankN]:`` prefix (torchrun's) is ignored."""
-    lines = [_strip_rank_prefix(line) for line in text.splitlines()]
-    starts = [i for i, line in enumerate(lines) if line.strip() == TRACEBACK_HEAD]
-    for start in reversed(starts):
-        i = start + 1
-        while i < len(lines) and (lines[i].startswith(" ") or not lines[i].strip()):
-            i += 1
-        if i >= len(lines) or i == start + 1:
-            continue  # cut off before its exception line, or not a traceback after all
-        end = i + 1
-        while end < len(lines) and end - i < EXCEPTION_NOTE_LINES and lines[end].strip() \
-                and lines[end].strip() != TRACEBACK_HEAD:
-            end += 1
-        block = lines[start:end][-TRACEBACK_MAX_LINES:]
-        return lines[i].strip()[:500], "\n".join(block)[-ERROR_TRACEBACK_CHARS:]
-    return None
 
 
-def _strip_rank_prefix(line: str) -> str:
-    if line.startswith("[rank") and "]:" in line[:16]:
-        return line.split("]:", 1)[1]
-    return line
 
 
 def _wall_clock(monotonic_at: float | None) -> datetime:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import errno
 import os
 import select
 import signal
@@ -107,39 +106,8 @@ def has_run_marker(pid: int, marker: bytes) -> bool:
 
 
 def run_marker(run_key: str) -> bytes:
-    return f"SUPERVISE_RUN_KEY={run_key}".encode()  # supervisor.launch.ENV_RUN_KEY
+    return f"SUPERVISE_RUN_KEY={run_key}".encode()  # supervisor.processes.spawn.ENV_RUN_KEY
 
-
-PIDFD_SIGNAL_PROCESS_GROUP = 1 << 2  # linux/pidfd.h (Linux 6.9): the group of the pidfd's process
-_group_by_pidfd = [True]  # what the kernel supports, learnt at the first try
-
-
-def send_to_group(fd: int, pid: int, signum: int) -> bool:
-    """Signal the process group led by the process behind pidfd ``fd`` (whose pid is ``pid``).
-
-    Through the pidfd (``PIDFD_SIGNAL_PROCESS_GROUP``: the group the kernel
-    knows by that process, never a number handed out again).  On kernels
-    before 6.9, the leader's pidfd first, which succeeds only while the leader
-    still holds its pid (running, stopped, or a zombie not yet reaped), then
-    ``killpg`` by number at once: a pid that names a process or a group is
-    never handed out to another while it is held.  False once the leader is
-    gone.  The one implementation for the teardown (``launch.signal_group``)
-    and the freeze (``dumps.freeze.Held``).
-    """
-    try:
-        if _group_by_pidfd[0]:
-            try:
-                signal.pidfd_send_signal(fd, signum, None, PIDFD_SIGNAL_PROCESS_GROUP)
-                return True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    return False
-                _group_by_pidfd[0] = False  # an older kernel: the fallback below from now on
-        signal.pidfd_send_signal(fd, signum)
-        os.killpg(pid, signum)
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 class Pidfd:

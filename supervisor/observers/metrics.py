@@ -37,10 +37,10 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
-from . import exits
-from .outcome import TEARDOWN_EXIT
-from .rank.heartbeat import SlotSnapshot
-from .state import EngineState
+from ..processes import exits
+from ..outcome import TEARDOWN_EXIT
+from ..rank.heartbeat import SlotSnapshot
+from ..state import EngineState
 
 log = structlog.get_logger()
 
@@ -53,7 +53,7 @@ THRESHOLD_KINDS = ("soft", "hard", "startup")
 # Exits the supervisor caused itself while tearing the group down: counted
 # apart so that a clean shutdown never looks like a crashed rank.
 RANK_EXIT_REASONS: tuple[str, ...] = (exits.CLEAN, *exits.REASONS, TEARDOWN_EXIT, OTHER)
-# Bundle reasons of DESIGN.md's incident bundle.
+# Bundle reasons of the incident bundle (docs/bundle.md, docs/contracts.md).
 DUMP_REASONS = (
     "rank_exit",
     "hang",
@@ -80,9 +80,9 @@ COLLECTIVE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 # A full dump: py-spy per rank in parallel, goal <= 1 s for 8 ranks.
 DUMP_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # One call to the supervisors' store: ~0.1 ms on loopback, ~1 ms in a rack, tens of ms across sites; a call
-# times out at 3 s (supervisor.nodes.STORE_TIMEOUT_S), so 5 s is the last finite bucket.
+# times out at 3 s (supervisor.nodes.store.STORE_TIMEOUT_S), so 5 s is the last finite bucket.
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-# The ``op`` label: the calls of supervisor.nodes.TorchStore (the one list of them).
+# The ``op`` label: the calls of supervisor.nodes.store.TorchStore (the one list of them).
 STORE_OPS = ("connect", "set", "get", "add", "compare_set", "multi_get", OTHER)
 
 PERCENT = 100.0
@@ -406,7 +406,7 @@ class SupervisorMetrics:
 
     # -- lifecycle -------------------------------------------------------------------
     def record_rank_exit(self, reason: str) -> None:
-        """Count one rank exit (``supervisor.exits`` reasons, or ``TEARDOWN_EXIT``)."""
+        """Count one rank exit (``supervisor.processes.exits`` reasons, or ``TEARDOWN_EXIT``)."""
         self.rank_exits.labels(reason=self._bounded(reason, RANK_EXIT_REASONS, "rank exit reason")).inc()
 
     def set_nodes(self, peers_up: "Mapping[int, bool]") -> None:
@@ -416,7 +416,7 @@ class SupervisorMetrics:
         self.nodes_up.set(1 + sum(1 for up in peers_up.values() if up))
 
     def observe_store_latency(self, op: str, seconds: float) -> None:
-        """One store call (``supervisor.nodes.StoreLatency`` sink; called from the node-link thread)."""
+        """One store call (``supervisor.nodes.store.StoreLatency`` sink; called from the node-link thread)."""
         child = self._store_ops.get(op)
         if child is None:
             child = self._store_ops[self._bounded(op, STORE_OPS, "store op")]

@@ -1,0 +1,148 @@
+"""Every event the main loop handles, in one place.
+
+Threads (the exit monitor, the watchdog tick, the consensus pollers, the node
+link, the HTTP and control servers, the signal hand-off) only observe and
+post one of these to the main loop's queue; ``core.Supervisor.handlers`` maps
+each type to the one method that acts on it.  Events that belong to a group
+attempt carry its number, and the main loop drops those of an attempt that
+has ended.  Plain frozen dataclasses: no I/O, no behaviour.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+from .nodes.messages import Fault, HangQuery
+from .processes.exits import ExitStatus
+from .rank.heartbeat import SlotSnapshot
+
+
+@dataclass(frozen=True)
+class LoopTick:
+    """Posted every second: the main loop taking it proves it goes round (/livez)."""
+
+
+@dataclass(frozen=True)
+class SignalReceived:
+    signum: int
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    request: dict
+    reply: "queue.SimpleQueue[dict]"
+
+
+@dataclass(frozen=True)
+class EarlyExitCheck:
+    """Event: look again at a rank that exited 0 while its peers ran."""
+
+    slot: int
+    pid: int
+    attempt: int = 0  # the attempt the rank belongs to
+
+
+@dataclass(frozen=True)
+class ProcessExited:
+    """Event: a watched process ended.  ``status`` is None when it was not our child.
+
+    ``attempt``: the number of the attempt the process belongs to."""
+
+    key: object
+    pid: int
+    status: ExitStatus | None
+    at: float
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class WatchdogVerdict:
+    """Event: something the main loop must act on."""
+
+    kind: str  # all_ready | soft | recovered | hard | startup_timeout
+    stalled_s: float
+    message: str
+    verdict: object  # watchdogs.policy.Verdict (None for all_ready)
+    snapshots: tuple[SlotSnapshot, ...]
+    at: float
+    attempt: int = 0  # number of the attempt whose ranks were judged
+
+    @property
+    def log_fields(self) -> dict:
+        v = self.verdict
+        if v is None:
+            return {}
+        return {"soft_timeout_s": round(v.soft_timeout, 2), "hard_timeout_s": round(v.hard_timeout, 2)}
+
+
+@dataclass(frozen=True)
+class HangQueryUnanswered:
+    """Event (multi-node): no other node raised the hang this node asked about in time; rule it here."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class RankClaimed:
+    """Event (tree mode): a process claimed a heartbeat slot."""
+
+    slot: int
+    rank: int
+    pid: int
+    attempt: int = 0  # number of the attempt being watched
+
+
+@dataclass(frozen=True)
+class DivergenceFound:
+    """Event: the ranks disagreed (a consensus verdict)."""
+
+    verdict: object  # consensus.compare.DivergenceVerdict
+    at: float
+    # Number of the attempt whose digests were compared (the consensus threads
+    # read it before each pass); 0 only for the one the main thread builds
+    # and handles at once (arbitration.divergence_first), never queued.
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class ConsensusAgreed:
+    """Event: after an observed divergence, the ranks agreed again for a while."""
+
+    steps: int
+    at: float
+    attempt: int = 0  # number of the attempt whose ranks agreed
+
+
+@dataclass(frozen=True)
+class PeerHangQuery:
+    """Event: another node's ranks all wait in a collective; is the missing rank here?"""
+
+    query: HangQuery
+    at: float
+
+
+@dataclass(frozen=True)
+class StoreKeySeen:
+    """Event: a key the main thread asked the node link to watch (``NodeLink.watch``) reached what it waited for."""
+
+    key: str
+    value: bytes
+
+
+@dataclass(frozen=True)
+class PeerFailed:
+    """Event: another node published a fatal incident (or stopped: reason ``shutdown``)."""
+
+    fault: Fault
+    at: float
+    attempt: int = 1  # the group attempt whose fault key held it
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """Event: a node's supervisor stopped beating (or node 0's store is gone)."""
+
+    node: int
+    detail: str
+    at: float

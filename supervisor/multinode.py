@@ -1,0 +1,170 @@
+"""The multi-node decisions of the main loop: one group attempt on every node, one fate for the group.
+
+``NodeGroupRules`` is mixed into ``core.Supervisor`` and runs on its main
+thread only.  It decides what the other nodes' news means for this node (a
+peer's fault, a lost node, a hang query), what this node tells them (its
+fault, its clean end, its stop), and how a group restarts together (node 0's
+policy decides, every node meets at the barrier).  The mechanism (the store,
+the handshake, the node-link thread) is in ``nodes/``; the keys are in
+docs/multinode.md.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from . import events
+from .events import HangQueryUnanswered, WatchdogVerdict
+from .nodes import messages
+from .outcome import EXIT_OK, EXIT_PEER, Outcome, new_incident_id
+from .state import Event
+
+if TYPE_CHECKING:
+    from .core import Supervisor
+
+log = structlog.get_logger("supervise")
+
+
+class NodeGroupRules:
+    """Multi-node handlers and group-restart steps of ``Supervisor`` (main thread only)."""
+
+    # -- multi-node restarts: one group attempt on every node, node 0 decides
+    def _restarts_as_group(self: Supervisor) -> bool:
+        return self.node_link is not None and self.spec.max_restarts > 0
+
+    def _group_restart(self: Supervisor, outcome: Outcome) -> float | None:
+        """After attempt n ended on this node: node 0 decides for the group (its restart policy, so the
+        crash-loop limit counts group attempts) and publishes restart/<n>; the others wait for it."""
+        n = self.attempt.number
+        if self.stopping is not None and outcome.reason != "shutdown":
+            # stopped while the attempt was ending: every node stops, wherever it is (the run-level stop key)
+            self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))
+            self.group_end = Outcome(EXIT_OK, "shutdown")
+            return None
+        if outcome.reason in ("node_lost", "shutdown"):
+            return None  # a lost node cannot be restarted; a stop stops every node (the stop key said so)
+        key = f"restart/{n}"
+        if self.spec.node_rank == 0:
+            delay = self.restart.after(outcome, stopping=False, uptime_s=time.monotonic() - self.attempt.started_at,
+                                       group=True)
+            decision = {"restart": delay is not None, "delay_s": delay or 0.0, "restarts": self.restart.restarts}
+            self.node_link.set(key, json.dumps(decision).encode())
+            return delay
+        self.node_link.watch(key, bool)
+        raw = self._between_attempts(self.spec.rendezvous_timeout, key=key)
+        if raw is None:
+            if self.stopping is not None:
+                self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))
+                self.group_end = Outcome(EXIT_OK, "shutdown")
+            elif self.group_end is None:
+                log.error("node 0 never said whether the group restarts: giving up",
+                          event_name="group_restart_no_decision", waited_s=self.spec.rendezvous_timeout)
+            return None
+        decision = json.loads(raw)
+        if not decision.get("restart"):
+            log.error("node 0 ends the group: no restart", event_name="group_restart_declined", restarts=decision.get("restarts"))
+            return None
+        self.restart.restarts = int(decision["restarts"])
+        log.warning("restarting the group with node 0", event_name="group_restart", restart=self.restart.restarts,
+                    max_restarts=self.spec.max_restarts, backoff_s=decision["delay_s"], after=outcome.reason)
+        return float(decision["delay_s"])
+
+    def _group_barrier(self: Supervisor) -> bool:
+        """Every node is ready to launch attempt n+1 before any does (the ranks rendezvous across nodes)."""
+        n = self.attempt.number + 1
+        key, nnodes = f"ready/{n}", self.spec.nnodes
+        self.node_link.begin_attempt(n)
+        if self.stopping is None and self.group_end is None:
+            self.node_link.add(key, 1)
+            self.node_link.watch(key, lambda v: int(v or b"0") >= nnodes)
+            if self._between_attempts(self.spec.rendezvous_timeout, key=key) is not None:
+                self.hang_query = self.peer_hang_query = self.deferred_hang = None
+                log.info("every node is ready for the next attempt", event_name="group_restart_ready", attempt=n)
+                return True
+        if self.stopping is not None:
+            self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))  # the others, waiting at the barrier, stop too
+        elif self.group_end is None:
+            log.error("the other nodes did not come back for the restart", event_name="group_restart_timeout",
+                      attempt=n,
+                      waited_s=self.spec.rendezvous_timeout)
+            self.group_end = Outcome(EXIT_PEER, "node_lost")
+        return False
+
+    def _tell_the_nodes(self: Supervisor, outcome: Outcome) -> None:
+        """The end of this node's attempt, for the others: done, or a stop they should follow."""
+        if outcome.code == EXIT_OK and outcome.reason == "clean":
+            self.node_link.finished()
+        elif outcome.reason == "shutdown":
+            self.node_link.publish_stop(messages.Fault(node=self.spec.node_rank, rank=None, reason="shutdown",
+                                                        incident_id="", verdict="stopped on a signal"))
+
+    def _on_peer_failed(self: Supervisor, ev: "events.PeerFailed") -> None:
+        fault = ev.fault
+        if self.attempt.outcome is not None:
+            return
+        self.incident_id = fault.incident_id
+        if fault.reason == "shutdown":
+            log.info("node stopped on a signal: graceful shutdown of this node too", node=fault.node)
+            self._finish(Outcome(EXIT_OK, "shutdown"))
+            return
+        who = f"rank {fault.rank} on node {fault.node}" if fault.rank is not None else f"node {fault.node}"
+        verdict = f"{who} failed first ({fault.reason}); this node's ranks were torn down with the group"
+        if fault.verdict:
+            verdict += f". Node {fault.node} said: {fault.verdict}"
+        log.error("peer node failed: tearing this node down", node=fault.node, rank=fault.rank, reason=fault.reason,
+                  incident_id=fault.incident_id)
+        self._peer_incident("peer_failed", fault.node, fault.rank, verdict)
+
+    def _on_node_lost(self: Supervisor, ev: "events.NodeLost") -> None:
+        if self.attempt.outcome is not None:
+            return
+        self.incident_id = new_incident_id(self.run_id)
+        verdict = f"node {ev.node} was lost: {ev.detail}; this node's ranks were torn down with the group"
+        log.error("peer node lost: tearing this node down", node=ev.node, detail=ev.detail)
+        self._peer_incident("node_lost", ev.node, None, verdict)
+
+    def _peer_incident(self: Supervisor, reason: str, node: int, rank: int | None, verdict: str) -> None:
+        self.transition(Event.RANK_EXIT)
+        extra = {"culprit_ranks": [rank] if rank is not None else [], "verdict": verdict,
+                 "incident_id": self.incident_id, "culprit_node": node}
+        self.desk.peer_incident(reason, extra, self.attempt.view)
+        self._finish(Outcome(EXIT_PEER, reason, culprit=rank))
+
+    def _ask_the_other_nodes(self: Supervisor, ev: WatchdogVerdict) -> bool:
+        """Multi-node: when every rank of this node waits inside a collective, the rank that is elsewhere is on
+        another node, whose own watchdog may see nothing (a stopped rank outside collectives looks idle there).
+        Ask the others (nodes.HangQuery); the node that holds it raises the hang under this incident id and
+        this node follows it (84).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence."""
+        v = ev.verdict
+        if (self.node_link is None or self.hang_query is not None or self.peer_hang_query is not None
+                or v.outside_collective or not v.in_collective):
+            return False
+        seq = max(c.coll_seq for c in v.in_collective)
+        self.hang_query = messages.HangQuery(self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500])
+        self.deferred_hang = ev
+        self.node_link.ask_where(self.hang_query)
+        log.warning("hang here, cause elsewhere: every rank of this node waits in a collective; asking the other nodes",
+                    event_name="hang_query_sent", seq=seq, wait_s=messages.HANG_QUERY_WAIT_S, incident_id=self.hang_query.incident_id)
+        timer = threading.Timer(messages.HANG_QUERY_WAIT_S, self.post, args=(HangQueryUnanswered(self.attempt.number),))
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _on_hang_query_unanswered(self: Supervisor, ev: HangQueryUnanswered) -> None:
+        if self.attempt.outcome is None and self.deferred_hang is not None:
+            log.warning("no other node holds the missing rank: ruling the hang on this node's evidence",
+                        event_name="hang_query_unanswered", incident_id=self.hang_query.incident_id)
+            self._rule_hang(self.deferred_hang)
+
+    def _on_peer_hang_query(self: Supervisor, ev: "events.PeerHangQuery") -> None:
+        if self.attempt.outcome is not None or self.hang_query is not None:
+            return
+        log.warning("another node's ranks all wait in a collective: looking for the missing rank here",
+                    event_name="hang_query_received", node=ev.query.node, seq=ev.query.seq, incident_id=ev.query.incident_id)
+        self.peer_hang_query = ev.query
+        self.watchdog.answer_hang_query(ev.query.seq, ev.query.node)

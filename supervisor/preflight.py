@@ -1,0 +1,124 @@
+"""Checks of the world before anything is started: the executable, the dump directory, GPUs, ports.
+
+Each failure is a ``UsageError`` (exit 64) that says what to change.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .spec import UsageError
+
+if TYPE_CHECKING:
+    from .spec import LaunchSpec
+
+
+def preflight(spec: LaunchSpec) -> None:
+    _check_command(spec)
+    _check_dump_dir(spec.dump_dir)
+    if spec.output.log_dir is not None:
+        _check_dump_dir(spec.output.log_dir, "--log-dir")
+    _check_gpus(spec)
+    if spec.metrics_addr is not None and spec.metrics_addr[1] != 0:
+        _check_port_free(spec.metrics_addr[0], spec.metrics_addr[1], "--metrics-addr")
+    if spec.health_addr is not None:
+        if spec.health_addr[1] != 0 and spec.metrics_addr is not None and spec.health_addr[1] == spec.metrics_addr[1]:
+            raise UsageError(f"--health-addr port {spec.health_addr[1]} is --metrics-addr's: give another port "
+                             "(or leave --health-addr out: health is served on --metrics-addr too)")
+        if spec.health_addr[1] != 0:
+            _check_port_free(spec.health_addr[0], spec.health_addr[1], "--health-addr")
+    if spec.nnodes == 1 and not _is_local(spec.master_addr):
+        raise UsageError(f"--master-addr {spec.master_addr} is not an address of this host: with one node the ranks "
+                         "meet here; leave it out, or give this host's address")
+    if spec.node_rank == 0 and spec.master_port is not None and _is_local(spec.master_addr):
+        _check_port_free(spec.master_addr, spec.master_port, "--master-port")
+        if spec.nnodes > 1:
+            _check_port_free(spec.master_addr, spec.resolved_store_port, "--store-port")
+    if spec.builtin and spec.engine.port != 0:
+        _check_port_free(spec.engine.host, spec.engine.port, "--port")
+
+
+def _check_command(spec: LaunchSpec) -> None:
+    if spec.builtin:
+        return
+    exe = spec.command[0]
+    if os.sep in exe:
+        path = Path(exe)
+        if not path.exists():
+            raise UsageError(f"command {exe!r} does not exist; check the path after '--'")
+        if path.is_dir() or not os.access(path, os.X_OK):
+            raise UsageError(f"command {exe!r} is not executable; chmod +x it or run it through its interpreter")
+        return
+    if shutil.which(exe) is None:
+        raise UsageError(f"command {exe!r} was not found on PATH; check the spelling or give its full path")
+
+
+def _check_dump_dir(path: Path, flag: str = "--dump-dir") -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"{flag} {str(path)!r} is not writable ({exc.strerror or exc}); choose a directory you can write"
+        ) from None
+
+
+def visible_gpu_count() -> int | None:
+    """GPUs this node can use: CUDA_VISIBLE_DEVICES when set, else NVML's count."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return len([d for d in cvd.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return 0
+
+
+def _check_gpus(spec: LaunchSpec) -> None:
+    if not spec.builtin or spec.engine.device != "cuda":
+        return
+    count = visible_gpu_count() or 0
+    if spec.nproc_per_node > count:
+        raise UsageError(
+            f"--nproc-per-node {spec.nproc_per_node} ranks with --device cuda, but this node has {count} visible "
+            "GPU(s): lower --tp / --nproc-per-node, spread the world over more nodes with --nnodes, "
+            "or run on the CPU with --device cpu"
+        )
+
+
+def _is_local(host: str) -> bool:
+    if host in ("localhost", "0.0.0.0", "::", "::1") or host.startswith("127."):
+        return True
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _check_port_free(host: str, port: int, flag: str) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UsageError(
+                    f"{flag}: port {port} on {host} is already in use; stop what holds it or pick another port"
+                ) from None
+            raise UsageError(f"{flag}: cannot bind {host}:{port} ({exc.strerror or exc})") from None
