@@ -11,7 +11,8 @@ and then wraps every way a rank waits on its peers:
 * the collectives (``collectives.COLLECTIVES``: tensor and object
   collectives, ``barrier``/``monitored_barrier``, ``send``/``recv``/
   ``isend``/``irecv``, ``batch_isend_irecv``): each call marks the rank "in
-  collective <op>" in the slot while it runs and bumps the collective count;
+  collective <op>" in the slot while it runs, bumps the collective count and
+  stamps its arrival (the thread's lane's ring: ``heartbeat``);
 * work objects (``works``): a call that returns work (``async_op=True``,
   ``isend``/``irecv``, ``batch_isend_irecv``) leaves it in flight until it is
   waited on, observed complete or collected, and a thread blocked in
@@ -26,6 +27,11 @@ its own lane of the slot (``slot_writer.Lane``), so one thread leaving never
 hides another still inside.  Calls made inside a wrapped call (``send`` runs
 ``isend``, object collectives run tensor ones) are part of it, not counted
 again.
+
+Every call that counts a collective through a lane stamps its arrival: the
+wrapper below, ``_Coalescing``'s exit and the functional collectives (through
+``runtime.begin_collective``); a wait on a work is not a collective of its
+own (the issuing call was stamped).
 
 The per-call path is a few stores and takes no lock: it records the call's
 arguments (until it returns) rather than their description, and the rank's
@@ -49,7 +55,7 @@ import time
 
 from . import runtime, works
 from .collectives import COALESCING_MANAGER, COLLECTIVES, cached_describe
-from .heartbeat import _D_TS_COLL_BEGIN as _TS_COLL_BEGIN
+from .heartbeat import ARRIVAL_INDEX as _ARRIVAL_INDEX
 
 _installed = False
 _monotonic = time.monotonic
@@ -95,23 +101,20 @@ def _wrap_collective(name: str, fn):
         w = ln.writer
         ln.depth = 1
         ln.op = name
-        ln.desc = None
-        ln.args = args
+        ln.args = args  # described late from them (slot_writer.Lane)
         ln.kwargs = kwargs
-        ln.ts = now
         w.text_lane = ln
         if name is not w.op or w.desc:
-            w.show(ln, now)
-        else:
-            ln.f64[_TS_COLL_BEGIN] = now
-        u64, at = ln.u64, ln.at
+            w.show(ln, now, now)
+        word = ln.word
         ln.value = value = ln.value + 3  # one more collective, and inside
-        u64[at] = value
+        ln.ring[value & _ARRIVAL_INDEX] = now  # its arrival, before the count that publishes it
+        word[0] = value
         try:
             result = fn(*args, **kwargs) if kwargs else fn(*args)
         finally:
             ln.value = value = value - 1  # outside again
-            u64[at] = value
+            word[0] = value
             ln.depth = 0
             ln.args = ln.kwargs = None
             if w.several and w.text_lane is ln:

@@ -9,13 +9,15 @@ hung, stopped or dead.
 The segment is a plain file (``/dev/shm`` when present) mapped with ``mmap``
 by both sides; no resource tracker, no lock shared between processes.
 
-Layout (version 2, little endian)::
+Layout (version 3, little endian)::
 
     +--------------------------- header (64 bytes) ---------------------------+
     | magic "TPSV" | version u32 | nslots u32 | slot_size u32 | hdr_size u32  |
     | created f64 (monotonic)    | run_id 36s (ascii, NUL padded)             |
     +-------------------------------------------------------------------------+
     | slot 0 (256 bytes) | slot 1 | ... | slot nslots-1                       |
+    +-------------------------------------------------------------------------+
+    | arrival rings of slot 0 (LANES x RING_SIZE = 16 KiB) | slot 1 | ...      |
     +-------------------------------------------------------------------------+
 
     slot:
@@ -27,10 +29,12 @@ Layout (version 2, little endian)::
      24  step           u64  steps completed
      32  coll_seq       u64  collectives entered outside the lanes (see below)
      40  ts_heartbeat   f64  monotonic time of the last update other than entering a
-                             collective (that one is ts_coll_begin: the reader reports
-                             the later of the two as the heartbeat)
+                             collective through a lane (the reader reports the later
+                             of it and the collective's begin as the heartbeat)
      48  ts_step_begin  f64
-     56  ts_coll_begin  f64  when the latest collective began
+     56  ts_coll_begin  f64  when the latest collective outside the lanes began, or a
+                             lane's wait on a work (a lane's collectives stamp their
+                             arrival ring instead: the reader reports the latest of all)
      64  last_step_s    f64  duration of the last completed step
      72  ts_ready       f64
      80  phase          32s
@@ -40,6 +44,15 @@ Layout (version 2, little endian)::
                              (collectives entered << 1) | inside
     240  local_slot     i32  (echo of the slot index, sanity check)
     244  reserved       12 bytes
+
+    arrival ring of lane L of slot S, at HEADER_SIZE + nslots * SLOT_SIZE
+    + (S * LANES + L) * RING_SIZE: ARRIVAL_DEPTH (256) entries of 16 bytes,
+    entry n % ARRIVAL_DEPTH for the lane's n-th collective (n from 1):
+      +0  reserved  f64  (0.0)
+      +8  arrival   f64  monotonic time its thread entered collective n
+    As f64 indexes: collective n's arrival is at (2n + 1) & ARRIVAL_INDEX, which
+    is the lane's value while it is inside collective n, masked: the writer's
+    only arithmetic for the stamp is one ``&`` (the reserved half buys that).
 
 What a reader reports (``SlotSnapshot``): the rank is in a collective
 (``IN_COLLECTIVE``) when the flag is set or any lane's low bit is; its
@@ -51,11 +64,46 @@ no lock, from any number of threads: each lane has exactly one writing thread
 a single aligned u64 store is atomic, so a reader sees either value.  The
 flag covers the rest: threads without a lane, work objects issued and not
 completed (``works``); it counts holders and is written under the writer's
-lock and the seqlock.  Entering through a lane also stores
-``ts_coll_begin`` (a single f64 store) and nothing else: the heartbeat a
-reader reports is the later of ``ts_heartbeat`` and ``ts_coll_begin``; ``coll_op``/``coll_desc`` change only when the text
-changes (under the lock and the seqlock), which in a model's steady state is
-almost never.
+lock and the seqlock.  Entering a collective through a lane also stamps its
+arrival in the lane's ring (a single f64 store, before the lane's store) and
+nothing else: the heartbeat a reader reports is the later of ``ts_heartbeat``
+and the latest collective begin (``ts_coll_begin`` and each lane's newest
+ring entry); ``coll_op``/``coll_desc`` change only when the text changes
+(under the lock and the seqlock), which in a model's steady state is almost
+never.
+
+**Arrival rings** (which rank arrives late at each collective: the
+straggler detector, ``watchdogs/straggler.py``).  Each lane keeps the arrival
+times of its last ``ARRIVAL_DEPTH`` collectives, entry ``n % ARRIVAL_DEPTH``
+for its ``n``-th.  The supervisor reads at 10-50 Hz while collectives run at
+thousands per second, so the latest collective of each rank at the moment of
+a read (``ts_coll_begin`` and the count) is rarely the same collective on two
+ranks, and it is the one not yet complete; a ring lets it compare the *same*
+collective (every rank's ``n``-th) across ranks, over the last 256 of them
+(a whole step of a model up to 128 layers at two collectives per layer), from
+one read of each slot and with no message from the ranks.  The ranks' ``n``-th
+collectives are the same collective when each rank's collective thread enters
+the same collectives in the same order, as the ranks of a TP group do; ranks
+whose sequences differ (pipeline stages on one node) are not comparable, and
+the detector refuses to compare counts that drift apart.
+Ordering rules, one writer per lane:
+
+* the writer stores the ring entry of collective ``n`` *before* the lane's
+  value that counts ``n``; so a reader that sees count ``n`` finds entry
+  ``n`` written (x86-64 keeps stores in program order, ``seqlock.py``);
+* entry ``n`` is overwritten by collective ``n + ARRIVAL_DEPTH``, whose
+  store can begin once the count reached ``n + ARRIVAL_DEPTH - 1``.  The
+  reader (``HeartbeatSegment.arrivals``) loads the count (``n1``), copies the
+  ring, loads the count again (``n2``) and keeps the entries
+  ``max(1, n2 - ARRIVAL_DEPTH + 2) .. n1``: each was written and not yet
+  overwritten during the copy.  A count that went down (the slot was claimed
+  by a new process, which zeroes the rings) discards the copy;
+* on a weakly ordered CPU (aarch64) a reader may, rarely, see count ``n``
+  before entry ``n``: it then reads the arrival of collective
+  ``n - ARRIVAL_DEPTH``, far older, one outlier among the entries;
+* waits on a work object (``Lane.wait``) are not collectives of their own
+  and stamp ``ts_coll_begin`` instead; collectives entered outside the lanes
+  (the holder count: a fifth thread) have no ring.
 
 The other fields are guarded by the seqlock at the slot's offset 0
 (``seqlock.py``: the protocol and its memory-ordering assumption); a read that
@@ -77,14 +125,19 @@ from pathlib import Path
 from .seqlock import read_consistent
 
 MAGIC = b"TPSV"
-VERSION = 2
+VERSION = 3
 HEADER_SIZE = 64
 SLOT_SIZE = 256
+ARRIVAL_DEPTH = 256  # collectives per lane whose arrival a reader can see (a power of two)
+ARRIVAL_ENTRY = 16  # bytes per collective: reserved f64, arrival f64
+RING_SIZE = ARRIVAL_DEPTH * ARRIVAL_ENTRY  # one lane's ring, bytes
+ARRIVAL_INDEX = 2 * ARRIVAL_DEPTH - 1  # lane value (odd: inside collective n) & this = f64 index of n's arrival
 
 _HEADER = struct.Struct("<4sIIIId36s")
 _SLOT = struct.Struct("<QiiIiQQddddd32s32s64s4Qi12x")
 assert _HEADER.size <= HEADER_SIZE
 assert _SLOT.size == SLOT_SIZE
+assert ARRIVAL_DEPTH & (ARRIVAL_DEPTH - 1) == 0
 
 # Field groups the writer packs at once (offsets into the slot).
 _IDENT = struct.Struct("<iiIi")  # pid, rank, flags, stack_signal at offset 8
@@ -114,6 +167,24 @@ _D_TS_COLL_BEGIN = 56 // 8
 _D_LAST_STEP = 64 // 8
 _D_TS_READY = OFF_TS_READY // 8
 _Q_LANE0 = OFF_LANES // 8
+_LANE_VALUES = struct.Struct(f"<{LANES}Q")
+_PID_RANK = struct.Struct("<ii")
+_F64 = struct.Struct("<d")
+
+
+def segment_size(nslots: int) -> int:
+    """Bytes of a segment of ``nslots`` slots: header, slots, then every slot's arrival rings."""
+    return HEADER_SIZE + nslots * (SLOT_SIZE + LANES * RING_SIZE)
+
+
+def arrival_offset(count: int) -> int:
+    """Byte offset, in its lane's ring, of the arrival of the lane's collective ``count``."""
+    return 8 * (((count << 1) | 1) & ARRIVAL_INDEX)
+
+
+def rings_offset(nslots: int, slot: int) -> int:
+    """Where the arrival rings of ``slot`` begin (lane 0's; lane L's is ``L * RING_SIZE`` further)."""
+    return HEADER_SIZE + nslots * SLOT_SIZE + slot * LANES * RING_SIZE
 
 CLAIMED = 1 << 0
 READY = 1 << 1
@@ -201,6 +272,35 @@ class SlotSnapshot:
         }
 
 
+@dataclass(frozen=True)
+class ArrivalWindow:
+    """When one lane of one rank entered its latest collectives (``HeartbeatSegment.arrivals``).
+
+    ``arrivals[i]`` is the monotonic time at which the lane's thread entered
+    its collective number ``first_seq + i`` (counted from 1 since the slot was
+    claimed); ``count`` is the latest number the reader saw, at most
+    ``ARRIVAL_DEPTH - 1`` entries back from it are kept.  Pure data.
+    """
+
+    slot: int
+    pid: int
+    rank: int
+    lane: int
+    count: int
+    first_seq: int
+    arrivals: tuple[float, ...]
+
+    @property
+    def last_seq(self) -> int:
+        """The number of the newest arrival held (``first_seq - 1`` when none is)."""
+        return self.first_seq + len(self.arrivals) - 1
+
+    def get(self, seq: int) -> float | None:
+        """The arrival of collective ``seq``, if this window holds it."""
+        i = seq - self.first_seq
+        return self.arrivals[i] if 0 <= i < len(self.arrivals) else None
+
+
 def _text(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
@@ -222,7 +322,8 @@ class HeartbeatSegment:
             raise ValueError("a heartbeat segment needs at least one slot")
         self.path = Path(path)
         self.nslots = nslots
-        size = HEADER_SIZE + nslots * SLOT_SIZE
+        self._owner = True  # created it: close() may unlink it
+        size = segment_size(nslots)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -236,13 +337,87 @@ class HeartbeatSegment:
             base = HEADER_SIZE + i * SLOT_SIZE
             _IDENT.pack_into(self._map, base + OFF_IDENT, 0, -1, 0, 0)
 
+    @classmethod
+    def attach(cls, path: str | os.PathLike) -> HeartbeatSegment:
+        """A reader of an existing segment (a tool, a test; the supervisor creates its own).
+
+        Maps it read-only; ``close`` never unlinks it.
+        """
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_SIZE:
+                raise HeartbeatLayoutError(f"{path}: not a version-{VERSION} heartbeat segment")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, version, nslots, slot_size, header_size, _created, _run = _HEADER.unpack_from(mm, 0)
+        if (magic, version, slot_size, header_size) != (MAGIC, VERSION, SLOT_SIZE, HEADER_SIZE) or size < segment_size(
+            nslots
+        ):
+            mm.close()
+            raise HeartbeatLayoutError(f"{path}: not a version-{VERSION} heartbeat segment")
+        seg = cls.__new__(cls)
+        seg.path = Path(path)
+        seg.nslots = nslots
+        seg._map = mm
+        seg._owner = False
+        return seg
+
     def read(self, slot: int) -> SlotSnapshot:
         base = HEADER_SIZE + slot * SLOT_SIZE
         mm = self._map
         raw, ok = read_consistent(mm, base, lambda: mm[base : base + SLOT_SIZE])
         if raw is None:
             raw = mm[base : base + SLOT_SIZE]
-        return _decode(slot, raw, torn=not ok)
+        return _decode(slot, raw, torn=not ok, latest_arrival=self._latest_arrival(slot, raw))
+
+    def _latest_arrival(self, slot: int, raw: bytes) -> float:
+        """The newest ring entry of the slot's lanes, for the counts ``raw`` holds (0.0: none).
+
+        Entry ``n`` is stored before the count ``n`` is: seeing the count, the
+        entry is there (or a later one, ``ARRIVAL_DEPTH`` collectives on).
+        """
+        latest = 0.0
+        ring = rings_offset(self.nslots, slot)
+        for lane, value in enumerate(_LANE_VALUES.unpack_from(raw, OFF_LANES)):
+            count = value >> 1
+            if count:
+                (ts,) = _F64.unpack_from(self._map, ring + lane * RING_SIZE + arrival_offset(count))
+                if ts > latest:
+                    latest = ts
+        return latest
+
+    def arrivals(self, slot: int, lane: int | None = None, since: int = 0) -> ArrivalWindow | None:
+        """The arrival times the slot's ``lane`` holds for its collectives after number ``since``.
+
+        ``lane`` None: the lane that entered the most collectives (a rank's
+        main collective thread; the same on every rank of a TP group).  None
+        when the slot is unclaimed or its rings were reset during the read (a
+        new process claimed it).  Never waits on the rank (see the module
+        docstring for why every entry returned is whole).
+        """
+        mm = self._map
+        base = HEADER_SIZE + slot * SLOT_SIZE
+        values = _LANE_VALUES.unpack_from(mm, base + OFF_LANES)
+        if lane is None:
+            lane = max(range(LANES), key=lambda i: values[i] >> 1)
+        pid, rank = _PID_RANK.unpack_from(mm, base + OFF_IDENT)
+        if rank < 0:
+            return None
+        n1 = values[lane] >> 1
+        ring = rings_offset(self.nslots, slot) + lane * RING_SIZE
+        copy = mm[ring : ring + RING_SIZE]
+        n2 = _LANE_VALUES.unpack_from(mm, base + OFF_LANES)[lane] >> 1
+        if n2 < n1:
+            return None
+        first = max(1, n2 - ARRIVAL_DEPTH + 2, since + 1)
+        if first > n1:
+            return ArrivalWindow(slot, pid, rank, lane, n1, n1 + 1, ())
+        stamps = memoryview(copy).cast("d")[1::2]  # entry i's arrival: collective n with n % ARRIVAL_DEPTH == i
+        lo, hi = first % ARRIVAL_DEPTH, n1 % ARRIVAL_DEPTH
+        arrivals = tuple(stamps[lo : hi + 1]) if lo <= hi else tuple(stamps[lo:]) + tuple(stamps[: hi + 1])
+        return ArrivalWindow(slot, pid, rank, lane, n1, first, arrivals)
 
     def read_all(self) -> list[SlotSnapshot]:
         return [self.read(i) for i in range(self.nslots)]
@@ -252,14 +427,15 @@ class HeartbeatSegment:
             self._map.close()
         except (BufferError, ValueError):
             pass
-        if unlink:
+        if unlink and self._owner:
             try:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
 
 
-def _decode(slot: int, raw: bytes, torn: bool) -> SlotSnapshot:
+def _decode(slot: int, raw: bytes, torn: bool, latest_arrival: float = 0.0) -> SlotSnapshot:
+    """A slot's bytes as a snapshot; ``latest_arrival``: the newest entry of its arrival rings."""
     (
         _seq,
         pid,
@@ -283,6 +459,8 @@ def _decode(slot: int, raw: bytes, torn: bool) -> SlotSnapshot:
         coll_seq += lane >> 1
         if lane & 1:
             flags |= IN_COLLECTIVE
+    if latest_arrival > ts_coll:
+        ts_coll = latest_arrival  # a lane's collective began later than the field says
     return SlotSnapshot(
         slot=slot,
         pid=pid,
@@ -291,7 +469,7 @@ def _decode(slot: int, raw: bytes, torn: bool) -> SlotSnapshot:
         stack_signal=stack_signal,
         step=step,
         coll_seq=coll_seq,
-        ts_heartbeat=ts_hb if ts_hb >= ts_coll else ts_coll,  # entering a collective stores only ts_coll_begin
+        ts_heartbeat=ts_hb if ts_hb >= ts_coll else ts_coll,  # entering a collective stamps only its begin
         ts_step_begin=ts_step,
         ts_coll_begin=ts_coll,
         last_step_s=last_step,

@@ -24,10 +24,13 @@ Environment it reads (set by ``supervise serve``; see docs/supervisor.md):
     SUPERVISE_RUN_DIR         per-run scratch directory (stack files live here)
 
 Threads: every call may come from any thread.  A thread enters collectives
-through its own lane of the slot (``slot_writer.Lane``: two stores, no
+through its own lane of the slot (``slot_writer.Lane``: three stores, no
 lock; the first four threads get one, others go through the writer's holder
 count), so one thread leaving its collective never hides another that is
-still blocked; every other update takes the slot writer's lock.
+still blocked; every other update takes the slot writer's lock.  Entering
+through a lane stamps the collective's arrival in the lane's ring
+(``heartbeat``: the supervisor compares the ranks' arrivals at the same
+collective to find a straggler).
 
 Costs: a collective's enter + exit is a few aligned stores into an mmap
 (well under a microsecond; bench/bench_heartbeat.py measures it).

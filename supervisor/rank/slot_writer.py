@@ -5,9 +5,9 @@ The layout, the reader and the ordering rules of the slot are in
 writes it from any number of threads:
 
 * entering or leaving a collective through a **lane** is one aligned u64
-  store into the thread's own lane (entering also stores ``ts_coll_begin``),
-  with no lock: a lane has exactly one writing thread, and the reader sees
-  either value of each store;
+  store into the thread's own lane (entering first stamps the collective's
+  arrival in the lane's ring, one f64 store), with no lock: a lane has
+  exactly one writing thread, and the reader sees either value of each store;
 * everything else (identity, flags, steps, phase, the collective text, the
   holder count of ``IN_COLLECTIVE``) takes the writer's lock and the slot's
   seqlock, so the seqlock has one writer at a time whichever thread updates.
@@ -33,6 +33,10 @@ from .heartbeat import (
     HEADER_SIZE,
     SLOT_SIZE,
     LANES,
+    ARRIVAL_INDEX,
+    RING_SIZE,
+    segment_size,
+    rings_offset,
     DESC_SIZE,
     HeartbeatLayoutError,
     _HEADER,
@@ -90,7 +94,7 @@ class SlotWriter:
     __slots__ = (
         "slot", "nslots", "flags", "stack_signal", "step", "coll_seq", "ts_step_begin", "last_step_s",
         "holders", "lanes", "several", "op", "desc", "text_lane", "described", "_map", "_base", "_lock", "_seq", "_u64",
-        "_u32", "_f64", "_free_lanes", "_pid",
+        "_u32", "_f64", "_rings", "_rings_at", "_free_lanes", "_pid",
     )
 
     def __init__(self, path: str | os.PathLike, slot: int):
@@ -107,7 +111,7 @@ class SlotWriter:
         magic, version, nslots, slot_size, header_size, _created, _run = _HEADER.unpack_from(self._map, 0)
         if magic != MAGIC or version != VERSION or slot_size != SLOT_SIZE or header_size != HEADER_SIZE:
             raise HeartbeatLayoutError(f"{path}: not a version-{VERSION} heartbeat segment")
-        if not 0 <= slot < nslots or size < HEADER_SIZE + nslots * SLOT_SIZE:
+        if not 0 <= slot < nslots or size < segment_size(nslots):
             raise HeartbeatLayoutError(f"slot {slot} outside the segment's {nslots} slots")
         self.slot = slot
         self.nslots = nslots
@@ -115,6 +119,8 @@ class SlotWriter:
         self._base = HEADER_SIZE + slot * SLOT_SIZE
         view = memoryview(self._map)[self._base : self._base + SLOT_SIZE]
         self._u64, self._u32, self._f64 = view.cast("Q"), view.cast("I"), view.cast("d")
+        self._rings_at = rings_offset(nslots, slot)
+        self._rings = memoryview(self._map)[self._rings_at : self._rings_at + LANES * RING_SIZE].cast("d")
         seq = self._u64[_Q_SEQ]
         self._seq = seq + (seq & 1)  # a predecessor that died inside an update left it odd
         self._lock = threading.Lock()
@@ -161,6 +167,8 @@ class SlotWriter:
                     lane.value = 0
                 for i in range(LANES):
                     self._u64[_Q_LANE0 + i] = 0
+                # After the counts: a reader that saw a count of the previous process sees it drop.
+                self._map[self._rings_at : self._rings_at + LANES * RING_SIZE] = bytes(LANES * RING_SIZE)
             finally:
                 self._close(seq)
             self.step = self.coll_seq = 0
@@ -291,17 +299,20 @@ class SlotWriter:
                 self.text_lane = None
             self._free_lanes.append(lane.index)
 
-    def show(self, lane: Lane, now: float) -> None:
-        """Make coll_op/coll_desc/ts_coll_begin describe ``lane``'s collective (a call's
-        description stays empty until ``describe_late`` writes it)."""
+    def show(self, lane: Lane, now: float, begin: float | None = None) -> None:
+        """Make coll_op/coll_desc/ts_coll_begin describe ``lane``'s collective, which began at
+        ``begin`` (None: ``lane.begin()``); a call's description stays empty until
+        ``describe_late`` writes it."""
+        if begin is None:
+            begin = lane.begin()
         with self._lock:
             self.text_lane = lane
             self.described = -1
             seq = self._open()
             try:
-                self._write_text(lane.op, lane.desc if lane.desc is not None else "")
+                self._write_text(lane.op, "" if lane.args is not None or lane.desc is None else lane.desc)
                 f64 = self._f64
-                f64[_D_TS_COLL_BEGIN] = lane.ts
+                f64[_D_TS_COLL_BEGIN] = begin
                 f64[_D_TS_HEARTBEAT] = now
             finally:
                 self._close(seq)
@@ -327,9 +338,11 @@ class SlotWriter:
         if lane is None or lane.writer is not self:
             return False
         value, desc, args, kwargs = lane.value, lane.desc, lane.args, lane.kwargs
-        if type(args) is weakref.ref:  # a wait's tensor, by weak reference
-            tensor = args()
-            args = (tensor,) if tensor is not None else None
+        if args is not None:  # described from a call's arguments or a wait's tensor, not from desc
+            desc = None
+            if type(args) is weakref.ref:  # a wait's tensor, by weak reference
+                tensor = args()
+                args = (tensor,) if tensor is not None else None
         if not value & 1 or value == self.described or (desc is None and args is None):
             return False
         if desc is None:
@@ -377,16 +390,21 @@ class Lane:
     must not enter again.  The slot's text is rewritten (under the writer's
     lock) only when it changes, which in a model's steady state is never.
 
-    Entering stores ``ts_coll_begin`` and the lane, leaving the lane: two
-    u64 stores and one f64 store per collective, no lock.  ``ts_heartbeat``
-    is not stored on this path; the reader takes the later of the two
-    (``heartbeat._decode``).  The zero-code hook's wrapper
+    Entering stamps the collective's arrival in the lane's ring (at
+    ``value & ARRIVAL_INDEX``, the new value masked, before the value is
+    stored: ``heartbeat``'s layout and ordering rules) and stores the lane;
+    leaving stores the lane: two u64 stores and one f64 store per
+    collective, no lock.  Neither ``ts_heartbeat`` nor ``ts_coll_begin`` is
+    stored on this path: the reader takes the latest of them and the rings'
+    newest entries.  A wait (not a collective of its own) stores
+    ``ts_coll_begin`` and ``ts``; ``begin()`` is when the lane's current
+    collective or wait began.  The zero-code hook's wrapper
     (``autohook._wrap_collective``) does what ``call`` does inline, one Python
     frame less per collective: change both together
     (tests/core/test_hook_fast_path.py compares them).
     """
 
-    __slots__ = ("writer", "index", "value", "depth", "op", "desc", "args", "kwargs", "ts", "u64", "f64", "at")
+    __slots__ = ("writer", "index", "value", "depth", "op", "desc", "args", "kwargs", "ts", "f64", "word", "ring")
 
     def __init__(self, writer: SlotWriter, index: int, value: int):
         self.writer = writer
@@ -394,13 +412,21 @@ class Lane:
         self.value = value
         self.depth = 0
         self.op = ""
-        self.desc: str | None = ""  # None: a call, described late from args/kwargs
-        self.args: tuple | weakref.ref | None = None  # a call's arguments (a wait's tensor), only until leave()
+        self.desc: str | None = ""  # the caller's description (enter, wait); ignored while args is set
+        self.args: tuple | weakref.ref | None = None  # a call's arguments (a wait's tensor): described late from
+        # them, and only until leave()
         self.kwargs: dict | None = None
-        self.ts = 0.0
-        self.u64 = writer._u64  # the slot, as u64 and f64 views (the lane is u64[at])
-        self.f64 = writer._f64
-        self.at = _Q_LANE0 + index
+        self.ts = 0.0  # when its latest wait began (calls stamp the ring instead)
+        self.f64 = writer._f64  # the slot as f64s
+        at = _Q_LANE0 + index
+        self.word = writer._u64[at : at + 1]  # the lane's u64 alone: word[0]
+        self.ring = writer._rings[index * (RING_SIZE // 8) : (index + 1) * (RING_SIZE // 8)]  # its arrival stamps
+
+    def begin(self) -> float:
+        """When its current (or latest) collective or wait began."""
+        count = self.value >> 1
+        ts = self.ring[((count << 1) | 1) & ARRIVAL_INDEX] if count else 0.0
+        return ts if ts > self.ts else self.ts
 
     def call(self, op: str, fn: Callable, args: tuple, kwargs: dict, now: float):
         """Run the collective call ``fn(*args, **kwargs)`` inside; returns what it returns.
@@ -409,24 +435,21 @@ class Lane:
         """
         self.depth = 1
         self.op = op
-        self.desc = None
         self.args = args
         self.kwargs = kwargs
-        self.ts = now
         w = self.writer
         w.text_lane = self
         if op is not w.op or w.desc:
-            w.show(self, now)
-        else:
-            self.f64[_D_TS_COLL_BEGIN] = now
-        u64, at = self.u64, self.at
+            w.show(self, now, now)
+        word = self.word
         self.value = value = self.value + 3  # one more collective, and inside
-        u64[at] = value
+        self.ring[value & ARRIVAL_INDEX] = now  # its arrival, before the count that publishes it
+        word[0] = value
         try:
             return fn(*args, **kwargs) if kwargs else fn(*args)
         finally:
             self.value = value = value - 1  # outside again
-            u64[at] = value
+            word[0] = value
             self.depth = 0
             self.args = self.kwargs = None
             if w.several and w.text_lane is self:
@@ -437,15 +460,13 @@ class Lane:
         self.depth = 1
         self.op = op
         self.desc = desc
-        self.ts = now
         w = self.writer
         w.text_lane = self
         if op != w.op or desc != w.desc:
-            w.show(self, now)
-        else:
-            self.f64[_D_TS_COLL_BEGIN] = now
+            w.show(self, now, now)
         self.value = value = self.value + 3
-        self.u64[self.at] = value
+        self.ring[value & ARRIVAL_INDEX] = now  # its arrival, before the count that publishes it
+        self.word[0] = value
 
     def wait(self, op: str, desc: str | None, arg: weakref.ref | None, now: float) -> None:
         """Blocking on work issued earlier by ``op``: inside, not counted again.
@@ -463,17 +484,17 @@ class Lane:
         w = self.writer
         w.text_lane = self
         if op is not w.op or w.desc:
-            w.show(self, now)
+            w.show(self, now, now)
         else:
             self.f64[_D_TS_COLL_BEGIN] = now
         self.value = value = self.value + 1
-        self.u64[self.at] = value
+        self.word[0] = value
 
     def leave(self) -> None:
         self.value = value = self.value - 1
-        self.u64[self.at] = value
+        self.word[0] = value
         self.depth = 0
         self.args = self.kwargs = None
         w = self.writer
         if w.several and w.text_lane is self:
-            w.lane_left(self, self.ts)
+            w.lane_left(self, self.begin())

@@ -8,7 +8,9 @@ never blocks and polls ``is_completed()``.  The zero-code hook shows the rank
 
 * while a thread is blocked in ``wait``/``synchronize`` of any work, or in
   ``wait`` of the future of a work the hook saw issued (the thread's lane,
-  as for a blocking collective, described as the op that issued the work);
+  as for a blocking collective, described as the op that issued the work;
+  not counted as a collective, and not stamped in the arrival ring: the
+  issuing call was, and that is when the rank arrived);
 * while a work it saw issued is in flight: from issue until the work is
   waited on, observed complete (by the program's ``is_completed()`` or by
   the monitor thread below), or garbage collected.
