@@ -10,6 +10,11 @@ until both the count and the byte limit hold, never the bundle just
 written; a bundle is renamed to a hidden name before it is removed, so a
 reader sees it whole or not at all.  Temp dirs left by a writer that died
 are removed on the next write.
+
+Bundles are private to the run's user and group (they hold stderr tails and
+command lines, which may hold prompts): directories 0750, files 0640, set
+explicitly so the umask neither widens nor narrows them; a dump dir the writer
+creates is 0750 too (``make_dirs``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,35 @@ TIME_FORMAT = "%Y%m%dT%H%M%SZ"
 MAX_SUFFIX = 10_000
 BUNDLE_NAME = re.compile(r"^(?P<ts>\d{8}T\d{6}Z)-(?P<reason>[a-z0-9_]+?)(?:-(?P<n>\d+))?$")
 _REASON_CHARS = re.compile(r"[^a-z0-9_]+")
+DIR_MODE = 0o750  # bundles, the dump dir the writer creates, --log-dir's directories
+FILE_MODE = 0o640
+
+
+def make_dirs(path: Path, mode: int = DIR_MODE) -> None:
+    """``mkdir -p`` whose new directories get ``mode`` whatever the umask; existing ones keep theirs."""
+    missing = []
+    path = Path(path)
+    while not path.is_dir() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, mode)
+        except FileExistsError:
+            continue  # made meanwhile by another writer (theirs), or not a directory (the next step fails)
+        os.chmod(directory, mode)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """``path`` (in a directory of the writer's own, never through a symlink) holding ``data``, mode ``FILE_MODE``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        view = memoryview(data)
+        while len(view):
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def bundle_name(detected_at: datetime, reason: str, n: int = 0) -> str:
@@ -100,9 +134,9 @@ def _summary_text(summary: dict, files: Mapping[str, bytes | str]) -> str:
 def _replace_file(path: Path, text: str) -> None:
     """``path`` gets ``text`` whole or not at all: a temp file beside it, then ``rename(2)`` over it."""
     tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+    tmp.unlink(missing_ok=True)  # left by an earlier amend of this process that failed half-way
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.chmod(tmp, 0o644)
+        _write_file(tmp, text.encode("utf-8"))
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -179,25 +213,25 @@ class BundleWriter:
         ``summary`` gets ``reason``, ``detected_at`` and ``format_version``
         filled in when absent; ``summary.txt`` is rendered from it.
         """
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.dump_dir)
         full = {"format_version": FORMAT_VERSION, "reason": reason, "detected_at": iso_utc(detected_at)}
         full.update(summary)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=self.dump_dir))
         try:
             for name, content in files.items():
                 target = tmp.joinpath(*_safe_relpath(name).parts)
-                target.parent.mkdir(parents=True, exist_ok=True)
+                make_dirs(target.parent)
                 if isinstance(content, str):
                     data = content.encode("utf-8")
                 elif isinstance(content, (bytes, bytearray, memoryview)):
                     data = bytes(content)
                 else:
                     raise TypeError(f"bundle file {name!r}: content must be str or bytes, not {type(content).__name__}")
-                target.write_bytes(data)
-            (tmp / SUMMARY_TXT).write_text(_summary_text(full, files), encoding="utf-8")
+                _write_file(target, data)
+            _write_file(tmp / SUMMARY_TXT, _summary_text(full, files).encode("utf-8"))
             # summary.json last: a directory with it is complete.
-            (tmp / SUMMARY_JSON).write_text(json.dumps(full, indent=2, default=str) + "\n", encoding="utf-8")
-            os.chmod(tmp, 0o755)
+            _write_file(tmp / SUMMARY_JSON, (json.dumps(full, indent=2, default=str) + "\n").encode("utf-8"))
+            os.chmod(tmp, DIR_MODE)  # mkdtemp made it 0700
             final = self._publish(tmp, detected_at, reason)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

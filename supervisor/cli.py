@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log-dir", "--log_dir", type=Path, metavar="DIR", help="also write each rank's stdout and stderr to DIR/<run_id>/attempt_<n>/<global rank>/{stdout,stderr}.log (default: no files); without --redirects/--tee both streams are teed" + _SAID)
     r.add_argument("--redirects", metavar="0-3|LR:V,...", help="with --log-dir: streams that go to the files only, not the console: 0 none, 1 stdout, 2 stderr, 3 both, for every local rank or per local rank (0:1,1:2) (default: none)" + _SAID)
     r.add_argument("--tee", metavar="0-3|LR:V,...", help="with --log-dir: streams that go to the files and the console, same syntax as --redirects (default: both, when neither flag is given)" + _SAID)
+    r.add_argument("--log-max-bytes", type=int, default=specs.DEFAULT_LOG_MAX_BYTES, metavar="N", help="with --log-dir: rotate each file at N bytes (stdout.log becomes stdout.log.1; 3 rotated files are kept); 0: no cap")
     r.add_argument("--local-ranks-filter", "--local_ranks_filter", metavar="LR,...", help="only these local ranks' output reaches the console (files and bundles keep every rank's) (default: every local rank)" + _SAID)
     e = serve.add_argument_group("built-in engine (no COMMAND)")
     e.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="gloo on CPU, or NCCL on CUDA")
@@ -222,6 +223,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
             redirects=None if args.redirects is None else specs.Std.parse(args.redirects, "--redirects"),
             tee=None if args.tee is None else specs.Std.parse(args.tee, "--tee"),
             local_ranks_filter=specs.parse_local_ranks(args.local_ranks_filter),
+            log_max_bytes=args.log_max_bytes,
         ),
     )
 

@@ -31,6 +31,7 @@ DEFAULT_METRICS_ADDR = "127.0.0.1:9180"
 DEFAULT_ENGINE_PORT = 8000
 DEFAULT_DUMP_KEEP = 50
 DEFAULT_DUMP_MAX_BYTES = 1 << 30
+DEFAULT_LOG_MAX_BYTES = 100 << 20  # each --log-dir file, before it is rotated
 
 _INJECT_RE = re.compile(r"^(?P<kind>[a-z_]+)@(?P<rank>\d+)(?::(?P<step>\d+))?$")
 
@@ -137,8 +138,11 @@ class OutputOptions:
     redirects: Std | None = None  # None: not given
     tee: Std | None = None
     local_ranks_filter: frozenset[int] | None = None  # None: every local rank reaches the console
+    log_max_bytes: int = DEFAULT_LOG_MAX_BYTES  # each file's cap before rotation; 0: no cap
 
     def __post_init__(self) -> None:
+        if self.log_max_bytes < 0:
+            raise UsageError(f"--log-max-bytes {self.log_max_bytes}: must be >= 0 (0: no cap)")
         for flag, value in (("--redirects", self.redirects), ("--tee", self.tee)):
             if value is not None and self.log_dir is None:
                 raise UsageError(f"{flag} sends rank output to files: give --log-dir DIR too")

@@ -7,7 +7,9 @@ stream, in this order:
 * keeps the last ``TAIL_BYTES`` of stderr in memory (the ``rank_exit`` bundle's
   ``logs/rank-<r>.txt`` and the traceback its verdict quotes);
 * appends the raw bytes to ``--log-dir``'s file for the stream, when the stream
-  goes to a file (``--redirects``/``--tee``);
+  goes to a file (``--redirects``/``--tee``): private, never through a symlink,
+  never outside the directory, rotated at ``--log-max-bytes`` (``rank_logs.py``);
+  a file refused or failing is dropped with one log line, the stream goes on;
 * forwards whole lines to the console, unless redirected or filtered out
   (``--local-ranks-filter``): console log format, ``[rank<N>]:<line>`` on the
   supervisor's stdout (rank stdout) or stderr (rank stderr), written under
@@ -45,13 +47,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Iterator
 
 import structlog
 
 from .. import logs
 from ..spec import OutputOptions
+from .rank_logs import Closer, LogFile, LogPath, LogRefused
 
 log = structlog.get_logger("supervise.output")
 
@@ -110,13 +112,13 @@ def visible(segment: bytes) -> str:
 class _Stream:
     """One pipe of one source; touched only by the pump thread (``drained`` and ``tail`` by anyone)."""
 
-    def __init__(self, source: Source, name: str, fd: int, console: bool, file_path: Path | None):
+    def __init__(self, source: Source, name: str, fd: int, console: bool, log_path: LogPath | None):
         self.source = source
         self.name = name
         self.fd = fd
         self.console = console
-        self.file_path = file_path
-        self.file: IO[bytes] | None = None
+        self.log_path = log_path
+        self.log: LogFile | None = None
         self.partial = bytearray()
         self.partial_since = 0.0  # monotonic time of the partial line's first byte
         self.last_data = 0.0
@@ -124,7 +126,6 @@ class _Stream:
         self.drained = threading.Event()  # EOF seen (or the stream was closed)
         self._tail = bytearray()
         self._tail_lock = threading.Lock()
-        self.failed_file = False
 
     def keep_tail(self, data: bytes) -> None:
         with self._tail_lock:
@@ -196,6 +197,7 @@ class RankOutput:
         self._run_ids: dict[Source, str] = {}
         self._stop = threading.Event()
         self._failed_once = False
+        self._closer = Closer()  # rotated files are closed off the pump thread
         self._thread = threading.Thread(target=self._run, name="rank-output", daemon=True)
         self._thread.start()
 
@@ -219,19 +221,18 @@ class RankOutput:
         self._attempts[source] = attempt
         streams = []
         for name, fd in zip(STREAMS, read_ends):
-            file_path, console = self._route(source, name, attempt)
-            stream = _Stream(source, name, fd, console, file_path)
+            log_path, console = self._route(source, name, attempt)
+            stream = _Stream(source, name, fd, console, log_path)
             self._latest[(source, name)] = stream
             streams.append(stream)
         self._incoming.put(streams)
         self._wake()
 
-    def _route(self, source: Source, name: str, attempt: int) -> tuple[Path | None, bool]:
+    def _route(self, source: Source, name: str, attempt: int) -> tuple[LogPath | None, bool]:
         to_file, to_console = self.options.route(source.local_rank, name)
         path = None
         if to_file and self.options.log_dir is not None:
-            run_id = self._run_ids.get(source, "run")
-            path = self.options.log_dir / run_id / f"attempt_{attempt}" / source.dir_name / f"{name}.log"
+            path = LogPath(self.options.log_dir, self._run_ids.get(source, "run"), attempt, source.dir_name, name)
         return path, to_console
 
     def stderr_tail(self, rank: int | None) -> StderrTail | None:
@@ -245,10 +246,12 @@ class RankOutput:
         """Stop the pump: forward what is buffered, close every pipe and file.  Waits at most ``join_s``."""
         self._stop.set()
         self._wake()
+        deadline = time.monotonic() + max(0.0, join_s)
         self._thread.join(max(0.0, join_s))
         if self._thread.is_alive():
             log.warning("rank output pump did not stop in time; leaving it (a daemon thread)", waited_s=join_s)
             return
+        self._closer.stop(deadline - time.monotonic())  # a file still closing on a slow disk is left to it
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -307,15 +310,20 @@ class RankOutput:
                 self._selector.register(stream.fd, selectors.EVENT_READ, None)
 
     def _open_file(self, stream: _Stream) -> None:
-        if stream.file_path is None:
+        if stream.log_path is None:
             return
         try:
-            stream.file_path.parent.mkdir(parents=True, exist_ok=True)
-            stream.file = open(stream.file_path, "ab", buffering=0)
+            stream.log = LogFile(stream.log_path, self.options.log_max_bytes, self._closer)
+        except LogRefused as exc:
+            self._refused(stream, exc)
         except OSError as exc:
-            stream.failed_file = True
             log.error("rank log file not opened: that stream goes on without it",
-                      path=str(stream.file_path), error=exc.strerror or repr(exc))
+                      path=str(stream.log_path), error=exc.strerror or repr(exc))
+
+    def _refused(self, stream: _Stream, exc: LogRefused) -> None:
+        log.warning("rank log file refused: a link or a name that leads elsewhere is not followed; "
+                    "that stream goes on without it", path=str(stream.log_path), reason=str(exc))
+        self._close_file(stream)
 
     def _select_timeout(self, now: float) -> float:
         timeout = SELECT_IDLE_S
@@ -343,12 +351,14 @@ class RankOutput:
         now = time.monotonic()
         if stream.name == "stderr":
             stream.keep_tail(data)
-        if stream.file is not None:
+        if stream.log is not None:
             try:
-                stream.file.write(data)
+                stream.log.write(data)
+            except LogRefused as exc:  # planted at the path while the file was rotated
+                self._refused(stream, exc)
             except OSError as exc:
                 log.error("rank log file write failed: that stream goes on without it",
-                          path=str(stream.file_path), error=exc.strerror or repr(exc))
+                          path=str(stream.log_path), error=exc.strerror or repr(exc))
                 self._close_file(stream)
         if not stream.console:
             return
@@ -431,10 +441,9 @@ class RankOutput:
         stream.drained.set()
 
     def _close_file(self, stream: _Stream) -> None:
-        if stream.file is not None:
-            with contextlib.suppress(OSError):
-                stream.file.close()
-            stream.file = None
+        if stream.log is not None:
+            stream.log.close()
+            stream.log = None
 
 
 # ---------------------------------------------------------------- the run's pump

@@ -1,4 +1,4 @@
-"""Bundles: layout, atomic publication, no overwrite (threads and processes), retention."""
+"""Bundles: layout, atomic publication, no overwrite (threads and processes), retention, permissions."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tp_supervise.dumps.bundle import SUMMARY_JSON, SUMMARY_TXT, BundleWriter, bundle_name
+from tp_supervise.dumps.bundle import SUMMARY_JSON, SUMMARY_TXT, BundleWriter, amend_summary, bundle_name
 
 AT = datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
 SUMMARY = {
@@ -192,3 +192,39 @@ def test_invalid_limits(tmp_path):
         BundleWriter(tmp_path, keep=0, max_bytes=0)
     with pytest.raises(ValueError):
         BundleWriter(tmp_path, keep=1, max_bytes=-1)
+
+
+@pytest.fixture(params=[0o000, 0o077], ids=["umask000", "umask077"])
+def any_umask(request):
+    """Neither the usual 022 nor the code's own modes: 000 would leave files 0666 and 077 0600 unless the
+    code sets the mode itself."""
+    old = os.umask(request.param)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _mode(path: Path) -> str:
+    return oct(os.lstat(path).st_mode & 0o7777)
+
+
+def test_bundles_are_not_world_readable_whatever_the_umask(tmp_path, any_umask):
+    """Umask 000 or 077 here: the modes seen are the writer's own.  Directories 0750, files 0640, an amended summary
+    too, and a dump dir the writer makes (with its missing parent) 0750."""
+    dump_dir = tmp_path / "made" / "dumps"
+    w = BundleWriter(dump_dir, keep=10, max_bytes=0)
+    path = w.write("rank_exit", dict(SUMMARY), {"logs/rank-1.txt": "a prompt, perhaps\n", "stacks/rank-0.txt": "x"}, AT)
+    amend_summary(path, {"nodes": {"1": {"bundle": "elsewhere"}}})
+    dirs = [dump_dir.parent, dump_dir, path, path / "logs", path / "stacks"]
+    files = [p for p in path.rglob("*") if p.is_file()]
+    assert sorted(p.name for p in files) == ["rank-0.txt", "rank-1.txt", SUMMARY_JSON, SUMMARY_TXT]
+    assert {str(d): _mode(d) for d in dirs} == {str(d): "0o750" for d in dirs}
+    assert {str(f): _mode(f) for f in files} == {str(f): "0o640" for f in files}
+
+
+def test_an_existing_dump_dir_keeps_its_mode(tmp_path, any_umask):
+    dump_dir = tmp_path / "dumps"
+    dump_dir.mkdir(mode=0o700)
+    path = BundleWriter(dump_dir, keep=10, max_bytes=0).write("hang", dict(SUMMARY), {}, AT)
+    assert _mode(dump_dir) == "0o700" and _mode(path) == "0o750"
