@@ -8,9 +8,17 @@ clean shutdown.
 Shutdown: SIGTERM/SIGINT only hand off (the bridge wakes rank 0's loop, which
 stops accepting, tells the workers, answers in-flight requests with an error
 and returns).  A guard thread sees the signal through ``signal.set_wakeup_fd``
-even while the main thread is blocked inside a collective, and hard-exits
-with ``FORCED_EXIT_CODE`` if the clean path has not finished within
+even while the main thread is blocked inside a collective; on rank 0 it stops
+the frontend from accepting and answers every request in flight with a 503
+at once (the loop may never come back), and it hard-exits with
+``FORCED_EXIT_CODE`` if the clean path has not finished within
 ``SHUTDOWN_GRACE_S`` (e.g. a peer is gone and a collective never returns).
+
+Group failure: an exception out of rank 0's loop (a collective raised because
+a peer died, an injected crash) first answers every request in flight with a
+503 naming the incident (engine/server.py ``fail_group``), then propagates
+(``__main__`` prints it and exits 1).  The same happens when startup fails
+after the frontend started accepting.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 
@@ -25,6 +34,7 @@ from tp_supervise.supervisor.rank.heartbeat import RENDEZVOUS_PHASE
 
 from . import instrument
 from .args import DistEnv, EngineConfig
+from .listen import ListenError, take_listen_socket
 from .log import configure as configure_logging
 from .log import get_logger
 from .model_config import ModelConfig
@@ -54,6 +64,7 @@ class ShutdownGuard:
         self.grace_s = grace_s
         self.requested = False
         self._on_request = None
+        self._on_signal_thread = None  # called from the guard thread when a signal arrives
         self._done = threading.Event()
         self._rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
@@ -72,6 +83,10 @@ class ShutdownGuard:
         if self.requested and on_request is not None:
             on_request("shutdown requested during startup")
 
+    def set_thread_callback(self, on_signal) -> None:
+        """``on_signal(signal_name)`` runs in the guard thread, even while the main thread is blocked."""
+        self._on_signal_thread = on_signal
+
     def _handler(self, signum, _frame) -> None:
         self.requested = True
         if self._on_request is not None:
@@ -82,8 +97,15 @@ class ShutdownGuard:
         while True:
             select.select([self._rfd], [], [])
             data = os.read(self._rfd, 64)
-            if any(b in wanted for b in data):
+            got = [b for b in data if b in wanted]
+            if got:
                 break
+        callback = self._on_signal_thread
+        if callback is not None:
+            try:
+                callback(signal.Signals(got[0]).name)
+            except Exception as exc:  # the hard-exit deadline below must still hold
+                log.error("stop serving failed", error=repr(exc)[:300])
         if not self._done.wait(self.grace_s):
             print(f"engine: clean shutdown did not finish within {self.grace_s} s; exiting",
                   file=sys.stderr, flush=True)
@@ -93,38 +115,55 @@ class ShutdownGuard:
         self._done.set()
 
 
-def _print_ready(cfg: EngineConfig, port: int, world_size: int) -> None:
-    host = "127.0.0.1" if cfg.host in ("", "0.0.0.0", "::") else cfg.host
-    url = f"http://{host}:{port}"
+def _print_ready(cfg: EngineConfig, host: str, port: int, world_size: int) -> None:
+    host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"{READY_PREFIX}{url} (model {cfg.model_name}, tp {world_size}, control plane {cfg.control_plane}, "
           f"device {cfg.device})", flush=True)
     print(f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json' "
           "-d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'", flush=True)
 
 
+class _Listen:
+    """The inherited listening socket of rank 0, or why it cannot be used (engine/listen.py)."""
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.error = ""
+
+
 def run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig) -> int:
     configure_logging(dist_env.rank)
     instrument.configure_trace(cfg.trace_events, dist_env.rank)
+    # before anything can start a child: the listen variables are for this process only
+    listen = _Listen()
+    try:
+        listen.sock = take_listen_socket(os.environ, os.getpid(), use=dist_env.rank == 0)
+    except ListenError as exc:
+        listen.error = str(exc)
     guard = ShutdownGuard(SHUTDOWN_GRACE_S)
     guard.install(None)
     try:
-        return _run(cfg, dist_env, model_cfg, guard)
+        return _run(cfg, dist_env, model_cfg, guard, listen)
     finally:
         guard.done()
 
 
-def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: ShutdownGuard) -> int:
+def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: ShutdownGuard,
+         listen: _Listen) -> int:
     import torch
 
     from .bridge import EngineBridge
+    from .chat_api import load_chat_template
     from .comm import TPComm, destroy_groups, init_groups
     from .core import BroadcastLeader, BroadcastWorker, ReplicatedRank
     from .inject import FaultInjector
     from .model import LlamaShard
     from .planes import PlanPublisher, PlanSubscriber, RequestExchange, startup_exchange
+    from .runfiles import InflightFile, InflightRequests, attempt_from, inflight_path
     from .runner import ModelRunner
     from .scheduler import Scheduler, SchedulerConfig
-    from .server import Frontend, ServingLimits
+    from .server import Frontend, FrontendSpec, ServingLimits
     from .sharding import plan_shards
     from .tokenizer import load_tokenizer
     from .weights import load_weights, random_weights
@@ -144,7 +183,9 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
     dtype = getattr(torch, cfg.dtype)
 
     instrument.phase(RENDEZVOUS_PHASE)
-    injector = FaultInjector(cfg.injections, rank)
+    poisoned = any(i.kind == "poison" and i.rank == rank for i in cfg.injections)
+    tokenizer = load_tokenizer(cfg.model_dir, model_cfg.vocab_size) if rank == 0 or poisoned else None
+    injector = FaultInjector(cfg.injections, rank, decode=tokenizer.decode if poisoned and tokenizer else None)
     model_group, control_group = init_groups(dist_env, cfg.device)
     instrument.phase("load")
     shard = plan_shards(model_cfg, world, rank)
@@ -160,52 +201,75 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
 
     broadcast = cfg.control_plane == "broadcast"
     bridge = frontend = publisher = subscriber = None
+    inflight = InflightRequests(None)
     status = None
     if rank == 0:
         bridge = EngineBridge()
-        tokenizer = load_tokenizer(cfg.model_dir, model_cfg.vocab_size)
-        frontend = Frontend(bridge, tokenizer, model_name=cfg.model_name, max_context=cfg.max_context,
-                            vocab_size=model_cfg.vocab_size, host=cfg.host, port=cfg.port, seed=cfg.seed,
+        spec = FrontendSpec(model_name=cfg.model_name, max_context=cfg.max_context, vocab_size=model_cfg.vocab_size,
+                            host=cfg.host, port=cfg.port, seed=cfg.seed, run_dir=cfg.run_dir,
                             limits=ServingLimits(max_waiting=cfg.max_waiting, read_timeout_s=cfg.read_timeout,
                                                  max_prompt_tokens=cfg.max_prompt_tokens or cfg.max_context - 1))
+        frontend = Frontend(bridge, tokenizer, spec, chat_template=load_chat_template(cfg.model_dir),
+                            listen_sock=listen.sock)
         status = {"ok": True, "error": "", "plan_port": None}
-        try:
-            frontend.start()
-        except OSError as exc:
-            status = {"ok": False, "error": f"HTTP frontend cannot listen on {cfg.host}:{cfg.port}: {exc}",
+        if listen.error:
+            status = {"ok": False, "error": f"HTTP frontend cannot use the inherited socket: {listen.error}",
                       "plan_port": None}
+        else:
+            try:
+                frontend.start()
+            except OSError as exc:
+                where = "the inherited socket" if listen.sock is not None else f"{cfg.host}:{cfg.port}"
+                status = {"ok": False, "error": f"HTTP frontend cannot listen on {where}: {exc}", "plan_port": None}
         if status["ok"] and broadcast and world > 1:
             publisher = PlanPublisher("127.0.0.1" if dist_env.single_node else "*")
             status["plan_port"] = publisher.port
-    status = startup_exchange(control_group, rank, world, status)
-    if not status["ok"]:
-        log.error("startup failed", error=status["error"])
-        print(f"engine: error: {status['error']}", file=sys.stderr, flush=True)
-        destroy_groups()
-        return STARTUP_FAILED_EXIT_CODE
-    if broadcast and rank > 0:
-        host = "127.0.0.1" if dist_env.single_node else dist_env.master_addr
-        subscriber = PlanSubscriber(host, status["plan_port"])
-    if publisher is not None and not publisher.wait_subscribers(world - 1, SUBSCRIBE_TIMEOUT_S):
-        log.error("workers did not subscribe to the plan channel", timeout_s=SUBSCRIBE_TIMEOUT_S)
-        return STARTUP_FAILED_EXIT_CODE
+        if status["ok"] and cfg.run_dir:
+            try:
+                inflight = InflightRequests(InflightFile(inflight_path(cfg.run_dir, rank), cfg.max_batch,
+                                                         attempt_from(os.environ)))
+            except OSError as exc:  # serving matters more than the record
+                log.warning("in-flight record unavailable", run_dir=cfg.run_dir, error=str(exc)[:200])
+        guard.set_thread_callback(frontend.stop_serving_on_signal)
+    try:
+        status = startup_exchange(control_group, rank, world, status)
+        if not status["ok"]:
+            log.error("startup failed", error=status["error"])
+            print(f"engine: error: {status['error']}", file=sys.stderr, flush=True)
+            if frontend is not None:
+                frontend.fail_group(str(status["error"]))
+            destroy_groups()
+            return STARTUP_FAILED_EXIT_CODE
+        if broadcast and rank > 0:
+            host = "127.0.0.1" if dist_env.single_node else dist_env.master_addr
+            subscriber = PlanSubscriber(host, status["plan_port"])
+        if publisher is not None and not publisher.wait_subscribers(world - 1, SUBSCRIBE_TIMEOUT_S):
+            log.error("workers did not subscribe to the plan channel", timeout_s=SUBSCRIBE_TIMEOUT_S)
+            if frontend is not None:
+                frontend.fail_group("workers did not subscribe to the plan channel")
+            return STARTUP_FAILED_EXIT_CODE
 
-    sched_cfg = SchedulerConfig(cfg.max_batch, cfg.max_batch_tokens, cfg.max_context, model_cfg.eos_token_ids)
-    if broadcast:
-        loop = (BroadcastLeader(runner, Scheduler(sched_cfg), bridge, publisher, injector) if rank == 0
-                else BroadcastWorker(runner, subscriber, injector))
-    else:
-        exchange = RequestExchange(control_group, rank, world)
-        loop = ReplicatedRank(rank, runner, Scheduler(sched_cfg), exchange, comm, injector, bridge,
-                              cfg.sync_token_ids)
-    if bridge is not None:
-        guard.set_callback(bridge.request_shutdown)
-    instrument.ready()
-    if rank == 0:
-        _print_ready(cfg, frontend.port, world)
-    log.info("serving", control_plane=cfg.control_plane, injections=[str(i) for i in injector.injections])
-    with torch.inference_mode():
-        loop.run()
+        sched_cfg = SchedulerConfig(cfg.max_batch, cfg.max_batch_tokens, cfg.max_context, model_cfg.eos_token_ids)
+        if broadcast:
+            loop = (BroadcastLeader(runner, Scheduler(sched_cfg), bridge, publisher, injector, inflight) if rank == 0
+                    else BroadcastWorker(runner, subscriber, injector))
+        else:
+            exchange = RequestExchange(control_group, rank, world)
+            loop = ReplicatedRank(rank, runner, Scheduler(sched_cfg), exchange, comm, injector, bridge,
+                                  cfg.sync_token_ids, inflight)
+        if bridge is not None:
+            guard.set_callback(bridge.request_shutdown)
+        instrument.ready()
+        if rank == 0:
+            _print_ready(cfg, frontend.host, frontend.port, world)
+        log.info("serving", control_plane=cfg.control_plane, injections=[str(i) for i in injector.injections],
+                 inherited_socket=listen.sock is not None)
+        with torch.inference_mode():
+            loop.run()
+    except BaseException as exc:
+        if frontend is not None:
+            frontend.fail_group(f"{type(exc).__name__}: {exc}")
+        raise
     log.info("shutting down")
     if frontend is not None:
         frontend.stop()

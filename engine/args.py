@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .inject import KINDS, Injection
+from .inject import ALL_KINDS, Injection
 from .model_config import PRESETS, ModelConfig, ModelConfigError
+from .runfiles import RUN_DIR_ENV
 from .sharding import ShardingError, check_shardable
 
 DEVICES = ("cpu", "cuda")
@@ -100,6 +101,7 @@ class EngineConfig:
     max_waiting: int = DEFAULT_MAX_WAITING
     read_timeout: float = DEFAULT_READ_TIMEOUT_S
     max_prompt_tokens: int | None = None  # None: the context less one token
+    run_dir: str | None = None  # $SUPERVISE_RUN_DIR: in-flight fingerprints, quarantine, incident (runfiles.py)
 
     @property
     def model_name(self) -> str:
@@ -126,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=DEFAULT_HOST, help="HTTP frontend address (rank 0 only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP frontend port; 0 picks a free one")
     p.add_argument("--inject", action="append", default=[], metavar="KIND@RANK[:STEP]",
-                   help=f"fault injection, repeatable; kinds: {', '.join(KINDS)}")
+                   help=f"fault injection, repeatable; kinds: {', '.join(ALL_KINDS)} (poison: KIND@RANK)")
     p.add_argument("--sync-token-ids", action="store_true",
                    help="replicated plane: MIN all-reduce of the sampled ids every step")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random model weights and default sampling seeds")
@@ -229,5 +231,6 @@ def parse_args(
         max_waiting=ns.max_waiting,
         read_timeout=ns.read_timeout,
         max_prompt_tokens=ns.max_prompt_tokens,
+        run_dir=env.get(RUN_DIR_ENV) or None,
     )
     return cfg, dist_env, model_cfg

@@ -8,7 +8,10 @@ hand each step's outputs back.  Outputs cross threads with one
 
 Shutdown: ``request_shutdown(reason)`` (safe in a signal handler) wakes the
 engine's drain, which stops accepting; ``fail_all`` then answers every
-in-flight request with an error.
+in-flight request with an error.  ``stop_serving(message, failed)`` does
+both at once from any thread (the shutdown guard on a signal, the engine
+thread when its group failed): no new request is accepted and every request
+in flight gets ``message``; ``failed`` marks the group dead for ``/health``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class EngineBridge:
         self._lock = threading.Lock()
         self._closed = False
         self.close_reason = ""
+        self.failed = False  # the group failed (a collective raised): /health never says ok again
 
     # -- HTTP thread -------------------------------------------------------
     @property
@@ -92,6 +96,15 @@ class EngineBridge:
             if not self._closed:
                 self._closed = True
                 self.close_reason = reason
+
+    def stop_serving(self, message: str, failed: bool) -> None:
+        """Refuse new requests and answer every in-flight one with ``message`` (any thread but a signal handler)."""
+        with self._lock:
+            self.failed = self.failed or failed
+            if not self._closed or failed:
+                self._closed = True
+                self.close_reason = message
+        self.fail_all(message)
 
     def drain(self, timeout: float | None) -> ControlMessage:
         """Everything queued; waits up to ``timeout`` for the first item (None: do not wait)."""

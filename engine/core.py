@@ -17,6 +17,12 @@ and ``tokens`` (this rank's sampled ids) on every rank, plus ``requests`` and
 
 Idle loops block (queue wait, zmq poll, or the gloo broadcast that rank 0
 sends every ``REPLICATED_IDLE_TICK_S``); none of them spins.
+
+Rank 0 also keeps the in-flight fingerprints (engine/runfiles.py): a request
+is recorded when a step first schedules it and removed when it finished or
+was aborted.  An exception out of a loop (a collective raised because a peer
+died, an injected crash) leaves the record as it was for the supervisor; the
+caller (engine/app.py) answers the frontend's requests.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from .comm import TPComm
 from .inject import FaultInjector
 from .log import get_logger
 from .planes import PlanPublisher, PlanSubscriber, RequestExchange, Shutdown
+from .runfiles import InflightRequests
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepPlan
 
@@ -60,13 +67,16 @@ def _apply(scheduler: Scheduler, msg: ControlMessage) -> list[str]:
     return refused
 
 
-def _next_plan(scheduler: Scheduler, msg: ControlMessage, bridge: EngineBridge | None) -> StepPlan | None:
+def _next_plan(scheduler: Scheduler, msg: ControlMessage, bridge: EngineBridge | None,
+               inflight: InflightRequests) -> StepPlan | None:
     """Apply ``msg``, fail what the scheduler refused, then schedule unless ``msg`` shuts down.
 
     ``None`` means nothing to run or shutdown; callers test ``msg.shutdown`` first
     to leave their loop.  Shared so both schedulers admit requests identically.
     """
     refused = _apply(scheduler, msg)
+    inflight.arrived(msg.requests)
+    inflight.done([*msg.aborts, *refused])
     if bridge is not None and refused:
         bridge.fail(refused, "request refused by the scheduler")
     if msg.shutdown:
@@ -84,6 +94,8 @@ def _execute(plan: StepPlan, runner: ModelRunner, injector: FaultInjector,
     ``begin_step`` and before it diverges.  Returns the plan this rank ran and its tokens.
     """
     injector.begin_step(plan.has_decode)
+    if injector.wants_prompts:
+        injector.check_prompts([it.token_ids for it in plan.items if it.is_prefill])
     if publisher is not None:
         publisher.publish(plan)
     mine = _diverged(plan, injector)
@@ -95,12 +107,13 @@ def _execute(plan: StepPlan, runner: ModelRunner, injector: FaultInjector,
 
 class BroadcastLeader:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, bridge: EngineBridge,
-                 publisher: PlanPublisher | None, injector: FaultInjector):
+                 publisher: PlanPublisher | None, injector: FaultInjector, inflight: InflightRequests):
         self.runner = runner
         self.scheduler = scheduler
         self.bridge = bridge
         self.publisher = publisher
         self.injector = injector
+        self.inflight = inflight
 
     def run(self) -> None:
         while True:
@@ -108,18 +121,21 @@ class BroadcastLeader:
             if not busy:
                 instrument.phase("idle")
             msg = self.bridge.drain(0 if busy else IDLE_WAIT_S)
-            plan = _next_plan(self.scheduler, msg, self.bridge)
+            plan = _next_plan(self.scheduler, msg, self.bridge, self.inflight)
             if msg.shutdown:
                 break
             if plan is None:
                 continue
+            self.inflight.running(plan)
             with instrument.step(plan.index):
                 mine, tokens = _execute(plan, self.runner, self.injector, self.publisher)
                 outputs = self.scheduler.complete(mine, tokens)
+            self.inflight.finished(outputs)  # before the clients hear of it
             self.bridge.deliver(outputs)
         if self.publisher is not None:
             self.publisher.publish(Shutdown(SHUTDOWN_MESSAGE))
         self.bridge.fail_all(SHUTDOWN_MESSAGE)
+        self.inflight.clear()
 
 
 class BroadcastWorker:
@@ -142,8 +158,10 @@ class BroadcastWorker:
 
 class ReplicatedRank:
     def __init__(self, rank: int, runner: ModelRunner, scheduler: Scheduler, exchange: RequestExchange,
-                 comm: TPComm, injector: FaultInjector, bridge: EngineBridge | None, sync_token_ids: bool):
+                 comm: TPComm, injector: FaultInjector, bridge: EngineBridge | None, sync_token_ids: bool,
+                 inflight: InflightRequests):
         self.rank = rank
+        self.inflight = inflight
         self.runner = runner
         self.scheduler = scheduler
         self.exchange = exchange
@@ -168,18 +186,21 @@ class ReplicatedRank:
                     "aborts": list(msg.aborts),
                     "shutdown": msg.shutdown,
                 })
-            plan = _next_plan(self.scheduler, msg, self.bridge)
+            plan = _next_plan(self.scheduler, msg, self.bridge, self.inflight)
             if msg.shutdown:
                 break
             if plan is None:
                 continue
+            self.inflight.running(plan)
             with instrument.step(plan.index):
                 mine, tokens = _execute(plan, self.runner, self.injector)
                 if self.sync_token_ids:
                     tokens = self.comm.min_ids(tokens, self.runner.device)
                 outputs = self.scheduler.complete(mine, tokens)
                 instrument.record("stops", [[o.seq_id, o.finish_reason] for o in outputs if o.finished])
+            self.inflight.finished(outputs)  # before the clients hear of it
             if self.bridge is not None:
                 self.bridge.deliver(outputs)
         if self.bridge is not None:
             self.bridge.fail_all(SHUTDOWN_MESSAGE)
+        self.inflight.clear()

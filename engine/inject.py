@@ -18,6 +18,15 @@ diverge_token      samples a different token (``(token + 1) % vocab``)
 diverge_batch      drops the newest sequence from its batch for that step
 slow               sleeps ``SLOW_STEP_DELAY_S`` in every step from then on
 =================  ==========================================================
+
+``poison@RANK`` (no STEP) is triggered by a request instead of a step: RANK
+raises :class:`InjectedFault` at the start of every step that prefills a
+prompt containing ``POISON_MARKER`` (the prompt ids decoded with the
+model's tokenizer; a chat request's rendered prompt carries its messages'
+text).  It makes a poison request for tests and drills: the same request
+crashes the group every time it is scheduled, any other request is served.
+``KINDS`` lists the step kinds (``supervise drill`` runs each as
+``KIND@1:STEP``); ``ALL_KINDS`` adds the request-triggered ones.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ KINDS = (
     "diverge_batch",
     "slow",
 )
+REQUEST_KINDS = ("poison",)  # triggered by a request's content, not a step: KIND@RANK
+ALL_KINDS = KINDS + REQUEST_KINDS
+POISON_MARKER = "TPS_POISON"
 # Faults that end or freeze the process at the start of the step.
 PROCESS_KINDS = ("hang_scheduler", "stop", "crash", "exit", "segfault", "abort")
 SLOW_STEP_DELAY_S = 0.2
@@ -62,8 +74,8 @@ class Injection:
     step: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown inject kind {self.kind!r} (kinds: {', '.join(KINDS)})")
+        if self.kind not in ALL_KINDS:
+            raise ValueError(f"unknown inject kind {self.kind!r} (kinds: {', '.join(ALL_KINDS)})")
         if self.rank < 0:
             raise ValueError(f"inject rank must be >= 0, got {self.rank}")
         if self.step < 1:
@@ -75,7 +87,9 @@ class Injection:
         kind, sep, rest = text.strip().partition("@")
         if not sep or not kind or not rest:
             raise ValueError(f"--inject {text!r}: expected KIND@RANK[:STEP], e.g. crash@1:5")
-        rank_text, _, step_text = rest.partition(":")
+        rank_text, colon, step_text = rest.partition(":")
+        if colon and kind in REQUEST_KINDS:
+            raise ValueError(f"--inject {text!r}: {kind} is triggered by a request, not a step: {kind}@RANK")
         try:
             rank = int(rank_text)
             step = int(step_text) if step_text else 1
@@ -84,6 +98,8 @@ class Injection:
         return cls(kind=kind, rank=rank, step=step)
 
     def __str__(self) -> str:
+        if self.kind in REQUEST_KINDS:
+            return f"{self.kind}@{self.rank}"
         return f"{self.kind}@{self.rank}:{self.step}"
 
 
@@ -119,12 +135,16 @@ class FaultInjector:
 
     ``begin_step(has_decode)`` is called once per engine step on every rank
     (with the batch it is about to run); the other methods ask whether an
-    injection fires at the current step.
+    injection fires at the current step.  ``check_prompts(prompts)`` gets the
+    token ids of the step's prefills (``poison``; ``decode`` turns ids into
+    text, given only to a rank with a poison injection).
     """
 
-    def __init__(self, injections: tuple[Injection, ...], rank: int):
+    def __init__(self, injections: tuple[Injection, ...], rank: int, decode=None):
         self._mine = tuple(i for i in injections if i.rank == rank)
         self.rank = rank
+        self._decode = decode if any(i.kind == "poison" for i in self._mine) else None
+        self.wants_prompts = self._decode is not None  # show this rank the prefills' token ids (poison)
         self.decode_step = 0
         self._active_step = False  # the current engine step is a decode step
         self._slow_from: int | None = min(
@@ -168,6 +188,16 @@ class FaultInjector:
             _injected_segfault()
         elif kind == "abort":
             _injected_abort()
+
+    def check_prompts(self, prompts) -> None:
+        """poison: raise when a prompt about to be prefilled carries ``POISON_MARKER``."""
+        if self._decode is None:
+            return
+        for ids in prompts:
+            if POISON_MARKER in self._decode(list(ids)):
+                log.warning("inject: firing", kind="poison", rank=self.rank, decode_step=self.decode_step)
+                raise InjectedFault(f"injected poison on rank {self.rank}: a scheduled prompt carries "
+                                    f"{POISON_MARKER}")
 
     def take_collective_skip(self) -> bool:
         """True once, for the first collective of a hang_collective step."""

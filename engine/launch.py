@@ -45,6 +45,7 @@ class LaunchSpec:
     env: Mapping[str, str] = field(default_factory=dict)  # merged into every rank's environment
     rank_env: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # per rank, merged last
     python: str = sys.executable
+    rank_fds: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # fds a rank inherits (pass_fds)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -79,7 +80,7 @@ class LocalEngine:
                 self.procs.append(subprocess.Popen(
                     [self.spec.python, "-m", "tp_supervise.engine", *self.spec.engine_args],
                     env=self.rank_environ(rank), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                    start_new_session=True,
+                    start_new_session=True, pass_fds=tuple(self.spec.rank_fds.get(rank, ())),
                 ))
         return self
 

@@ -6,6 +6,9 @@ list of either), ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
 include_usage``), ``n`` (1 only), ``model`` (must match when given) and two
 extensions: ``ignore_eos`` and ``return_token_ids`` (choices carry
 ``token_ids``).  Unknown fields are ignored, as OpenAI clients send many.
+
+The generation fields (everything but the prompt) are shared with
+``/v1/chat/completions`` (engine/chat_api.py): :func:`parse_generation`.
 """
 
 from __future__ import annotations
@@ -20,32 +23,46 @@ SEED_RANGE = 2**63
 
 
 class ApiError(Exception):
-    """An error answered as OpenAI-style JSON with an HTTP status."""
+    """An error answered as OpenAI-style JSON with an HTTP status.
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    ``retry_after`` (seconds) becomes a ``Retry-After`` header (429, 503);
+    ``code`` is the machine-readable ``error.code`` (None for most errors).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 *, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.kind = kind
+        self.code = code
+        self.retry_after = retry_after
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What to generate and how, shared by completions and chat completions."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None  # as the client sent it (None: the server draws one)
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    return_token_ids: bool
 
 
 @dataclass(frozen=True)
 class CompletionSpec:
     prompt_text: str | None
     prompt_ids: tuple[int, ...] | None
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    ignore_eos: bool
-    return_token_ids: bool
+    gen: GenerationSpec
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -107,22 +124,24 @@ def _prompt(value, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]
     raise _bad("'prompt' must be a string or a list of token ids", "prompt")
 
 
-def parse_completion(body, *, model_name: str, vocab_size: int) -> CompletionSpec:
-    """Validate a request body; raises :class:`ApiError` (400/404) with an OpenAI-style message."""
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
+def check_model(body: dict, model_name: str) -> None:
     model = body.get("model")
     if model is not None and model != model_name:
-        raise ApiError(404, f"the model '{model}' does not exist (serving '{model_name}')", "model",
+        raise ApiError(404, f"the model '{str(model)[:100]}' does not exist (serving '{model_name}')", "model",
                        "not_found_error")
-    if "prompt" not in body:
-        raise _bad("'prompt' is required", "prompt")
-    text, ids = _prompt(body["prompt"], vocab_size)
-    max_tokens = _integer(body, "max_tokens")
+
+
+def parse_generation(body: dict, *, max_tokens_field: str = "max_tokens") -> GenerationSpec:
+    """The generation fields of a request body (``max_tokens_field`` overrides ``max_tokens`` when set)."""
+    field = max_tokens_field
+    max_tokens = _integer(body, field)
+    if max_tokens is None:
+        field = "max_tokens"
+        max_tokens = _integer(body, field)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     if max_tokens < 1:
-        raise _bad("'max_tokens' must be >= 1", "max_tokens")
+        raise _bad(f"'{field}' must be >= 1", field)
     temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
         raise _bad(f"'temperature' must be in [0, {MAX_TEMPERATURE}]", "temperature")
@@ -135,10 +154,6 @@ def parse_completion(body, *, model_name: str, vocab_size: int) -> CompletionSpe
     n = _integer(body, "n")
     if n not in (None, 1):
         raise _bad("only n=1 is supported", "n")
-    if body.get("logprobs") is not None:
-        raise _bad("'logprobs' is not supported", "logprobs")
-    if _flag(body, "echo"):
-        raise _bad("'echo' is not supported", "echo")
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -153,9 +168,7 @@ def parse_completion(body, *, model_name: str, vocab_size: int) -> CompletionSpe
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("'stream_options' must be an object", "stream_options")
-    return CompletionSpec(
-        prompt_text=text,
-        prompt_ids=ids,
+    return GenerationSpec(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -166,6 +179,22 @@ def parse_completion(body, *, model_name: str, vocab_size: int) -> CompletionSpe
         ignore_eos=_flag(body, "ignore_eos"),
         return_token_ids=_flag(body, "return_token_ids"),
     )
+
+
+def parse_completion(body, *, model_name: str, vocab_size: int) -> CompletionSpec:
+    """Validate a request body; raises :class:`ApiError` (400/404) with an OpenAI-style message."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    check_model(body, model_name)
+    if "prompt" not in body:
+        raise _bad("'prompt' is required", "prompt")
+    text, ids = _prompt(body["prompt"], vocab_size)
+    gen = parse_generation(body)
+    if body.get("logprobs") is not None:
+        raise _bad("'logprobs' is not supported", "logprobs")
+    if _flag(body, "echo"):
+        raise _bad("'echo' is not supported", "echo")
+    return CompletionSpec(prompt_text=text, prompt_ids=ids, gen=gen)
 
 
 def check_prompt(prompt_len: int, max_prompt_tokens: int) -> None:
@@ -231,3 +260,22 @@ def completion_body(*, request_id: str, created: int, model: str, text: str, fin
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+class CompletionShape:
+    """How ``/v1/completions`` answers: one body, or chunks of the same shape (the frontend's view)."""
+
+    prefix = "cmpl"
+    object = "text_completion"
+
+    def body(self, **kw) -> dict:
+        return completion_body(**kw)
+
+    def first_chunk(self, **_kw) -> dict | None:
+        return None
+
+    def chunk(self, *, text: str, **kw) -> dict:
+        return completion_body(text=text, usage=None, **kw)
+
+
+COMPLETION = CompletionShape()

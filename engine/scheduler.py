@@ -44,6 +44,7 @@ class Request:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    fingerprint: str = ""  # engine/runfiles.py: hex digest of model + prompt + sampling parameters, never the text
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Tokenizers (torch-free): a byte-level one for the random model, ``tokenizers`` for checkpoints.
 
-Both expose ``encode(text) -> list[int]`` (special tokens such as BOS added as
-the model expects), ``decode(ids) -> str`` (special tokens skipped) and
+Both expose ``encode(text, add_special_tokens=True) -> list[int]`` (special
+tokens such as BOS added as the model expects, unless a chat template wrote
+them already), ``decode(ids) -> str`` (special tokens skipped) and
 ``vocab_size``.  :class:`IncrementalDecoder` turns a growing token list into
 text deltas for streaming without emitting half a UTF-8 character.
 """
@@ -22,8 +23,9 @@ class ByteTokenizer:
     bos_id = BYTE_BOS
     eos_ids = (BYTE_EOS,)
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_id, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        data = list(text.encode("utf-8"))
+        return [self.bos_id, *data] if add_special_tokens else data
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -38,8 +40,8 @@ class HFTokenizer:
         self._tok = Tokenizer.from_file(str(path))
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)
