@@ -25,7 +25,7 @@ from tp_supervise.engine.launch import LaunchSpec, LocalEngine
 from tests.conftest import MARK_VAR, wait_no_marked
 
 ROOT = Path(__file__).resolve().parents[2]
-from tp_supervise.supervisor.launch import HOOK_DIR  # noqa: E402
+from tp_supervise.supervisor.processes.spawn import HOOK_DIR  # noqa: E402
 STACK_SIGNAL = signal.SIGUSR1
 HTTP_TIMEOUT_S = 60.0
 
@@ -37,9 +37,10 @@ class Launcher:
         self.engines: list[LocalEngine] = []
 
     def __call__(self, *engine_args: str, nproc: int = 2, env: dict | None = None,
-                 rank_env: dict | None = None, ready: bool = True) -> LocalEngine:
+                 rank_env: dict | None = None, ready: bool = True, rank_fds: dict | None = None) -> LocalEngine:
         full_env = {MARK_VAR: self.mark, **(env or {})}
-        spec = LaunchSpec(nproc, ("--port", "0", *engine_args), env=full_env, rank_env=rank_env or {})
+        spec = LaunchSpec(nproc, ("--port", "0", *engine_args), env=full_env, rank_env=rank_env or {},
+                          rank_fds=rank_fds or {})
         engine = LocalEngine(spec, self.base / f"engine-{len(self.engines)}")
         self.engines.append(engine)
         engine.start()
@@ -137,10 +138,9 @@ def heartbeat(tmp_path):
 
 
 # -- HTTP helpers ------------------------------------------------------------------
-def post(url: str, body, timeout: float = HTTP_TIMEOUT_S) -> tuple[int, dict]:
+def post(url: str, body, timeout: float = HTTP_TIMEOUT_S, path: str = "/v1/completions") -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url + "/v1/completions", data=data,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -148,12 +148,13 @@ def post(url: str, body, timeout: float = HTTP_TIMEOUT_S) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def stream(url: str, body: dict, timeout: float = HTTP_TIMEOUT_S, events: list | None = None) -> list:
+def stream(url: str, body: dict, timeout: float = HTTP_TIMEOUT_S, events: list | None = None,
+           path: str = "/v1/completions") -> list:
     """The SSE payloads of a streamed completion ("[DONE]" kept as a string).
 
     Pass ``events`` to watch them arrive from another thread.
     """
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+    request = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json"})
     events = [] if events is None else events
     with urllib.request.urlopen(request, timeout=timeout) as resp:
