@@ -6,6 +6,8 @@ that overflows float32, a top_p that masks every token), bodies that used to
 500, a property-based fuzz run of generated bodies, half-sent requests and a
 full admission queue: each fails only itself (4xx in OpenAI's error format,
 or a normal completion), nothing is logged as a traceback, no rank exits.
+``/v1/chat/completions`` gets the same treatment (issue 21): malformed chat
+bodies and a fuzz run of generated ones.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ MAX_WAITING = 8
 MAX_BATCH = 2
 READY_TIMEOUT_S = 90.0
 FUZZ_EXAMPLES = 2000
+CHAT_FUZZ_EXAMPLES = 500
 HALF_SENT = 500
 CLIENT_TIMEOUT_S = 30.0
 
@@ -103,9 +106,10 @@ def request(port: int, method: str, path: str, body: bytes | None, headers: dict
         conn.close()
 
 
-def complete(port: int, body, content_type: str = "application/json") -> tuple[int, dict]:
+def complete(port: int, body, content_type: str = "application/json",
+             path: str = "/v1/completions") -> tuple[int, dict]:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    status, data = request(port, "POST", "/v1/completions", raw, {"Content-Type": content_type})
+    status, data = request(port, "POST", path, raw, {"Content-Type": content_type})
     return status, json.loads(data)
 
 
@@ -163,6 +167,34 @@ def test_tiny_temperature_is_greedy(served):
 def test_malformed_bodies_get_openai_4xx(served, raw, content_type, expected):
     status, body = complete(served.port, raw, content_type)
     assert_openai_error(status, body, expected)
+
+
+@pytest.mark.parametrize("raw, content_type, expected", [
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "application/json", 400),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', "application/json",
+     400),
+    (b'{"messages": []}', "application/json", 400),
+    (b'{"messages": "hi"}', "application/json", 400),
+    (b'{"max_tokens": 3}', "application/json", 400),
+    (b'{"messages": [{"role": "robot", "content": "x"}]}', "application/json", 400),
+    (b'{"messages": [{"role": "user", "content": 7}]}', "application/json", 400),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+     "application/json", 400),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', "application/json", 400),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e-39}', "application/json", 200),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', "application/json; charset=latin-1", 415),
+    (b'{"messages": [' + b'{"role": "user", "content": "x"},' * 2000 + b'{"role": "user", "content": "x"}]}',
+     "application/json", 400),
+    (b'{"messages": [{"role": "user", "content": "' + b"a" * (2 << 20) + b'"}]}', "application/json", 413),
+    (b"[" * 5000, "application/json", 400),
+], ids=["surrogate", "part-surrogate", "empty", "not-a-list", "missing", "unknown-role", "int-content",
+        "image-part", "too-long", "tiny-temperature", "latin-1", "too-many", "413", "nested"])
+def test_malformed_chat_bodies_get_openai_4xx(served, raw, content_type, expected):
+    status, body = complete(served.port, raw, content_type, path="/v1/chat/completions")
+    if expected == 200:
+        assert status == 200 and body["choices"][0]["message"]["role"] == "assistant", body
+    else:
+        assert_openai_error(status, body, expected)
 
 
 def raw_exchange(port: int, data: bytes) -> bytes:
@@ -227,6 +259,46 @@ def test_fuzz_generated_bodies_never_500(served):
 
     one()
     assert sum(statuses.values()) >= FUZZ_EXAMPLES and statuses.get(200, 0) > 0, statuses
+    served.assert_up()
+
+
+MESSAGE = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["system", "developer", "user", "assistant"]),
+                                                  JSON_LEAF)},
+                                optional={"content": st.one_of(st.text(max_size=30), JSON_VALUE,
+                                                               st.lists(st.fixed_dictionaries(
+                                                                   {"type": st.sampled_from(["text", "image_url"]),
+                                                                    "text": st.one_of(st.text(max_size=10),
+                                                                                      JSON_LEAF)}), max_size=3)),
+                                          "name": JSON_LEAF})
+CHAT = st.fixed_dictionaries({"messages": st.one_of(st.lists(MESSAGE, max_size=4), JSON_VALUE)}, optional={
+    "max_tokens": st.one_of(st.integers(-3, 6), JSON_LEAF),
+    "max_completion_tokens": st.one_of(st.integers(-3, 6), JSON_LEAF),
+    "temperature": st.one_of(st.floats(0, 2), st.sampled_from([0, 1e-39, 1e-320]), JSON_LEAF),
+    "top_p": st.one_of(st.floats(0, 1), st.sampled_from([1e-300, 5e-324]), JSON_LEAF),
+    "seed": st.one_of(st.integers(), JSON_LEAF), "stop": st.one_of(st.text(max_size=4), JSON_LEAF),
+    "stream": st.booleans(), "n": JSON_LEAF, "logprobs": JSON_LEAF, "tools": JSON_VALUE,
+    "response_format": JSON_VALUE, "model": st.one_of(st.just("random-tiny"), st.text(max_size=8)),
+    "stream_options": st.one_of(JSON_VALUE, st.fixed_dictionaries({"include_usage": JSON_LEAF})),
+})
+
+
+def test_fuzz_generated_chat_bodies_never_500(served):
+    port = served.port
+    statuses: dict[int, int] = {}
+
+    @settings(max_examples=CHAT_FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=st.one_of(CHAT.map(json.dumps), JSON_VALUE.map(json.dumps)))
+    def one(body: str):
+        raw = body.encode("utf-8", "surrogatepass")
+        status, data = request(port, "POST", "/v1/chat/completions", raw, {"Content-Type": "application/json"})
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status < 500, (status, body, data[:300])
+        if status != 200:
+            assert_openai_error(status, json.loads(data), status)
+
+    one()
+    assert sum(statuses.values()) >= CHAT_FUZZ_EXAMPLES and statuses.get(200, 0) > 0, statuses
     served.assert_up()
 
 
