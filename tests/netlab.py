@@ -60,9 +60,10 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Literal
 
 SUBNET = "10.211.0"  # /24, only ever inside the lab's namespaces
 HUB_HOST = 254
@@ -144,7 +145,7 @@ class Lab:
     # -- addresses and processes -------------------------------------------------------------------
     def ns(self, node: int | str) -> str:
         """The namespace's name of a node (or ``"hub"``)."""
-        return self.hub if node == "hub" else self.names[node]
+        return self.names[node] if isinstance(node, int) else self.hub
 
     def addr(self, node: int) -> str:
         return f"{SUBNET}.{node + 1}"
@@ -246,12 +247,13 @@ class Lab:
             _ip("-n", name, "link", "set", "eth0", "up")
         # Every host knows every other's MAC: a silent peer never becomes an ARP failure (EHOSTUNREACH).
         # (Read now: a bridge takes a port's MAC as ports join it.)
-        macs = {"hub": _mac(self.hub, "br0"), **{node: _mac(self.names[node], "eth0") for node in range(self.nodes)}}
+        macs: dict[int | str, str] = {node: _mac(self.names[node], "eth0") for node in range(self.nodes)}
+        macs["hub"] = _mac(self.hub, "br0")
         for me in ["hub", *range(self.nodes)]:
             dev = "br0" if me == "hub" else "eth0"
             for other, mac in macs.items():
                 if other != me:
-                    where = self.hub_addr if other == "hub" else self.addr(other)
+                    where = self.addr(other) if isinstance(other, int) else self.hub_addr
                     _ip("-n", self.ns(me), "neigh", "replace", where, "lladdr", mac, "dev", dev, "nud", "permanent")
 
     def destroy(self) -> None:
@@ -262,7 +264,10 @@ class Lab:
 
 def _mac(ns: str, dev: str) -> str:
     out = _ip("-n", ns, "-o", "link", "show", dev).stdout
-    return re.search(r"link/ether ([0-9a-f:]{17})", out).group(1)
+    found = re.search(r"link/ether ([0-9a-f:]{17})", out)
+    if found is None:
+        raise RuntimeError(f"no MAC address for {dev} in {ns}: {out}")
+    return found.group(1)
 
 
 @contextmanager
@@ -280,7 +285,7 @@ def netlab(nodes: int = 2) -> Iterator[Lab]:
         lab.destroy()
 
 
-def netlab_fixture(nodes: int = 2, scope: str = "function"):
+def netlab_fixture(nodes: int = 2, scope: Literal["function", "module"] = "function"):
     """A pytest fixture yielding a ``Lab``; skipped with the reason where namespaces cannot be made.
 
         lab = netlab_fixture(nodes=2)          # at a test module's top level
@@ -349,7 +354,7 @@ class DelayProxy:
         self._thread = threading.Thread(target=self._run, name=f"delay-proxy-{self.address[1]}", daemon=True)
         self._thread.start()
 
-    def __enter__(self) -> "DelayProxy":
+    def __enter__(self) -> DelayProxy:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -365,7 +370,7 @@ class DelayProxy:
             try:
                 self._loop()
             finally:
-                for up, down in self._conns:
+                for up, _down in self._conns:
                     _close(up.src)
                     _close(up.dst)
                 self._conns.clear()

@@ -167,7 +167,7 @@ def test_loss_drops_some_packets_but_not_all(lab):
                 while True:
                     rx.recv(16)
                     got += 1
-            except socket.timeout:
+            except TimeoutError:
                 pass
         return got
 
