@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Collection, Protocol, Sequence
+from typing import Protocol
 
 from .compare import Decision, Outcome, StepTable, split_digests
 from .verdict import DivergenceVerdict
@@ -97,7 +98,7 @@ class NodeDigests:
         self.nproc_per_node = nproc_per_node
         self.publish_every_s = publish_every_s
         self.read_interval_s = 1.0 / reads_per_s
-        self.table = StepTable(range(nnodes), wait_s, max_pending)
+        self.table: StepTable[None] = StepTable(range(nnodes), wait_s, max_pending)  # no handle per digest
         self._outbox: deque[tuple[int, bytes]] = deque(maxlen=LOCAL_BACKLOG)
         self._published = 0
         self._next_publish = 0.0
@@ -184,7 +185,7 @@ class NodeDigests:
     def _ranks(self, nodes: Collection[int]) -> tuple[int, ...]:
         return tuple(r for n in sorted(nodes) for r in ranks_of(n, self.nproc_per_node))
 
-    def _verdict(self, decision: Decision, published_at: float, now: float) -> DivergenceVerdict:
+    def _verdict(self, decision: Decision[None], published_at: float, now: float) -> DivergenceVerdict:
         split = split_digests(decision.digests)
         ranks = self._ranks
         culprit_nodes = split.culprits

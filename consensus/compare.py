@@ -54,8 +54,9 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Collection, Hashable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 from tp_supervise.supervisor.rank import encoding
 
@@ -132,29 +133,33 @@ def assess(
     return Outcome.PENDING
 
 
+# The caller's handle of one published digest, kept opaque here (a ring entry; None across nodes).
+Ref = TypeVar("Ref")
+
+
 @dataclass
-class _Pending:
+class _Pending(Generic[Ref]):
     first_seen: float
     digests: dict[int, bytes] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)
-    refs: dict[int, Hashable] = field(default_factory=dict)
+    refs: dict[int, Ref] = field(default_factory=dict)
     mismatch_since: float | None = None
 
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(Generic[Ref]):
     """A step that left the table.  ``refs`` are the caller's handles (e.g. ring entries)."""
 
     step: int
     outcome: Outcome
     digests: Mapping[int, bytes]
     counts: Mapping[int, int]
-    refs: Mapping[int, Hashable]
+    refs: Mapping[int, Ref]
     missing: tuple[int, ...]
     first_of_episode: bool = False
 
 
-class StepTable:
+class StepTable(Generic[Ref]):
     """Pending steps of one TP group.  Pure bookkeeping: no I/O, time passed in."""
 
     def __init__(self, members: Sequence[int], wait_s: float, max_pending: int):
@@ -165,7 +170,7 @@ class StepTable:
         self.members = tuple(sorted(set(members)))
         self.wait_s = wait_s
         self.max_pending = max_pending
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, _Pending[Ref]] = {}
         self._latest: dict[int, int] = {}
         self._decided: OrderedDict[int, None] = OrderedDict()
         self._in_episode = False
@@ -180,7 +185,7 @@ class StepTable:
     def is_pending(self, step: int) -> bool:
         return step in self._pending
 
-    def add(self, member: int, step: int, digest: bytes, count: int, ref: Hashable, now: float) -> None:
+    def add(self, member: int, step: int, digest: bytes, count: int, ref: Ref, now: float) -> None:
         """Record that ``member`` published ``step`` with ``digest``."""
         if member not in self.members:
             raise ValueError(f"{member} is not a member of this group {self.members}")
@@ -215,7 +220,7 @@ class StepTable:
             entry.counts.pop(member, None)
             entry.refs.pop(member, None)
 
-    def _waiting(self, step: int, entry: _Pending) -> list[int]:
+    def _waiting(self, step: int, entry: _Pending[Ref]) -> list[int]:
         return [
             m for m in self.members if m not in entry.digests and self._latest.get(m, -1) < step
         ]
@@ -229,14 +234,14 @@ class StepTable:
         """A divergence was reported by other means (a step caught in progress)."""
         self._in_episode = True
 
-    def decide(self, now: float, force: bool = False) -> list[Decision]:
+    def decide(self, now: float, force: bool = False) -> list[Decision[Ref]]:
         """Steps decided by now, in step order; they leave the table.
 
         ``force`` judges every mismatch at once, without waiting for late
         ranks (the supervisor does that when a rank exited or hung, to learn
         whether a divergence came first).
         """
-        out: list[Decision] = []
+        out: list[Decision[Ref]] = []
         if not self._changed and not self._timed and not force:
             return out  # nothing new and no deadline: skip the scan (bounded idle cost)
         self._changed = False
@@ -254,7 +259,7 @@ class StepTable:
         out.sort(key=lambda d: d.step)
         return out
 
-    def _close(self, step: int, entry: _Pending, outcome: Outcome) -> Decision:
+    def _close(self, step: int, entry: _Pending[Ref], outcome: Outcome) -> Decision[Ref]:
         del self._pending[step]
         self._timed.discard(step)
         self._decided[step] = None
@@ -387,7 +392,7 @@ def locate(a: Any, b: Any) -> tuple[str | int, ...] | None:
                 return (key,) + sub
         return None
     if isinstance(a, list) and isinstance(b, list):
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):  # lengths may differ: checked after the loop
             sub = locate(x, y)
             if sub is not None:
                 return (i,) + sub

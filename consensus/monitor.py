@@ -27,18 +27,19 @@ renames a fresh ring over its old one) every ``rescan_interval_s``.
 from __future__ import annotations
 
 import os
-from collections import deque
 import threading
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import structlog
 
 from tp_supervise.supervisor.rank import encoding
 from tp_supervise.supervisor.rank.channel import ring_path
-from .compare import Decision, OpenDecision, OpenStepComparer, Outcome, StepTable
 from tp_supervise.supervisor.rank.ring import NO_STEP, RingEntry, RingLayoutError, RingReader
+
+from .compare import Decision, OpenDecision, OpenStepComparer, Outcome, StepTable
 from .verdict import DivergenceVerdict, build_verdict
 
 log = structlog.get_logger()
@@ -97,7 +98,7 @@ class _Slot:
 
 class _Group:
     def __init__(self, members: Sequence[int], config: MonitorConfig):
-        self.table = StepTable(members, config.mismatch_wait_s, config.max_pending_steps)
+        self.table: StepTable[RingEntry] = StepTable(members, config.mismatch_wait_s, config.max_pending_steps)
         self.open = OpenStepComparer(members, config.mismatch_wait_s)
         self.caught_in_progress: set[int] = set()  # steps already counted as mismatches
 
@@ -269,7 +270,7 @@ class ConsensusMonitor:
                     verdicts.append(verdict)
         return verdicts
 
-    def _account(self, group: _Group, decision: Decision, now: float) -> DivergenceVerdict | None:
+    def _account(self, group: _Group, decision: Decision[RingEntry], now: float) -> DivergenceVerdict | None:
         if decision.outcome is Outcome.EXPIRED:
             self._expired += 1
             return None
@@ -299,11 +300,13 @@ class ConsensusMonitor:
         group.caught_in_progress.add(verdict.step)
         return verdict
 
-    def _verdict(self, decision: Decision, now: float) -> DivergenceVerdict:
-        digests, counts, logs, notes = {}, {}, {}, {}
+    def _verdict(self, decision: Decision[RingEntry], now: float) -> DivergenceVerdict:
+        digests: dict[int, bytes] = {}
+        counts: dict[int, int] = {}
+        logs: dict[int, list[bytes] | None] = {}
+        notes: dict[int, str] = {}
         published_at = 0.0
-        for slot, ref in decision.refs.items():
-            entry: RingEntry = ref  # the monitor's refs are ring entries
+        for slot, entry in decision.refs.items():
             rank = self.rank_of(slot)
             digests[rank] = decision.digests[slot]
             counts[rank] = decision.counts[slot]

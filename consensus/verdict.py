@@ -8,10 +8,12 @@ Built by a pure function from the digests and event logs of one step;
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from tp_supervise.supervisor.rank import encoding
+
 from .compare import (
     MAJORITY,
     MISSING,
