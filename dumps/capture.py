@@ -57,12 +57,13 @@ from pathlib import Path
 
 import structlog
 
+from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
+from tp_supervise.supervisor.rank.runtime import stack_file_path
+
 from . import stacks as st
 from .evidence import CpuSamples, Evidence, ProcInfo, RankEvidence
 from .freeze import Frozen, Held, held_by, resumed
 from .procinfo import cpu_delta, read_proc
-from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
-from tp_supervise.supervisor.rank.runtime import stack_file_path
 
 log = structlog.get_logger()
 
@@ -257,23 +258,30 @@ def _stack_signal(target: RankTarget) -> int:
     return hb.stack_signal
 
 
-def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, start: float, end: float,
-                    held: Held | None = None):
-    """(threads, method, error, attempts) for one rank (``held``: its pidfd, for the signal); never raises."""
-    dead = None
-    if not target.alive or target.pid is None:
-        dead = "rank is not running"
-    elif proc is None:
-        dead = "process gone"
-    elif proc.state in ("Z", "X"):
-        dead = f"process is a zombie (state {proc.state}): no stacks"
-    if dead is not None:
-        if plan.method == "none":
-            return [], "none", dead, ()
-        got = _death_stacks(plan.run_dir, target)
-        if got.threads is not None:
-            return got.threads, got.note, None, (got.note,)
+# (threads, method, error, attempts) of one rank's capture.
+_Captured = tuple[list[st.ThreadStack], str, str | None, tuple[str, ...]]
+
+
+def _capture_dead(target: RankTarget, plan: _Plan, dead: str) -> _Captured:
+    """A rank that is not running: only the stacks it wrote as it died, if any."""
+    if plan.method == "none":
         return [], "none", dead, ()
+    got = _death_stacks(plan.run_dir, target)
+    if got.threads is not None:
+        return got.threads, got.note, None, (got.note,)
+    return [], "none", dead, ()
+
+
+def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, start: float, end: float,
+                    held: Held | None = None) -> _Captured:
+    """(threads, method, error, attempts) for one rank (``held``: its pidfd, for the signal); never raises."""
+    pid = target.pid
+    if not target.alive or pid is None:
+        return _capture_dead(target, plan, "rank is not running")
+    if proc is None:
+        return _capture_dead(target, plan, "process gone")
+    if proc.state in ("Z", "X"):
+        return _capture_dead(target, plan, f"process is a zombie (state {proc.state}): no stacks")
     if plan.method == "none":
         return [], "none", "stack capture off (method none)", ()
     frozen_here = plan.frozen is not None and target.rank in plan.frozen.stopped
@@ -286,12 +294,12 @@ def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, star
         else:
             if not stopped:
                 share = (end - time.monotonic()) * PYSPY_BLOCKING_SHARE
-                got = _pyspy(plan.pyspy, target.pid, native=plan.native, nonblocking=False, timeout_s=share)
+                got = _pyspy(plan.pyspy, pid, native=plan.native, nonblocking=False, timeout_s=share)
                 notes.append(got.note)
                 if got.threads is not None:
                     return got.threads, got.note, None, tuple(notes)
             share = (end - time.monotonic()) * (PYSPY_NONBLOCKING_SHARE if plan.method == "auto" else 1.0)
-            got = _pyspy(plan.pyspy, target.pid, native=False, nonblocking=True, timeout_s=share)
+            got = _pyspy(plan.pyspy, pid, native=False, nonblocking=True, timeout_s=share)
             notes.append(got.note)
             if got.threads is not None:
                 return got.threads, got.note, None, tuple(notes)
@@ -310,7 +318,7 @@ def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, star
             notes.append(got.note)
             if got.threads is not None:
                 return got.threads, got.note, None, tuple(notes)
-    if _gone(target.pid):  # it died during the capture: it may have written its stacks as it did
+    if _gone(pid):  # it died during the capture: it may have written its stacks as it did
         got = _death_stacks(plan.run_dir, target)
         notes.append(got.note)
         if got.threads is not None:
@@ -358,7 +366,7 @@ def capture_all(
             first[t.rank] = read_proc(t.pid) if (t.alive and t.pid) else None
         first_at = time.monotonic()
 
-    results: dict[int, tuple] = {}
+    results: dict[int, tuple[list[st.ThreadStack], str, str | None, tuple[str, ...], float]] = {}
     lock = threading.Lock()
     rank_end = min(deadline, start + max(0.0, per_rank_timeout_s))
 
@@ -371,7 +379,7 @@ def capture_all(
             out = _capture_stacks(target, first[target.rank], plan, t0, rank_end, held or mine)
         except Exception as exc:  # one bad rank never spoils the dump
             log.warning("dump capture failed", rank=target.rank, error=repr(exc))
-            out = ([], "none", f"capture failed: {exc!r}", ())
+            out = [], "none", f"capture failed: {exc!r}", ()
         finally:
             if mine is not None:
                 mine.close()

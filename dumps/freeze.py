@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import structlog
 
@@ -73,7 +74,7 @@ class Held:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, pid: int | None) -> "Held | None":
+    def open(cls, pid: int | None) -> Held | None:
         if not pid:
             return None
         try:
@@ -141,37 +142,51 @@ def _wchan(pid: int) -> str:
     return "" if text == "0" else text
 
 
-def freeze(targets: Sequence, settle_s: float) -> Frozen:
-    """SIGSTOP every live rank of ``targets`` (``RankTarget``-like: rank, pid, alive)."""
+class FreezeTarget(Protocol):
+    """What ``freeze`` reads of a rank (``capture.RankTarget`` has it)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def alive(self) -> bool: ...
+
+
+def freeze(targets: Sequence[FreezeTarget], settle_s: float) -> Frozen:
+    """SIGSTOP every live rank of ``targets``."""
     start = time.monotonic()
-    procs = {t.rank: Held.open(t.pid) for t in targets if t.alive and t.pid}
-    live = [t for t in targets if procs.get(t.rank) is not None]
-    first = {t.rank: (proc_state(t.pid), _wchan(t.pid)) for t in live}
+    procs: dict[int, Held] = {}
+    for t in targets:
+        opened = Held.open(t.pid) if t.alive else None
+        if opened is not None:
+            procs[t.rank] = opened
+    live = [(rank, proc.pid) for rank, proc in procs.items()]  # (rank, pid): the pidfd is open
+    first = {rank: (proc_state(pid), _wchan(pid)) for rank, pid in live}
     stopped: dict[int, int] = {}
     group: dict[int, bool] = {}
     held: dict[int, Held] = {}
-    for t in live:
-        proc = procs[t.rank]
-        letter = first[t.rank][0]
+    for rank, pid in live:
+        proc = procs[rank]
+        letter = first[rank][0]
         if letter is None or letter in _NOT_OURS:
             continue
         # Read after the pidfd was opened; the signal through it succeeds only if that very process still runs.
-        proc.group = _leads_group(t.pid)
+        proc.group = _leads_group(pid)
         if proc.send(signal.SIGSTOP):
-            stopped[t.rank] = t.pid
-            group[t.rank] = proc.group
-            held[t.rank] = procs.pop(t.rank)
+            stopped[rank] = pid
+            group[rank] = proc.group
+            held[rank] = procs.pop(rank)
     for proc in procs.values():
-        if proc is not None:
-            proc.close()
+        proc.close()
     signalled_s = time.monotonic() - start
     before: dict[int, ProcInfo | None] = {t.rank: None for t in targets}
-    for t in live:
-        proc = read_proc(t.pid)
-        letter, wchan = first[t.rank]
-        if proc is not None and letter is not None:
-            proc = replace(proc, state=letter, wchan=wchan)
-        before[t.rank] = proc
+    for rank, pid in live:
+        info = read_proc(pid)
+        letter, wchan = first[rank]
+        if info is not None and letter is not None:
+            info = replace(info, state=letter, wchan=wchan)
+        before[rank] = info
     read_at = time.monotonic()
     deadline = time.monotonic() + max(0.0, settle_s)
     waiting = dict(stopped)
