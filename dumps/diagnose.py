@@ -33,11 +33,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from tp_supervise.supervisor.rank.collectives import COLLECTIVES
+from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
+
 from . import stacks as st
 from .evidence import STATE_NAMES, Evidence, RankEvidence
 from .fr_analysis import FrFindings
-from tp_supervise.supervisor.rank.collectives import COLLECTIVES
-from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
 
 KLASSES = (
     "dead",
@@ -113,7 +114,7 @@ class _Place:
     state: str | None
     in_collective: bool
     collective: str  # "all_reduce #4 [64x256 float32]" or ""
-    coll_key: tuple  # (op, seq, desc) for comparing ranks
+    coll_key: tuple[str | int, ...]  # (op, seq, desc), or (op,) from a stack, for comparing ranks
     where: str  # "stuck_in_user_code (fake_rank.py)" or ""
     signature: str
     progressed: bool | None
@@ -143,7 +144,8 @@ def _place(ev: RankEvidence, hb: SlotSnapshot | None, exit_info: dict | None, fr
     dead = (not ev.alive) or state in ("Z", "X")
     if hb is not None and not hb.claimed:
         hb = None
-    in_coll, collective, key = False, "", ()
+    in_coll, collective = False, ""
+    key: tuple[str | int, ...] = ()
     if hb is not None and hb.in_collective:
         in_coll = True
         desc = f" [{hb.coll_desc}]" if hb.coll_desc else ""
@@ -187,7 +189,7 @@ def _groups(places: Sequence[_Place]) -> tuple[StackGroup, ...]:
             by_sig.setdefault(p.signature, []).append(p.rank)
     ordered = sorted(by_sig.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
     labels = [chr(ord("A") + i) if i < 26 else f"G{i}" for i in range(len(ordered))]
-    return tuple(StackGroup(label, sig, tuple(sorted(r))) for label, (sig, r) in zip(labels, ordered))
+    return tuple(StackGroup(label, sig, tuple(sorted(r))) for label, (sig, r) in zip(labels, ordered, strict=True))
 
 
 def _minority(groups: Sequence[StackGroup]) -> list[int]:
@@ -274,9 +276,9 @@ def _fr_notes(fr: FrFindings | None) -> list[str]:
             f"flight recorder: {_rank_list(m.missing)} never entered {m.op} seq {m.seq} [{m.desc}] "
             f"(pg {m.pg}) that {_rank_list(m.entered)} entered"
         )
-    for m in fr.mismatches[:1]:
-        detail = "; ".join(f"rank {r}: {d}" for r, d in m.by_rank.items())
-        notes.append(f"flight recorder: {'/'.join(m.kinds)} mismatch at seq {m.seq} (pg {m.pg}): {detail}")
+    for mm in fr.mismatches[:1]:
+        detail = "; ".join(f"rank {r}: {d}" for r, d in mm.by_rank.items())
+        notes.append(f"flight recorder: {'/'.join(mm.kinds)} mismatch at seq {mm.seq} (pg {mm.pg}): {detail}")
     return notes
 
 
@@ -322,10 +324,10 @@ def _decide(places: list[_Place], groups, fr: FrFindings | None, policy: Diagnos
         return _outside_verdict(outside, culprits, others(culprits), policy, notes)
 
     if waiting:  # every live rank is inside a collective
-        keys: dict[tuple, list[int]] = {}
+        keys: dict[tuple[str | int, ...], list[int]] = {}
         for p in waiting:
             keys.setdefault(p.coll_key, []).append(p.rank)
-        culprits: list[int] = []
+        culprits = []
         if fr is not None and fr.culprit_ranks:
             culprits = sorted(fr.culprit_ranks)
         elif len(keys) > 1:

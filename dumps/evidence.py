@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .stacks import ThreadStack
 from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
+
+from .stacks import ThreadStack
 
 STATE_NAMES = {
     "R": "running",

@@ -64,9 +64,11 @@ from pathlib import Path
 
 import structlog
 
-from .procinfo import proc_state
-from .fr_analysis import FrEntry, FrFindings, Mismatch, MissingCollective, analyze
 from tp_supervise.supervisor.rank.flight import FR_DUMP_PREFIX, HANDLER_FR, dump_dir, socket_path
+
+from .capture import RankTarget
+from .fr_analysis import FrEntry, FrFindings, Mismatch, MissingCollective, analyze
+from .procinfo import proc_state
 
 log = structlog.get_logger()
 
@@ -104,27 +106,29 @@ def fetch(path: str, handler: str, timeout_s: float) -> bytes:
 
 
 
-def collect_detailed(targets: Sequence, run_dir: Path, timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
+def collect_detailed(targets: Sequence[RankTarget], run_dir: Path, timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
     """(traces by rank, why each other rank has none); returns within ``timeout_s``."""
     end = time.monotonic() + max(0.0, timeout_s)
     traces: dict[int, dict] = {}
     errors: dict[int, str] = {}
     lock = threading.Lock()
 
-    def one(target) -> None:
+    def one(target: RankTarget) -> None:
         path = socket_path(run_dir, target.slot)
+        result: dict | None = None
+        error = ""  # why there is no result
         try:
             body = fetch(path, HANDLER_FR, max(0.001, end - time.monotonic()))
             trace = json.loads(body)
             if not isinstance(trace, dict):
                 raise ValueError("trace is not a JSON object")
-            result, error = trace, None
+            result = trace
         except FileNotFoundError:
-            result, error = None, "no worker server socket (flight recorder not served by this rank)"
-        except (TimeoutError, socket.timeout):
-            result, error = None, f"timeout after {timeout_s:.2f} s"
+            error = "no worker server socket (flight recorder not served by this rank)"
+        except TimeoutError:
+            error = f"timeout after {timeout_s:.2f} s"
         except (OSError, ValueError, http.client.HTTPException) as exc:
-            result, error = None, f"{type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc}"
         with lock:
             if result is not None:
                 traces[target.rank] = result
@@ -143,10 +147,10 @@ def collect_detailed(targets: Sequence, run_dir: Path, timeout_s: float) -> tupl
         w = threading.Thread(target=one, args=(t,), name=f"fr-rank-{t.rank}", daemon=True)
         w.start()
         workers.append((t.rank, w))
-    for rank, w in workers:
+    for _, w in workers:
         w.join(max(0.0, end - time.monotonic()))
     with lock:
-        for rank, w in workers:
+        for rank, _ in workers:
             if rank not in traces and rank not in errors:
                 errors[rank] = f"timeout after {timeout_s:.2f} s"
         return dict(traces), dict(errors)
@@ -190,7 +194,7 @@ def fr_dump(trace: Mapping, members: Mapping[str, Sequence[int]] | None = None) 
         entries.append(entry)
     out["entries"] = entries
     config = {k: dict(v) for k, v in (trace.get("pg_config") or {}).items() if isinstance(v, Mapping)}
-    used = {}
+    used: dict[str, str] = {}  # process group name -> its description
     for entry in entries:
         pg = entry.get("process_group")
         if isinstance(pg, tuple) and len(pg) >= 2:

@@ -41,9 +41,9 @@ from .bundle import BundleWriter, fr_file, fr_json_file, iso_utc, stack_file, to
 from .capture import RankTarget, capture_all
 from .diagnose import Diagnosis, diagnose
 from .evidence import STATE_NAMES, CpuSamples, Evidence, RankEvidence
+from .fr_analysis import FrFindings
 from .freeze import Frozen, thaw
 from .freeze import freeze as freeze_ranks
-from .fr_analysis import FrFindings
 
 log = structlog.get_logger()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from typing import Any, TypedDict
 
 SUMMARY_VERSION = 1
 MAX_NODE_SUMMARY_BYTES = 16 * 1024
@@ -37,6 +38,28 @@ RANK_FIELDS = ("state", "alive", "exit", "in_collective", "collective", "collect
 TEXT_FIELDS = ("collective", "where", "phase", "exit", "last_wait")
 ESSENTIAL_FIELDS = ("state", "alive", "exit", "in_collective", "collective", "step", "culprit", "last_wait")
 PEER_REASONS = ("peer_failed", "node_lost")  # a node that followed another's fault
+
+# One rank's record: the fields of RANK_FIELDS (only ESSENTIAL_FIELDS when trimmed), ``last_wait`` when known.
+RankRecord = dict[str, Any]
+
+
+class _NodeSummaryFields(TypedDict):
+    version: int
+    node_rank: int
+    host: str
+    bundle: str
+    reason: str
+    incident_id: str
+    detected_at: str
+    verdict: str
+    culprit_ranks: list[int]
+    ranks: dict[str, RankRecord]  # global rank (as text) -> its record, culprits first
+
+
+class NodeSummary(_NodeSummaryFields, total=False):
+    """What ``node_summary`` publishes (the module doc shows one)."""
+
+    ranks_omitted: int  # ranks left out to stay within the size bound
 
 
 def _text(value, limit: int) -> str:
@@ -58,7 +81,7 @@ def _exit_text(exit_info) -> str | None:
     return str(exit_info)
 
 
-def _rank_record(entry: Mapping, limit: int, last_wait: str | None) -> dict:
+def _rank_record(entry: Mapping, limit: int, last_wait: str | None) -> RankRecord:
     out = {key: entry.get(key) for key in RANK_FIELDS}
     out["exit"] = _exit_text(entry.get("exit"))
     if last_wait and not entry.get("in_collective"):
@@ -73,13 +96,13 @@ def _size(record: Mapping) -> int:
     return len(encode(record))
 
 
-def _rank_order(ranks: Mapping[str, dict]) -> list[str]:
+def _rank_order(ranks: Mapping[str, Mapping]) -> list[str]:
     """Culprits first (they must survive any trimming), then by rank."""
     return sorted(ranks, key=lambda key: (not ranks[key].get("culprit"), _as_int(key)))
 
 
 def node_summary(summary: Mapping, *, node_rank: int, host: str, bundle: str,
-                 last_waits: Mapping[int, str] | None = None, max_bytes: int = MAX_NODE_SUMMARY_BYTES) -> dict:
+                 last_waits: Mapping[int, str] | None = None, max_bytes: int = MAX_NODE_SUMMARY_BYTES) -> NodeSummary:
     """The compact record of one node's bundle (its ``summary.json`` content), at most ``max_bytes`` encoded.
 
     ``last_waits``: rank -> the collective it was last seen in (``"all_reduce #31 [64 float32]"``) for a rank
@@ -90,7 +113,7 @@ def node_summary(summary: Mapping, *, node_rank: int, host: str, bundle: str,
     Too many ranks for the full record: every rank keeps its essential fields, shortened; still too many:
     ranks are left out (culprits last) and ``ranks_omitted`` says how many."""
     culprits = [r for r in summary.get("culprit_ranks") or [] if isinstance(r, int)]
-    out = {
+    out: NodeSummary = {
         "version": SUMMARY_VERSION,
         "node_rank": node_rank,
         "host": _text(host, FIELD_CHARS),
@@ -102,8 +125,8 @@ def node_summary(summary: Mapping, *, node_rank: int, host: str, bundle: str,
         "culprit_ranks": culprits[:64],
         "ranks": {},
     }
-    raw = summary.get("ranks") if isinstance(summary.get("ranks"), Mapping) else {}
-    entries = {str(k): v for k, v in raw.items() if isinstance(v, Mapping)}
+    raw = summary.get("ranks")
+    entries = {str(k): v for k, v in raw.items() if isinstance(v, Mapping)} if isinstance(raw, Mapping) else {}
     waits = {str(rank): text for rank, text in (last_waits or {}).items()}
     out["ranks"] = {key: _rank_record(entries[key], FIELD_CHARS, waits.get(key)) for key in _rank_order(entries)}
     if _size(out) <= max_bytes:
@@ -240,5 +263,5 @@ def origin_of(summary: Mapping) -> bool:
     return summary.get("reason") not in PEER_REASONS
 
 
-__all__ = ["MAX_NODE_SUMMARY_BYTES", "decode", "encode", "merge", "merged_verdict", "node_summary", "origin_of",
-           "peer_bundles", "whereabouts"]
+__all__ = ["MAX_NODE_SUMMARY_BYTES", "NodeSummary", "decode", "encode", "merge", "merged_verdict", "node_summary",
+           "origin_of", "peer_bundles", "whereabouts"]

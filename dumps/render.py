@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 
 from rich import box
-from rich.console import Console, Group
+from rich.console import Console, Group, JustifyMethod
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -59,7 +59,7 @@ def _cell(value) -> Text:
 
 def rank_table(summary: Mapping) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("rank", "right"),
         ("pid", "right"),
         ("state", "left"),
@@ -69,7 +69,8 @@ def rank_table(summary: Mapping) -> Table:
         ("cpu%", "right"),
         ("group", "left"),
         ("where", "left"),
-    ):
+    )
+    for col, justify in columns:
         table.add_column(col, justify=justify, overflow="fold")
     ranks = summary.get("ranks") or {}
     for key in sorted(ranks, key=_rank_key):
@@ -102,9 +103,10 @@ def _node_key(item) -> int:
 def nodes_table(summary: Mapping) -> Table:
     """Every node's ranks of a merged multi-node incident (``nodes``), by global rank."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col, justify in (("node", "right"), ("rank", "right"), ("state", "left"), ("exit", "left"),
-                         ("step", "right"), ("collective", "left"), ("phase", "left"), ("hb age s", "right"),
-                         ("where", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("node", "right"), ("rank", "right"), ("state", "left"), ("exit", "left"), ("step", "right"),
+        ("collective", "left"), ("phase", "left"), ("hb age s", "right"), ("where", "left"))
+    for col, justify in columns:
         table.add_column(col, justify=justify, overflow="fold")
     culprits = set(summary.get("culprit_ranks") or [])
     origin = summary.get("culprit_node")
