@@ -41,8 +41,12 @@ Everything here is pure: values in, values out.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for the annotation only: this module imports nothing of the heartbeat at run time
+    from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
 
 PERCENT = 100.0
 
@@ -122,8 +126,8 @@ class Mark:
     last_step_s: float  # duration of its latest completed step (0: none yet)
 
     @classmethod
-    def of(cls, slot) -> "Mark":
-        """The mark of one heartbeat slot read (a ``supervisor.rank.heartbeat.SlotSnapshot``)."""
+    def of(cls, slot: SlotSnapshot) -> Mark:
+        """The mark of one heartbeat slot read."""
         return cls(slot.pid, slot.step, slot.coll_seq, slot.ts_coll_begin, slot.last_step_s)
 
 
@@ -290,4 +294,4 @@ def changed_materially(old: tuple[float, float] | None, new: tuple[float, float]
     """True when soft or hard moved by at least ``ratio`` (relative) since ``old`` was reported."""
     if old is None:
         return True
-    return any(abs(n - o) >= ratio * o for o, n in zip(old, new))
+    return any(abs(n - o) >= ratio * o for o, n in zip(old, new, strict=True))
