@@ -281,8 +281,16 @@ class Frontend:
         self.bridge.stop_serving(_with_incident(SHUTDOWN_TEXT, incident), failed=False)
         log.info("stopped serving", cause=signal_name, incident=incident)
 
+    @property
+    def serving(self) -> bool:
+        """The frontend started (it may have requests to answer)."""
+        return self._started.is_set() and self._start_error is None
+
     def fail_group(self, error: str) -> None:
         """The group failed (engine thread, a collective or the loop raised): 503 every request, briefly drain."""
+        if not self.serving:
+            self.bridge.stop_serving(group_failed_message(None), failed=True)
+            return
         self._call(self._stop_accepting, STOP_TIMEOUT_S)
         in_flight = self.bridge.in_flight
         incident = read_incident(self.spec.run_dir)

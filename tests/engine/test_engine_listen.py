@@ -1,11 +1,13 @@
 """Socket activation against real engine processes (issue 21): the port outlives the engine.
 
 The test plays the supervisor: it binds and listens once, passes the socket
-to an engine (``pass_fds`` + ``SUPERVISE_LISTEN_FDS``), kills that engine,
-sends requests while no engine runs (they connect at once: the kernel queues
-them in the backlog), then starts a second engine on the same socket the
-systemd way (fd 3, ``LISTEN_PID``/``LISTEN_FDS`` set by a wrapper that then
-execs the engine) and every waiting request is answered.
+to an engine (``pass_fds`` + ``SUPERVISE_LISTEN_FDS``), stops that engine
+while the official ``openai`` client (default retries) has a request in
+flight, sends requests while no engine runs (they connect at once: the
+kernel queues them in the backlog), then starts a second engine on the same
+socket the systemd way (fd 3, ``LISTEN_PID``/``LISTEN_FDS`` set by a wrapper
+that then execs the engine): every waiting request is answered, and the
+client's retry of its 503 completes on the second engine.
 """
 
 from __future__ import annotations
@@ -17,20 +19,24 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import openai
 import pytest
 
 from tests.conftest import MARK_VAR
 from tests.engine.conftest import post, wait_for
 from tp_supervise.engine.app import READY_PREFIX
 from tp_supervise.engine.listen import listen_backlog
+from tp_supervise.engine.runfiles import read_inflight
 
 pytestmark = pytest.mark.e2e
 
 WAITING_CLIENTS = 4
 CONNECT_TIMEOUT_S = 2.0
 ANSWER_TIMEOUT_S = 120.0
+RETRIED_TOKENS = 1000
 BODY = {"prompt": "waiting", "max_tokens": 4, "temperature": 0}
 
 
@@ -49,15 +55,26 @@ def test_engine_serves_on_an_inherited_socket_and_waiting_connections_survive_a_
     listener = socket.create_server(("127.0.0.1", 0), backlog=listen_backlog())
     port = listener.getsockname()[1]
     fd = listener.fileno()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
     try:
-        first = launch_engine(nproc=1, env={"SUPERVISE_LISTEN_FDS": str(fd)}, rank_fds={0: (fd,)})
+        first = launch_engine(nproc=1, env={"SUPERVISE_LISTEN_FDS": str(fd), "SUPERVISE_RUN_DIR": str(run_dir)},
+                              rank_fds={0: (fd,)})
         assert first.url == f"http://127.0.0.1:{port}"  # the inherited socket, not --port 0
         assert "inherited_socket=True" in first.stderr(0)
         status, body = post(first.url, BODY)
         assert status == 200 and body["usage"]["completion_tokens"] == 4
 
-        first.procs[0].send_signal(signal.SIGKILL)
-        first.procs[0].wait(30)
+        # the official client, default retries, has a request in flight when the engine is stopped
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key="unused", timeout=ANSWER_TIMEOUT_S)
+        retried: dict = {}
+        caller = threading.Thread(target=lambda: retried.update(result=client.completions.create(
+            model="random-tiny", prompt="retried", max_tokens=RETRIED_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True})), name="test-openai-client", daemon=True)
+        caller.start()
+        wait_for(lambda: read_inflight(run_dir / "inflight-rank0").fingerprints, 60, "the client's request to run")
+        first.procs[0].send_signal(signal.SIGTERM)  # it answers 503 + Retry-After; the client retries
+        assert first.procs[0].wait(30) == 0
         # no engine: connections still succeed at once and wait in the backlog
         waiting = [send_request(port) for _ in range(WAITING_CLIENTS)]
         assert max(took for _, took in waiting) < CONNECT_TIMEOUT_S
@@ -72,6 +89,9 @@ def test_engine_serves_on_an_inherited_socket_and_waiting_connections_survive_a_
             out = wait_for(lambda: READY_PREFIX in second.out.read_text() and second.out.read_text(), 60,
                            "the second engine's ready line")
             assert f"http://127.0.0.1:{port}" in out
+            caller.join(ANSWER_TIMEOUT_S)
+            assert retried["result"].usage.completion_tokens == RETRIED_TOKENS  # served by the second engine
+            assert "stopped serving" in first.stderr(0)
         finally:
             second.proc.kill()
             second.proc.wait(30)
@@ -106,6 +126,7 @@ def test_a_bad_inherited_fd_is_a_startup_error(launch_engine):
         engine = launch_engine(nproc=1, env={"SUPERVISE_LISTEN_FDS": str(r)}, rank_fds={0: (r,)}, ready=False)
         assert engine.wait(60) == [1]
         assert "cannot use the inherited socket: fd" in engine.stderr(0) and "is not a socket" in engine.stderr(0)
+        assert "group failed" not in engine.stderr(0)  # a startup error, nothing was being served
     finally:
         os.close(r)
         os.close(w)
