@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench gpu-check clean
+.PHONY: serve test lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,16 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# ruff (lint + format) and mypy over the product packages.  mypy cannot see the editable install's
+# package-dir mapping, so it checks a tree of links named as installed (build/mypy/tp_supervise/...).
+PRODUCT := supervisor engine watchdogs consensus dumps
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(PRODUCT)
+	$(VENV)/bin/ruff format --check $(PRODUCT)
+	mkdir -p build/mypy/tp_supervise
+	for p in $(PRODUCT); do ln -sfn ../../../$$p build/mypy/tp_supervise/$$p; done
+	cd build/mypy && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml $(addprefix -p tp_supervise.,$(PRODUCT))
 
 bench: $(STAMP)
 	$(PY) -m bench.run_all

@@ -134,3 +134,26 @@ def divergence_first(settle: Callable[[float], list], now: float) -> DivergenceF
     verdicts = settle(now)
     return DivergenceFound(verdicts[0], now) if verdicts else None
 
+
+# What a rank prints when it dies because a peer on another node went away (gloo, NCCL, the c10d store):
+# the first failure is elsewhere, and its ruling waits briefly for the peer node's fault (multinode.py).
+PEER_CONSEQUENCE_PATTERNS = (
+    "connection reset by peer", "connection closed by peer", "connection refused", "broken pipe",
+    "remote process exited or there was a network error", "ncclremoteerror", "remote error",
+    "socket timeout", "recvvalue failed", "distnetworkerror", "diststoreerror", "failed to recv",
+    "connection closed", "end of file", "timed out after",
+)
+
+
+def peer_consequence(status_signal: int | None, stderr_tail: str) -> str | None:
+    """Why a failed rank looks like the consequence of a peer's failure (the matching line), else None.
+
+    A rank killed by a signal other than SIGABRT died of something here; one that raised (or aborted)
+    with a broken-connection error from its collectives or the store is a suspected consequence."""
+    if status_signal is not None and status_signal != signal.SIGABRT:
+        return None
+    for line in reversed(stderr_tail.splitlines()[-200:]):
+        low = line.lower()
+        if any(p in low for p in PEER_CONSEQUENCE_PATTERNS):
+            return line.strip()[:300]
+    return None

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--store-port", type=int, help="multi-node: port of node 0's supervisor store (TCPStore); default --master-port + 1")
     g.add_argument("--run-id", help="id of the run, the same on every node (default: node 0 picks one; TORCHELASTIC_RUN_ID carries it)")
     g.add_argument("--rendezvous-timeout", type=_seconds, default=specs.DEFAULT_RENDEZVOUS_TIMEOUT_S, help="multi-node: every node must have registered by then (exit 83, naming the missing ones)")
+    g.add_argument("--node-timeout", type=_seconds, default=specs.DEFAULT_NODE_TIMEOUT_S, metavar="SECONDS", help="multi-node: a node (or node 0's store) that goes silent without closing its connections (host down, network partition, frozen) is lost after this; a supervisor that dies is seen at once")
     g.add_argument("--join-token", help="multi-node: a shared secret every node must give (compared as a digest, never logged); also read from SUPERVISE_JOIN_TOKEN")
     g.add_argument("--fingerprint-env", default="", metavar="KEYS", help="multi-node: comma-separated environment variables that must be equal on every node (with the command, --nproc-per-node and the versions)")
     g.add_argument("--standalone", action="store_true", help="single node, rendezvous on localhost with a free port (torchrun's --standalone)")
@@ -206,6 +207,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         store_port=args.store_port,
         run_id=args.run_id,
         rendezvous_timeout=args.rendezvous_timeout,
+        node_timeout=args.node_timeout,
         join_token=args.join_token or os.environ.get("SUPERVISE_JOIN_TOKEN") or None,
         fingerprint_env=tuple(k.strip() for k in args.fingerprint_env.split(",") if k.strip()),
         consensus=args.consensus,
@@ -279,6 +281,7 @@ def join_nodes(spec: LaunchSpec):
     from .nodes import handshake
 
     from .nodes import link
+    from .nodes.transport import TransportError, open_transport
     from .outcome import new_run_id
 
     log = structlog.get_logger("supervise")
@@ -292,20 +295,25 @@ def join_nodes(spec: LaunchSpec):
         signal.signal(signum, interrupt)
     log.info("joining the nodes", node_rank=spec.node_rank, nnodes=spec.nnodes, store=f"{host}:{port}",
              hosts_store=spec.node_rank == 0)
-    store = handshake.connect(host, port, spec.node_rank == 0, deadline)
+    try:
+        transport = open_transport(host, port, spec.nnodes, spec.node_rank, spec.join_token, deadline,
+                                   node_lost_s=spec.node_timeout)
+    except TransportError as exc:
+        raise handshake.HandshakeError(str(exc), exc.code) from None
     command = list(spec.command) if not spec.builtin else ["(built-in engine)", *spec.engine.argv()]
     fp = handshake.fingerprint(command, spec.nproc_per_node, spec.fingerprint_env, max_restarts=spec.max_restarts)
     try:
-        group = handshake.handshake(store, nnodes=spec.nnodes, node_rank=spec.node_rank,
-                                run_id=spec.run_id or new_run_id(), fp=fp, token=spec.join_token, deadline=deadline,
-                                store_addr=f"{host}:{port}")
+        group = handshake.handshake(transport.store, nnodes=spec.nnodes, node_rank=spec.node_rank,
+                                    run_id=spec.run_id or new_run_id(), fp=fp, token=spec.join_token,
+                                    deadline=deadline, store_addr=transport.public_addr, transport=transport)
     except handshake.HandshakeError:
         if spec.node_rank == 0:
             time.sleep(link.REFUSAL_LINGER_S)  # the store dies with us: let every node read the refusal
+        transport.close()
         raise
     log.info("every node joined", run_id=group.run_id, nnodes=group.nnodes, node_rank=group.node_rank,
              hosts=[group.hosts[n] for n in sorted(group.hosts)])
-    return store, group
+    return transport, group
 
 
 def _explain_launch(args: argparse.Namespace, spec: LaunchSpec) -> None:

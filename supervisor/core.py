@@ -56,7 +56,7 @@ from . import events
 from .nodes import handshake
 from .nodes import link
 from .nodes import messages
-from .nodes import store
+from .nodes.transport import NodeTransport
 from . import signals
 from .processes.cgroup import RunCgroup
 from .rank.net import free_port
@@ -71,7 +71,7 @@ from .observers.watchdog_thread import WatchdogThread
 from .events import ConsensusAgreed, DivergenceFound, HangQueryUnanswered, RankClaimed, WatchdogVerdict
 
 # Events produced for one attempt (they carry its number): acted on only in that attempt.
-ATTEMPT_EVENTS = (ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed, HangQueryUnanswered, DivergenceFound,
+ATTEMPT_EVENTS = (events.ConsequenceChecked, events.ConsequenceWindowOver, ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed, HangQueryUnanswered, DivergenceFound,
                   ConsensusAgreed)
 
 log = structlog.get_logger("supervise")
@@ -79,7 +79,7 @@ log = structlog.get_logger("supervise")
 
 class Supervisor(NodeGroupRules):
     def __init__(self, spec: LaunchSpec, base_env: Mapping[str, str], run_id: str | None = None,
-                 nodes: "tuple[store.Store, handshake.NodeGroup] | None" = None):
+                 nodes: tuple[NodeTransport, handshake.NodeGroup] | None = None):
         self.spec = spec
         self.base_env = dict(base_env)
         self.run_id = run_id or new_run_id()
@@ -90,6 +90,8 @@ class Supervisor(NodeGroupRules):
         self.node_link: link.NodeLink | None = None
         self.group_end: Outcome | None = None  # multi-node: why the group could not restart
         self.carried: list = []  # multi-node: events of the next attempt that arrived between attempts
+        # multi-node: a rank failure that looks like a consequence of another node's, waiting for its news
+        self.suspect: tuple[RankHandle, ExitInfo, float, str | None] | None = None
         self.hang_query: messages.HangQuery | None = None  # this node asked the others where the missing rank is
         self.peer_hang_query: messages.HangQuery | None = None  # another node asked this one
         self.deferred_hang: WatchdogVerdict | None = None  # the hard verdict waiting for the answer
@@ -130,6 +132,8 @@ class Supervisor(NodeGroupRules):
             events.PeerHangQuery: self._on_peer_hang_query,
             HangQueryUnanswered: self._on_hang_query_unanswered,
             events.NodeLost: self._on_node_lost,
+            events.ConsequenceChecked: self._on_consequence_checked,
+            events.ConsequenceWindowOver: self._on_consequence_window_over,
         }
         self.last_teardown: TeardownResult | None = None
         self.suspicions: set[str] = set()  # why the engine is SUSPECT: "hang", "divergence"
@@ -184,9 +188,12 @@ class Supervisor(NodeGroupRules):
             on_tick=self.services.on_tick,
         )
         if self.nodes is not None:
-            self.node_link = link.NodeLink(self.nodes[0], self.nodes[1], self.post,
-                                                on_peers=self.services.metrics.set_nodes,
-                                                on_store_latency=self.services.metrics.observe_store_latency)
+            transport, group = self.nodes
+            self.node_link = link.NodeLink(transport.store, group, self.post,
+                                           on_peers=self.services.metrics.set_nodes,
+                                           on_store_latency=self.services.metrics.observe_store_latency,
+                                           transport=transport, world_size=self.spec.world_size,
+                                           node_lost_s=self.spec.node_timeout)
             self.sources.append(self.node_link)
             self.services.compare_across_nodes(self.nodes[1])
             self.desk.link_nodes(self.nodes[1])
@@ -340,6 +347,7 @@ class Supervisor(NodeGroupRules):
         if self.attempt.number > 1:  # torch's own dump files of the attempt that ended are not this one's
             shutil.rmtree(self.run_dir / "fr-dump", ignore_errors=True)
         self.suspicions = set()
+        self.suspect = None
         extra_env = self.services.rank_env
         if self.spec.tree:
             env = launch.rank_env(self.base_env, self.ctx, None, extra_env(None))
@@ -494,8 +502,11 @@ class Supervisor(NodeGroupRules):
         return self.attempt.outcome is not None
 
     def _rank_failed(self, handle: RankHandle, info: ExitInfo) -> None:
-        if self._divergence_was_first():
+        if self._divergence_was_first() or self._maybe_a_consequence(handle, info):
             return
+        self._rule_rank_failure(handle, info)
+
+    def _rule_rank_failure(self, handle: RankHandle, info: ExitInfo) -> None:
         first, first_info = arbitration.root_cause(self.attempt, handle, info)
         self.attempt.first_failure = (first, first_info)
         who = "launcher" if first is self.attempt.launcher else f"rank {first.rank}"

@@ -146,3 +146,21 @@ class NodeLost:
     node: int
     detail: str
     at: float
+
+
+@dataclass(frozen=True)
+class ConsequenceChecked:
+    """Event (multi-node): the stderr of a rank that failed was read; ``why`` is the line that says it died
+    of a broken peer connection (a suspected consequence of another node's failure), or None."""
+
+    slot: int
+    why: str | None
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class ConsequenceWindowOver:
+    """Event (multi-node): no peer node's fault or loss arrived while a suspected consequence waited."""
+
+    slot: int
+    attempt: int = 0

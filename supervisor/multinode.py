@@ -19,15 +19,24 @@ from typing import TYPE_CHECKING
 import structlog
 
 from . import events
-from .events import HangQueryUnanswered, WatchdogVerdict
+from .arbitration import peer_consequence
+from .events import ConsequenceChecked, ConsequenceWindowOver, HangQueryUnanswered, WatchdogVerdict
 from .nodes import messages
+from .processes import output_pump
 from .outcome import EXIT_OK, EXIT_PEER, Outcome, new_incident_id
 from .state import Event
 
 if TYPE_CHECKING:
     from .core import Supervisor
+    from .processes.exits import ExitInfo
+    from .processes.spawn import RankHandle
 
 log = structlog.get_logger("supervise")
+
+# A rank of this node that died of a broken peer connection waits this long (from its exit) for another
+# node's fault or loss before it is ruled as this node's own failure (docs/multinode.md).
+CONSEQUENCE_WAIT_S = 1.0
+STDERR_READ_S = 0.3  # how long the check waits for the pump to drain the rank's last stderr
 
 
 class NodeGroupRules:
@@ -129,6 +138,13 @@ class NodeGroupRules:
         self._peer_incident("node_lost", ev.node, None, verdict)
 
     def _peer_incident(self: Supervisor, reason: str, node: int, rank: int | None, verdict: str) -> None:
+        if self.suspect is not None:  # this node's rank died first here, but of the peer's failure
+            handle, info, _at, why = self.suspect
+            self.suspect = None
+            verdict += (f"; rank {handle.rank} of this node died of it first ({info.description}"
+                        + (f": {why}" if why else "") + "), a consequence")
+            log.warning("rank death was a consequence of another node's failure", event_name="rank_exit_consequence",
+                        rank=handle.rank, node=node, reason=reason)
         self.transition(Event.RANK_EXIT)
         extra = {"culprit_ranks": [rank] if rank is not None else [], "verdict": verdict,
                  "incident_id": self.incident_id, "culprit_node": node}
@@ -168,3 +184,56 @@ class NodeGroupRules:
                     event_name="hang_query_received", node=ev.query.node, seq=ev.query.seq, incident_id=ev.query.incident_id)
         self.peer_hang_query = ev.query
         self.watchdog.answer_hang_query(ev.query.seq, ev.query.node)
+
+    # -- cause before consequence: a rank that died of a broken peer connection waits for the peer's news
+    def _maybe_a_consequence(self: Supervisor, handle: RankHandle, info: ExitInfo) -> bool:
+        """Multi-node: hold the ruling of a failed rank until its stderr was read (off this thread); if it died
+        of a broken peer connection, until CONSEQUENCE_WAIT_S after its exit.  True: the ruling is held."""
+        if self.node_link is None or self.attempt.outcome is not None or handle.rank < 0:
+            return False
+        if self.suspect is not None:
+            return True  # already waiting: the first failure decides, and root_cause names it
+        exited_at = handle.exited_at or time.monotonic()
+        self.suspect = (handle, info, exited_at, None)
+        status_signal = info.status.signal if info.status is not None else None
+        attempt, slot, rank, post = self.attempt.number, handle.slot, handle.rank, self.post
+
+        def check() -> None:
+            why = None
+            try:
+                pump = output_pump.installed()
+                tail = pump.stderr_tail(rank) if pump is not None else None
+                if tail is not None:
+                    tail.wait_drained(STDERR_READ_S)
+                    why = peer_consequence(status_signal, tail.data()[-65536:].decode("utf-8", "replace"))
+            finally:
+                post(ConsequenceChecked(slot, why, attempt))
+
+        threading.Thread(target=check, name=f"consequence-check-{slot}", daemon=True).start()
+        return True
+
+    def _on_consequence_checked(self: Supervisor, ev: ConsequenceChecked) -> None:
+        if self.suspect is None or self.attempt.outcome is not None or ev.slot != self.suspect[0].slot:
+            return
+        handle, info, exited_at, _ = self.suspect
+        if ev.why is None:
+            self.suspect = None
+            self._rule_rank_failure(handle, info)
+            return
+        self.suspect = (handle, info, exited_at, ev.why)
+        wait_s = max(0.0, exited_at + CONSEQUENCE_WAIT_S - time.monotonic())
+        log.warning("rank died of a broken peer connection: waiting for the other nodes' news before ruling",
+                    event_name="rank_exit_suspected_consequence", rank=handle.rank, wait_s=round(wait_s, 3),
+                    line=ev.why)
+        timer = threading.Timer(wait_s, self.post, args=(ConsequenceWindowOver(ev.slot, self.attempt.number),))
+        timer.name = f"consequence-window-{ev.slot}"
+        timer.daemon = True
+        timer.start()
+
+    def _on_consequence_window_over(self: Supervisor, ev: ConsequenceWindowOver) -> None:
+        if self.suspect is None or self.attempt.outcome is not None or ev.slot != self.suspect[0].slot:
+            return
+        handle, info, _, _ = self.suspect
+        self.suspect = None
+        log.info("no other node failed: the rank's death is ruled as this node's own", rank=handle.rank)
+        self._rule_rank_failure(handle, info)

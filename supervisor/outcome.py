@@ -7,6 +7,7 @@ the restart policy in ``restart``."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -43,6 +44,15 @@ class Outcome:
     @property
     def restartable(self) -> bool:
         return self.code in (EXIT_RANK, EXIT_HANG, EXIT_DIVERGENCE, EXIT_STARTUP)
+
+
+RUN_ID_PATTERN = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,47}")
+
+
+def valid_run_id(text: str) -> bool:
+    """1-48 letters, digits, '.', '_', '-', starting with a letter or digit, no '..': it names files,
+    directories and cgroups, so it must never be a path (it may come from another node)."""
+    return bool(RUN_ID_PATTERN.fullmatch(text)) and ".." not in text
 
 
 def new_run_id() -> str:

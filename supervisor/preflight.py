@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tp_supervise.dumps.bundle import make_dirs
+
 from .spec import UsageError
 
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ def _check_command(spec: LaunchSpec) -> None:
 
 def _check_dump_dir(path: Path, flag: str = "--dump-dir") -> None:
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_dirs(path)  # new directories 0750: bundles hold stderr tails and command lines
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as exc:

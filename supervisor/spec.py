@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .outcome import valid_run_id
 
 CONSENSUS_MODES = ("off", "observe", "enforce")
 STACK_METHODS = ("auto", "py-spy", "faulthandler", "none")
@@ -27,6 +28,7 @@ DEFAULT_DUMP_TIMEOUT_S = 10.0  # a fatal dump never delays the teardown longer t
 # margin, so the final counts (a hang, a death, a divergence) reach Prometheus with default flags.
 DEFAULT_FAULT_LINGER_S = 11.0
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0  # multi-node: every node must have registered by then (exit 83)
+DEFAULT_NODE_TIMEOUT_S = 4.0  # multi-node: no FIN (host down, partition, frozen): lost after this
 DEFAULT_METRICS_ADDR = "127.0.0.1:9180"
 DEFAULT_ENGINE_PORT = 8000
 DEFAULT_DUMP_KEEP = 50
@@ -227,6 +229,7 @@ class LaunchSpec:
     store_port: int | None = None  # multi-node: node 0's TCPStore (default: master_port + 1)
     run_id: str | None = None  # shared by every node; node 0 decides when not given
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
+    node_timeout: float = DEFAULT_NODE_TIMEOUT_S  # multi-node: a silent node (or store) is lost after this
     join_token: str | None = field(default=None, repr=False)  # never logged; compared as an HMAC digest
     fingerprint_env: tuple[str, ...] = ()
     node_rank: int = 0
@@ -297,9 +300,11 @@ class LaunchSpec:
                              "and the ranks' rendezvous need different ports")
         if not 0 < self.rendezvous_timeout < math.inf:
             raise UsageError(f"--rendezvous-timeout {self.rendezvous_timeout}: must be > 0 seconds")
-        if self.run_id is not None and not re.fullmatch(r"[0-9A-Za-z][0-9A-Za-z._-]{0,47}", self.run_id):
-            raise UsageError(f"--run-id {self.run_id!r}: use 1-48 letters, digits, '.', '_' or '-' "
+        if self.run_id is not None and not valid_run_id(self.run_id):
+            raise UsageError(f"--run-id {self.run_id!r}: use 1-48 letters, digits, '.', '_' or '-', no '..' "
                              "(it names files and cgroups)")
+        if not 0 < self.node_timeout < math.inf:
+            raise UsageError(f"--node-timeout {self.node_timeout}: must be > 0 seconds")
         if not 0 <= self.kill_grace < math.inf:
             raise UsageError(f"--kill-grace {self.kill_grace}: must be >= 0 seconds")
         if self.soft_timeout is not None and self.hard_timeout is not None and self.soft_timeout >= self.hard_timeout:

@@ -79,7 +79,7 @@ def last_waits(targets: "Sequence[RankTarget]") -> dict[int, str]:
 
 
 def _connect(group: "NodeGroup", timeout_s: float) -> "Store":
-    return stores.client(group.store_addr, timeout_s, connect_timeout_s=max(MIN_CALL_S, min(CONNECT_S, timeout_s / 2)))
+    return stores.client(group.connect_addr, timeout_s, connect_timeout_s=max(MIN_CALL_S, min(CONNECT_S, timeout_s / 2)))
 
 
 class IncidentExchange:

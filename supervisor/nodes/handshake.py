@@ -20,14 +20,23 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
-from .store import STORE_TIMEOUT_S, Store, TorchStore
+from ..outcome import valid_run_id
+from .messages import MAX_INFO_BYTES, shown
+from .store import Store
+
+if TYPE_CHECKING:
+    from .transport import NodeTransport
 
 log = structlog.get_logger("supervise.nodes")
 
 POLL_S = 0.1
+# A node refused by node 0's gate for its token makes every node refuse once its rank has stayed missing this
+# long (a stranger trying tokens while the real node is registered, or about to be, changes nothing).
+WRONG_TOKEN_GRACE_S = 5.0
 
 
 PROGRESS_EVERY_S = 3.0  # handshake progress lines
@@ -94,8 +103,13 @@ class NodeGroup:
     run_id: str
     nnodes: int
     node_rank: int
-    store_addr: str
+    store_addr: str  # what the nodes dial (node 0's gate): for messages
     hosts: Mapping[int, str] = field(default_factory=dict)
+    client_addr: str = ""  # where one more store client of this supervisor connects (loopback); "" = store_addr
+
+    @property
+    def connect_addr(self) -> str:
+        return self.client_addr or self.store_addr
 
 
 def handshake(store: Store, **kw) -> NodeGroup:
@@ -117,20 +131,21 @@ def handshake(store: Store, **kw) -> NodeGroup:
 
 def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None, fp: Mapping[str, str],
                token: str | None, deadline: float, store_addr: str,
-               progress: Callable[[str, dict], None] | None = None) -> NodeGroup:
+               progress: Callable[[str, dict], None] | None = None,
+               transport: NodeTransport | None = None) -> NodeGroup:
     from ..outcome import EXIT_STARTUP, EXIT_USAGE
 
     say = progress or (lambda event, fields: log.info(event, **fields))
     if node_rank == 0:
-        shared = store.first_writer("run_id", (run_id or "").encode()).decode()
+        shared = store.first_writer("run_id", (run_id or "").encode()).decode("utf-8", "replace")
         if not shared:
             raise HandshakeError("node 0 could not publish a run id", EXIT_USAGE)
     host = socket.gethostname()
     claims = store.add(f"node/{node_rank}/claims", 1)
     info = {"host": host, "pid": os.getpid(), "fingerprint": dict(fp), "token": token_digest(token)}
     if claims > 1:
-        other = store.get_nowait(f"node/{node_rank}/info")
-        who = json.loads(other)["host"] if other else "another supervisor"
+        other = _info(store.get_nowait(f"node/{node_rank}/info"), node_rank)
+        who = other["host"] if other else "another supervisor"
         _refuse(store, f"duplicate --node-rank {node_rank}: {who} registered as node {node_rank} first; give "
                 f"every node its own --node-rank in 0..{nnodes - 1}")
     store.set(f"node/{node_rank}/info", json.dumps(info).encode())
@@ -138,16 +153,18 @@ def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None,
     while True:
         refused = store.get_nowait("refused")
         if refused:
-            raise HandshakeError(refused.decode(), EXIT_USAGE)
+            raise HandshakeError(shown(refused), EXIT_USAGE)
         infos = {}
         for node in range(nnodes):
-            raw = store.get_nowait(f"node/{node}/info")
-            if raw is not None:
-                infos[node] = json.loads(raw)
+            info = _info(store.get_nowait(f"node/{node}/info"), node)
+            if info is not None:
+                infos[node] = info
             if store.add(f"node/{node}/claims", 0) > 1:
                 _refuse(store, f"duplicate --node-rank {node}: two supervisors registered as node {node}; "
                         f"give every node its own --node-rank in 0..{nnodes - 1}")
         missing = [node for node in range(nnodes) if node not in infos]
+        if transport is not None:
+            _what_the_transport_saw(store, transport, missing, nnodes)
         if not missing:
             break
         now = time.monotonic()
@@ -173,7 +190,10 @@ def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None,
     shared = ""
     while not shared:
         raw = store.get_nowait("run_id")
-        shared = raw.decode() if raw else ""
+        shared = raw.decode("utf-8", "replace") if raw else ""
+        if shared and not valid_run_id(shared):
+            raise HandshakeError(f"node 0 published a run id that is not one ({shown(raw or b'')}): refusing it; "
+                                 "run ids are letters, digits, '.', '_' and '-'", EXIT_USAGE)
         if not shared:
             if time.monotonic() >= deadline:
                 raise HandshakeError(f"rendezvous timeout: node 0 published no run id at {store_addr}", EXIT_STARTUP)
@@ -182,46 +202,55 @@ def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None,
     while store.add("ready", 0) < nnodes:
         refused = store.get_nowait("refused")
         if refused:
-            raise HandshakeError(refused.decode(), EXIT_USAGE)
+            raise HandshakeError(shown(refused), EXIT_USAGE)
+        if transport is not None:
+            _what_the_transport_saw(store, transport, [], nnodes)
         if time.monotonic() >= deadline:
             raise HandshakeError(f"rendezvous timeout: not every node passed the start barrier at {store_addr}",
                                  EXIT_STARTUP)
         time.sleep(POLL_S)
     return NodeGroup(run_id=shared, nnodes=nnodes, node_rank=node_rank, store_addr=store_addr,
-                     hosts={node: info["host"] for node, info in infos.items()})
+                     hosts={node: info["host"] for node, info in infos.items()},
+                     client_addr=transport.client_addr if transport is not None else "")
 
 
 def _refuse(store: Store, message: str) -> None:
     from ..outcome import EXIT_USAGE
 
-    won = store.first_writer("refused", message.encode()).decode()
-    raise HandshakeError(won or message, EXIT_USAGE)
+    won = store.first_writer("refused", message.encode())
+    raise HandshakeError(shown(won) if won else message, EXIT_USAGE)
 
 
-def connect(host: str, port: int, is_master: bool, deadline: float,
-            progress: Callable[[str, dict], None] | None = None) -> TorchStore:
-    """Node 0 hosts the store; the others retry connecting until ``deadline`` (node 0 may start later)."""
-    say = progress or (lambda event, fields: log.info(event, **fields))
-    from ..outcome import EXIT_STARTUP, EXIT_USAGE
+def _info(raw: bytes | None, node: int) -> dict | None:
+    """Node ``node``'s registration, or None when absent or not one (logged: a stranger's value is data)."""
+    if raw is None:
+        return None
+    try:
+        info = json.loads(raw)
+        if (isinstance(info, dict) and isinstance(info.get("host"), str) and isinstance(info.get("fingerprint"), dict)
+                and len(raw) <= MAX_INFO_BYTES):
+            info["host"] = shown(info["host"].encode(), 255)
+            return info
+    except ValueError:
+        pass
+    log.warning("a registration in the store is not one: ignored", event_name="store_value_dropped",
+                key=f"node/{node}/info", value=shown(raw, 120))
+    return None
 
-    if is_master:
-        try:
-            return TorchStore(host if host not in ("localhost",) else "127.0.0.1", port, True)
-        except Exception as exc:
-            raise HandshakeError(f"node 0 cannot host the store on port {port} ({exc}); free the port or choose "
-                                 "another with --store-port", EXIT_USAGE) from None
-    last = None
-    next_progress = time.monotonic() + PROGRESS_EVERY_S
-    while time.monotonic() < deadline:
-        if time.monotonic() >= next_progress:
-            next_progress = time.monotonic() + PROGRESS_EVERY_S
-            say("waiting for nodes", {"missing_node_ranks": [0], "store": f"{host}:{port}",
-                                      "detail": "node 0 hosts the store and has not answered yet"})
-        try:
-            return TorchStore(host, port, False, connect_timeout_s=max(0.5, min(STORE_TIMEOUT_S,
-                                                                                deadline - time.monotonic())))
-        except Exception as exc:
-            last = exc
-            time.sleep(0.5)
-    raise HandshakeError(f"rendezvous timeout: node 0's store at {host}:{port} never answered ({last}); start node 0 "
-                         "(supervise serve --node-rank 0) or check --master-addr/--store-port", EXIT_STARTUP)
+
+def _what_the_transport_saw(store: Store, transport: NodeTransport, missing: list[int], nnodes: int) -> None:
+    """What the gate or the link reported during the handshake: a second node 0, a node refused for its token
+    (once it is clear the real node of that rank is not coming), node 0 gone."""
+    from ..outcome import EXIT_STARTUP
+
+    now = time.monotonic()
+    for kind, node, detail, at in list(transport.refusals):
+        if kind == "probe":
+            _refuse(store, f"{detail}: is `--node-rank 0` given twice? Give each node its own --node-rank in "
+                    f"0..{nnodes - 1}")
+        if kind == "token" and node in missing and now - at >= WRONG_TOKEN_GRACE_S:
+            _refuse(store, f"join token mismatch: a supervisor claiming node {node} ({detail}) gave another "
+                    "--join-token; give every node the same --join-token")
+    for node, detail in list(transport.lost):
+        if node == 0:
+            raise HandshakeError(f"rendezvous failed: {detail}", EXIT_STARTUP)

@@ -1,12 +1,8 @@
-"""Multi-node: one supervisor per node, one fate for the whole TP group.
+"""The node link: one thread per supervisor that keeps this node in the group after the handshake.
 
-Node 0's supervisor hosts a torch.distributed ``TCPStore`` (the store
-torchrun's c10d rendezvous uses) on ``--store-port`` (default: the ranks'
-``--master-port`` + 1, so the two never collide); every supervisor, node 0
-included, is a client of it.  Nothing here is a protocol of our own: keys,
-counters (``add``) and first-writer-wins (``compare_set``) of that store.
-
-Key layout (version 1, every key under ``tpsv/v1/``)::
+Every node's supervisor is a client of node 0's store (through node 0's gate,
+``gate``/``tunnel``: authenticated when the run has a ``--join-token``).  Key
+layout (version 1, every key under ``tpsv/v1/``; docs/multinode.md)::
 
     run_id              node 0: the run id every node uses (``--run-id``, or node 0's own)
     node/<R>/claims     add-counter; above 1: two supervisors said ``--node-rank R``
@@ -19,25 +15,27 @@ Key layout (version 1, every key under ``tpsv/v1/``)::
                         (or, with --max-restarts, all restart together: restart/<n>, ready/<n+1>)
     restart/<n>         node 0's decision after attempt n: JSON {restart, delay_s, restarts}
     ready/<n>           add-counter: nodes ready to launch attempt n (the barrier of a group restart)
-    hang/<n>            the first hang query (compare_set): JSON {node, incident_id, seq, verdict}: every
-                        rank of that node waits in a collective; the node holding the missing rank
-                        raises the hang itself under that incident id (see ``HangQuery``)
+    hang/<n>            the first hang query (compare_set): JSON {node, incident_id, seq, verdict}
     done/<a>/<R>        node R finished attempt a cleanly, or saw its fault (its silence is then no loss)
     stop                a node stopped on a signal (first writer): every node stops, in an attempt or between
 
-Every key a node-link pass reads (fault/<a>, hang/<a>, stop, beat/<R>, done/<a>/<R>) is created empty, so
-one ``multi_get`` reads them all: a pass costs two store calls (this node's beat, the read) on any number of
-nodes.
+Every key a pass reads is created empty at the start, so one ``multi_get``
+reads them all: a pass costs two store calls (this node's beat, the read)
+whatever the number of nodes.
 
-After it, ``NodeLink`` (a thread, one more event source of the main loop)
-heartbeats into the store, watches the other nodes' beats and the fault
-key, and posts ``PeerFailed`` / ``NodeLost``; the main thread's
-``publish_fault`` only enqueues.  Every store call runs on that thread with
-the store's timeout (node 0 alone, at its exit, after its teardown, gives the
-others a bounded moment to read the store): none sits on a path that can
-block a teardown.  The
-``Store`` protocol is the small interface another store (etcd) would
-implement.
+Event-driven: a pass runs every ``BEAT_S``, and at once when the main thread
+hands something over or another node rings (``NodeTransport.ring``: after
+writing a fault, a stop or a hang query, a node rings, node 0's gate passes it
+to every other node).  Liveness comes first from the transport's link
+connection (a supervisor that dies closes it: lost within milliseconds; a
+silent one is lost after the node timeout), then from the beats in the store.
+Every store call has a deadline enforced outside the call (``store._Caller``):
+a store that does not answer within the node timeout is a lost node 0.  A value
+that is not what a supervisor writes (``messages.BadValue``) is logged and
+dropped; it never stops the link.
+
+The main thread only enqueues (``publish_fault``, ``publish_stop``, ...); node
+0 alone, at its exit, gives the others a bounded moment to read the store.
 """
 
 from __future__ import annotations
@@ -47,18 +45,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import structlog
 
 from ..events import NodeLost, PeerFailed, PeerHangQuery, StoreKeySeen
+from .gate import BEAT_S, NODE_LOST_S
 from .handshake import NodeGroup
-from .messages import Fault, HangQuery
+from .messages import BadValue, Fault, HangQuery, shown
 from .store import STORE_TIMEOUT_S, Store
+
+if TYPE_CHECKING:
+    from .transport import NodeTransport
 
 log = structlog.get_logger("supervise.nodes")
 
-BEAT_S = 0.25  # heartbeat and fault-bus poll period
-NODE_LOST_S = 4.0  # a node whose beat counter stood still this long is lost
+BAD_VALUE_LOG_EVERY_S = 10.0
 # ... once it has beaten: a node that passed the handshake may take longer to start its link on a loaded
 # host (its imports, its ranks' spawn), so its first beat gets this long before it counts as lost.
 FIRST_BEAT_S = 15.0
@@ -67,43 +69,7 @@ STORE_LINGER_S = 5.0  # node 0 keeps the store up this long at its exit, until e
 POLL_S = 0.1
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # -- after the handshake: fault bus and liveness ------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 class NodeLink:
@@ -111,10 +77,18 @@ class NodeLink:
 
     def __init__(self, store: Store, group: NodeGroup, post: Callable[[object], None],
                  on_peers: Callable[[Mapping[int, bool]], None] | None = None,
-                 on_store_latency: Callable[[str, float], None] | None = None):
+                 on_store_latency: Callable[[str, float], None] | None = None,
+                 transport: NodeTransport | None = None, world_size: int | None = None,
+                 node_lost_s: float = NODE_LOST_S):
         self.store = store
         self.group = group
         self.post = post
+        self.transport = transport
+        self.world_size = world_size
+        self.node_lost_s = node_lost_s
+        self._wake = threading.Event()
+        self._lost_lock = threading.Lock()
+        self._bad_logged: dict[str, float] = {}
         self.on_peers = on_peers or (lambda _up: None)  # the metrics (supervise_peer_node_up)
         if on_store_latency is not None:  # the metrics (supervise_store_latency_seconds), the handshake's calls first
             store.latency.attach(on_store_latency)
@@ -135,12 +109,25 @@ class NodeLink:
 
     # -- main thread --------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.transport is not None:
+            self.transport.attach(self._link_lost, self._wake.set)
         self._thread.start()
+
+    def _link_lost(self, node: int, detail: str) -> None:
+        """The transport's link saw ``node`` go (its connection closed, or silence): lost now, not after the
+        beats' timeout.  Runs on the gate's or the link connection's thread."""
+        with self._lost_lock:
+            if node == self.group.node_rank or node in self._reported or node in self._done or self._stop.is_set():
+                return
+            self._reported.add(node)
+        self.post(NodeLost(node, shown(detail, 300), time.monotonic()))
+        self._wake.set()
 
     def stop(self) -> None:
         """End the link; node 0 (the store's host) first gives the others a bounded moment to read what is
         there (a fault, the end of the run) before its exit takes the store away."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(STORE_TIMEOUT_S + 1.0)
         self._drain_outbox_safely()  # what the main thread handed over last (the thread has stopped)
         if self.group.node_rank != 0:
@@ -148,7 +135,8 @@ class NodeLink:
         deadline = time.monotonic() + STORE_LINGER_S
         while time.monotonic() < deadline:
             try:
-                if all(self.store.get_nowait(f"done/{self._attempt}/{n}") for n in range(1, self.group.nnodes)):
+                if all(n in self._reported or self.store.get_nowait(f"done/{self._attempt}/{n}")
+                       for n in range(1, self.group.nnodes)):  # a node declared lost will never say it is done
                     return
             except Exception:
                 return
@@ -162,34 +150,38 @@ class NodeLink:
 
     def publish_stop(self, fault: Fault) -> None:
         """This node stops on a signal: every other node stops too, whatever attempt it is in (never blocks)."""
-        self._outbox.put(("stop", fault))
+        self._hand_over("stop", fault)
 
     def publish_fault(self, fault: Fault) -> None:
         """Hand a fatal incident of this node to the bus (never blocks)."""
-        self._outbox.put(("fault", fault))
+        self._hand_over("fault", fault)
 
     def ask_where(self, query: HangQuery) -> None:
         """Hand a hang query of this node to the other nodes (never blocks)."""
-        self._outbox.put(("hang", query))
+        self._hand_over("hang", query)
 
     def begin_attempt(self, number: int) -> None:
         """The group starts attempt ``number``: from now on its fault and hang keys are the ones watched."""
-        self._outbox.put(("attempt", number))
+        self._hand_over("attempt", number)
 
     def set(self, key: str, value: bytes) -> None:
         """Write a key of the run (e.g. node 0's restart decision) from the link's thread (never blocks)."""
-        self._outbox.put(("set", (key, value)))
+        self._hand_over("set", (key, value))
 
     def add(self, key: str, amount: int = 1) -> None:
-        self._outbox.put(("add", (key, amount)))
+        self._hand_over("add", (key, amount))
 
     def watch(self, key: str, until: Callable[[bytes], bool]) -> None:
         """Post ``StoreKeySeen(key, value)`` once ``until(value)`` holds (missing keys read as b"")."""
-        self._outbox.put(("watch", (key, until)))
+        self._hand_over("watch", (key, until))
 
     def finished(self) -> None:
         """This node ends cleanly: its silence from now on is not a loss."""
-        self._outbox.put(("done", None))
+        self._hand_over("done", None)
+
+    def _hand_over(self, kind: str, item: object) -> None:
+        self._outbox.put((kind, item))
+        self._wake.set()  # the link acts now, not at its next beat
 
     # -- the thread ---------------------------------------------------------------------------------
     def _create_keys(self) -> None:
@@ -238,6 +230,7 @@ class NodeLink:
     def _run(self) -> None:
         me = self.group.node_rank
         while not self._stop.is_set():
+            self._wake.clear()
             try:
                 if not self._keys_ready:
                     self._create_keys()
@@ -252,12 +245,30 @@ class NodeLink:
                                for n in range(self.group.nnodes) if n != me})
             except Exception as exc:  # the store is unreachable (node 0 gone) or timed out
                 silent = time.monotonic() - self._store_ok_at
-                if silent >= NODE_LOST_S and 0 not in self._reported and 0 not in self._done and me != 0:
-                    self._reported.add(0)
-                    self.on_peers({n: False for n in range(self.group.nnodes) if n != me})
-                    self.post(NodeLost(0, f"the store on node 0 ({self.group.store_addr}) is gone: {exc!r}"[:300],
-                                       time.monotonic()))
-            self._stop.wait(BEAT_S)
+                if silent >= self.node_lost_s and me != 0:
+                    self._store_lost(f"the store on node 0 ({self.group.store_addr}) did not answer for "
+                                     f"{silent:.1f} s: {exc!r}")
+            problem = self.transport.store_problem() if self.transport is not None else None
+            if problem:  # node 0: its store process died (a flood over its memory cap, a kill)
+                self._store_lost(problem)
+            self._wake.wait(BEAT_S)
+
+    def _store_lost(self, detail: str) -> None:
+        with self._lost_lock:
+            if 0 in self._reported or 0 in self._done:
+                return
+            self._reported.add(0)
+        me = self.group.node_rank
+        self.on_peers({n: False for n in range(self.group.nnodes) if n != me})
+        self.post(NodeLost(0, detail[:300], time.monotonic()))
+
+    def _dropped(self, key: str, raw: bytes, why: BadValue) -> None:
+        """A value no supervisor of this group wrote: said once a while per key, then ignored."""
+        now = time.monotonic()
+        if now - self._bad_logged.get(key, -1e9) >= BAD_VALUE_LOG_EVERY_S:
+            self._bad_logged[key] = now
+            log.warning("a value in the store is not one of ours: dropped", event_name="store_value_dropped",
+                        key=key, why=str(why), value=shown(raw, 120))
 
     def _drain_outbox(self) -> None:
         """Hand what the main thread queued to the store, in order.  An item whose store call failed stays
@@ -278,14 +289,26 @@ class NodeLink:
                 self._retry.appendleft((kind, item))
                 raise
 
+    def _publish(self, key: str, value: bytes) -> None:
+        """First writer wins; a value in the way that no supervisor wrote (a stranger's, without a token) is
+        overwritten.  Then every node is told to look (``ring``)."""
+        won = self.store.first_writer(key, value)
+        if won != value:
+            try:
+                Fault.decode(won) if not key.startswith("hang/") else HangQuery.decode(won)
+            except BadValue:
+                self.store.set(key, value)
+        if self.transport is not None:
+            self.transport.ring()
+
     def _apply(self, kind: str, item) -> None:
         """One queued item: one store call (or none)."""
         if kind == "fault":
-            self.store.first_writer(f"fault/{self._attempt}", item.encode())
+            self._publish(f"fault/{self._attempt}", item.encode())
         elif kind == "stop":
-            self.store.first_writer("stop", item.encode())
+            self._publish("stop", item.encode())
         elif kind == "hang":
-            self.store.first_writer(f"hang/{self._attempt}", item.encode())
+            self._publish(f"hang/{self._attempt}", item.encode())
         elif kind == "attempt":
             self._new_attempt(item)
         elif kind == "set":
@@ -296,25 +319,40 @@ class NodeLink:
             self._watches[item[0]] = item[1]
         elif kind == "done":
             self.store.set(f"done/{self._attempt}/{self.group.node_rank}", b"1")
+            if self.transport is not None:
+                self.transport.bye()
+
+    def _decode(self, key: str, raw: bytes, kind: type[Fault] | type[HangQuery]) -> Fault | HangQuery | None:
+        try:
+            if kind is Fault:
+                return Fault.decode(raw, self.group.nnodes, self.world_size)
+            return HangQuery.decode(raw, self.group.nnodes)
+        except BadValue as why:
+            self._dropped(key, raw, why)
+            return None
 
     def _watch_fault(self, seen: Mapping[str, bytes]) -> None:
         if seen["stop"] and not self._stop_posted:
             # A node stopped on a signal, in an attempt or between two: every node stops (exit 0).
-            self._stop_posted = True
-            fault = Fault.decode(seen["stop"])
-            if fault.node != self.group.node_rank:
-                self.post(PeerFailed(fault, time.monotonic(), self._attempt))
+            fault = self._decode("stop", seen["stop"], Fault)
+            if isinstance(fault, Fault):
+                self._stop_posted = True
+                if fault.node != self.group.node_rank:
+                    self.post(PeerFailed(fault, time.monotonic(), self._attempt))
         if self._fault_posted:
             return
         if not self._query_posted and seen["hang"]:
-            self._query_posted = True
-            query = HangQuery.decode(seen["hang"])
-            if query.node != self.group.node_rank:
-                self.post(PeerHangQuery(query, time.monotonic()))
+            query = self._decode(f"hang/{self._attempt}", seen["hang"], HangQuery)
+            if isinstance(query, HangQuery):
+                self._query_posted = True
+                if query.node != self.group.node_rank:
+                    self.post(PeerHangQuery(query, time.monotonic()))
         raw = seen["fault"]
         if not raw:
             return
-        fault = Fault.decode(raw)
+        fault = self._decode(f"fault/{self._attempt}", raw, Fault)
+        if not isinstance(fault, Fault):
+            return
         self._fault_posted = True
         if fault.node != self.group.node_rank:
             self.post(PeerFailed(fault, time.monotonic(), self._attempt))
@@ -329,19 +367,22 @@ class NodeLink:
                 self._done.add(node)  # it finished (or saw the fault): its silence from now on is no loss
             if node in self._done:
                 continue
-            count = int(seen[f"beat/{node}"] or 0)
+            try:
+                count = int(seen[f"beat/{node}"] or 0)
+            except ValueError:  # an add-counter holds digits; anything else was written by someone else
+                self._dropped(f"beat/{node}", seen[f"beat/{node}"], BadValue("not a counter"))
+                continue
             last = self._seen.get(node)
             if last is None or last[0] != count:
                 self._seen[node] = (count, now)
                 continue
-            if now - last[1] >= (NODE_LOST_S if count > 0 else FIRST_BEAT_S):
-                self._reported.add(node)
+            if now - last[1] >= (self.node_lost_s if count > 0 else FIRST_BEAT_S):
+                with self._lost_lock:
+                    if node in self._reported:
+                        continue
+                    self._reported.add(node)
                 host = self.group.hosts.get(node, "?")
                 self.post(NodeLost(node, f"node {node} ({host}) stopped heartbeating {now - last[1]:.1f} s ago",
                                    now))
-
-
-
-
 
 

@@ -1,11 +1,80 @@
-"""What the node link carries between supervisors, and the one place it is decoded and validated."""
+"""What the node link carries between supervisors, and the one place it is decoded and validated.
+
+Whatever comes out of the store is data from the network: every value is
+size-capped, parsed, checked field by field (node and rank in range, known
+reasons, ids that match their pattern) and a bad one raises ``BadValue``, which
+the node link logs and drops; text meant for a person (a verdict, a refusal)
+passes through ``shown`` so no control or escape sequence reaches a terminal.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 from dataclasses import dataclass
 
+from ..outcome import valid_run_id  # noqa: F401  (the one rule; the handshake checks node 0's)
+
 HANG_QUERY_WAIT_S = 3.0  # a node asking where the missing rank is rules alone after this
+MAX_VALUE_BYTES = 16 * 1024  # a fault or a hang query; anything longer is not ours
+MAX_INFO_BYTES = 64 * 1024  # a node's registration (its fingerprint)
+MAX_TEXT = 500
+INCIDENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,159}$")
+# Bundle reasons a node may announce on the fault bus, and "shutdown" (a node stopped on a signal).
+FAULT_REASONS = frozenset({"rank_exit", "hang", "divergence", "startup_timeout", "peer_failed", "node_lost",
+                           "shutdown", "straggler"})
+
+
+class BadValue(ValueError):
+    """A value in the store that is not what a supervisor writes there."""
+
+
+def shown(raw: bytes | str, limit: int = MAX_TEXT) -> str:
+    """Text from another machine, safe to print: control and format characters (escape sequences, bidi
+    overrides) become visible ``\\xNN``/``\\uNNNN`` escapes, and it is cut at ``limit`` characters."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    out = []
+    for ch in text[:limit]:
+        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp"):
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out) + ("…" if len(text) > limit else "")
+
+
+def _load(raw: bytes) -> dict:
+    if len(raw) > MAX_VALUE_BYTES:
+        raise BadValue(f"{len(raw)} bytes (at most {MAX_VALUE_BYTES})")
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise BadValue("not JSON") from None
+    if not isinstance(data, dict):
+        raise BadValue("not a JSON object")
+    return data
+
+
+def _int(data: dict, key: str, low: int, high: int | None) -> int:
+    value = data.get(key)
+    if type(value) is not int or value < low or (high is not None and value >= high):
+        raise BadValue(f"{key}={value!r} out of range")
+    return value
+
+
+def _text(data: dict, key: str) -> str:
+    value = data.get(key, "")
+    if not isinstance(value, str):
+        raise BadValue(f"{key} is not text")
+    return shown(value)
+
+
+def _incident_id(data: dict) -> str:
+    value = data.get("incident_id")
+    if not isinstance(value, str) or not (value == "" or INCIDENT_ID_RE.match(value)):
+        raise BadValue("incident_id does not match its pattern")
+    return value
 
 
 @dataclass(frozen=True)
@@ -22,10 +91,17 @@ class Fault:
         return json.dumps(self.__dict__).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> "Fault":
-        data = json.loads(raw)
-        return cls(int(data["node"]), data.get("rank"), str(data["reason"]), str(data["incident_id"]),
-                   str(data.get("verdict", "")))
+    def decode(cls, raw: bytes, nnodes: int | None = None, world_size: int | None = None) -> Fault:
+        """Raises ``BadValue`` for anything a supervisor of this group would not have written."""
+        data = _load(raw)
+        node = _int(data, "node", 0, nnodes)
+        rank = data.get("rank")
+        if rank is not None:
+            rank = _int(data, "rank", 0, world_size)
+        reason = data.get("reason")
+        if reason not in FAULT_REASONS:
+            raise BadValue(f"unknown reason {shown(str(reason), 40)!r}")
+        return cls(node, rank, reason, _incident_id(data), _text(data, "verdict"))
 
 
 @dataclass(frozen=True)
@@ -47,6 +123,7 @@ class HangQuery:
         return json.dumps(self.__dict__).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> "HangQuery":
-        data = json.loads(raw)
-        return cls(int(data["node"]), str(data["incident_id"]), int(data["seq"]), str(data.get("verdict", "")))
+    def decode(cls, raw: bytes, nnodes: int | None = None) -> HangQuery:
+        data = _load(raw)
+        return cls(_int(data, "node", 0, nnodes), _incident_id(data), _int(data, "seq", 0, None),
+                   _text(data, "verdict"))

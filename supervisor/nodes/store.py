@@ -71,6 +71,10 @@ class StoreLatency:
             log.warning("store latency not recorded", op=op, error=repr(exc)[:200])
 
 
+class StoreDeadline(TimeoutError):
+    """A store call did not return within its deadline: the store (or the way to it) is frozen or gone."""
+
+
 class Store(Protocol):
     """What the supervisors need of a distributed key-value store (TCPStore today; etcd could follow)."""
 
@@ -82,13 +86,57 @@ class Store(Protocol):
     def first_writer(self, key: str, value: bytes) -> bytes: ...
     def call_timeout(self, seconds: float) -> None:
         """Every later call of this client gives up after ``seconds`` (a caller with a deadline shrinks it)."""
-        self._store.set_timeout(timedelta(seconds=max(0.001, seconds)))
-
     def get_many(self, keys: Sequence[str]) -> list[bytes]: ...  # every key must exist (see NodeLink)
 
 
+class _Caller:
+    """Runs a client's calls on one worker thread and waits for each at most ``timeout_s``.
+
+    torch's store timeout does not bound a server that holds the connection and never answers (node 0's
+    supervisor SIGSTOPped, its host black-holed): the call would block for minutes.  Here the deadline is
+    enforced outside the call.  A call that overran leaves the worker stuck in it, so the client is broken
+    from then on: every later call fails at once (the caller treats the store as lost, or opens a new client).
+    """
+
+    def __init__(self, name: str):
+        self._lock = threading.Lock()
+        self._work: deque[tuple[Callable[[], object], list, threading.Event]] = deque()
+        self._ready = threading.Condition(self._lock)
+        self.broken: str | None = None
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def call(self, fn: Callable[[], object], timeout_s: float) -> object:
+        if self.broken:
+            raise StoreDeadline(self.broken)
+        box: list = []
+        done = threading.Event()
+        with self._ready:
+            self._work.append((fn, box, done))
+            self._ready.notify()
+        if not done.wait(timeout_s):
+            self.broken = f"a store call got no answer within {timeout_s:.1f} s"
+            raise StoreDeadline(self.broken)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._work:
+                    self._ready.wait()
+                fn, box, done = self._work.popleft()
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # handed to the caller
+                box.append((False, exc))
+            done.set()
+
+
 class TorchStore:
-    """``torch.distributed.TCPStore`` behind ``Store``; node 0 hosts it (``is_master``)."""
+    """``torch.distributed.TCPStore`` behind ``Store``; node 0 hosts it (``is_master``), in this process only
+    in tests and benchmarks (the supervisor hosts it in a child: ``store_host``)."""
 
     def __init__(self, host: str, port: int, is_master: bool, timeout_s: float = STORE_TIMEOUT_S,
                  connect_timeout_s: float | None = None):
@@ -96,54 +144,55 @@ class TorchStore:
         from torch.distributed import TCPStore
 
         self.latency = StoreLatency()
+        self.timeout_s = timeout_s
+        self._caller = _Caller(f"store-client-{port}")
         t0 = time.monotonic()
-        self._store = TCPStore(host, port, None, is_master, timedelta(seconds=connect_timeout_s or timeout_s),
-                               wait_for_workers=False)
+        connect_s = connect_timeout_s or timeout_s
+        self._store = self._caller.call(
+            lambda: TCPStore(host, port, None, is_master, timedelta(seconds=connect_s), wait_for_workers=False),
+            connect_s + 1.0)
         self.latency.record("connect", time.monotonic() - t0)  # a refused attempt raised: not a latency
         self._store.set_timeout(timedelta(seconds=timeout_s))
         self.port = self._store.port
 
-    def set(self, key: str, value: bytes) -> None:
+    def call_timeout(self, seconds: float) -> None:
+        self.timeout_s = max(0.001, seconds)
+        self._store.set_timeout(timedelta(seconds=self.timeout_s))
+
+    def _timed(self, op: str, fn: Callable[[], object]) -> object:
         t0 = time.monotonic()
         try:
-            self._store.set(PREFIX + key, value)
+            # torch's own timeout first; ours a moment later, for the calls torch's does not bound
+            return self._caller.call(fn, self.timeout_s + 0.5)
         finally:
-            self.latency.record("set", time.monotonic() - t0)
+            self.latency.record(op, time.monotonic() - t0)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._timed("set", lambda: self._store.set(PREFIX + key, value))
 
     def get_nowait(self, key: str) -> bytes | None:
         """One ``get`` sample: the check and, when the key exists, the read."""
         full = PREFIX + key
-        t0 = time.monotonic()
-        try:
+
+        def get() -> bytes | None:
             if not self._store.check([full]):
                 return None
             return bytes(self._store.get(full))
-        finally:
-            self.latency.record("get", time.monotonic() - t0)
+
+        return self._timed("get", get)  # type: ignore[return-value]
 
     def add(self, key: str, amount: int) -> int:
-        t0 = time.monotonic()
-        try:
-            return int(self._store.add(PREFIX + key, amount))
-        finally:
-            self.latency.record("add", time.monotonic() - t0)
+        return int(self._timed("add", lambda: self._store.add(PREFIX + key, amount)))  # type: ignore[call-overload]
 
     def first_writer(self, key: str, value: bytes) -> bytes:
         """Set ``key`` unless someone did first (a key holding b"" counts as unset); returns the value that won."""
-        t0 = time.monotonic()
-        try:
-            return bytes(self._store.compare_set(PREFIX + key, "", value))
-        finally:
-            self.latency.record("compare_set", time.monotonic() - t0)
+        return bytes(self._timed("compare_set", lambda: self._store.compare_set(PREFIX + key, "", value)))  # type: ignore[call-overload]
 
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
         """One round trip for several keys; a missing key makes it wait for the store timeout, so callers
         create every key first (``NodeLink._create_keys``)."""
-        t0 = time.monotonic()
-        try:
-            return [bytes(v) for v in self._store.multi_get([PREFIX + k for k in keys])]
-        finally:
-            self.latency.record("multi_get", time.monotonic() - t0)
+        values = self._timed("multi_get", lambda: self._store.multi_get([PREFIX + k for k in keys]))
+        return [bytes(v) for v in values]  # type: ignore[attr-defined]
 
 
 def default_store_port(master_port: int) -> int:

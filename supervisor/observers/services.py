@@ -100,7 +100,7 @@ class Services:
         from .consensus_thread import NodeConsensusThread
 
         def connect():
-            store = stores.client(group.store_addr)
+            store = stores.client(group.connect_addr)
             store.latency.attach(self.metrics.observe_store_latency)  # supervise_store_latency_seconds too
             return store
 

@@ -242,6 +242,12 @@ def _children_map() -> dict[int, list[int]]:
     return out
 
 
+# The supervisor's own long-lived helper processes (node 0's store host): children of the supervisor, but not
+# processes of the run: the teardown never signals them and the orphan reaper never reaps them (their owner
+# waits for them).
+OWN_HELPERS: set[int] = set()
+
+
 class RunProcesses:
     """The processes of one run, each held by a verified pidfd (``close()`` releases them).
 
@@ -285,6 +291,8 @@ class RunProcesses:
         while parents:
             parent = parents.pop()
             for pid in children.get(parent, ()):
+                if pid in OWN_HELPERS:
+                    continue  # nor anything below it
                 parents.append(pid)
                 if pid in self.held:
                     continue
@@ -369,7 +377,7 @@ def reap_orphans(keep: Iterable[int]) -> int:
     own_session = os.getsid(0)
     reaped = 0
     for pid in child_pids():
-        if pid in keep:
+        if pid in keep or pid in OWN_HELPERS:
             continue
         info = proc_info(pid, wchan=False)
         if info is None or info.state != "Z" or info.session == own_session:

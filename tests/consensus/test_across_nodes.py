@@ -10,6 +10,7 @@ import pytest
 
 from tp_supervise.consensus.across_nodes import PUBLISH_EVERY_S, NodeDigests, decode_batch, encode_batch
 from tp_supervise.supervisor.nodes import handshake
+from tp_supervise.supervisor.nodes import store as node_store
 from tp_supervise.supervisor.rank.net import free_port
 
 
@@ -21,11 +22,11 @@ def digest(step: int, variant: str = "") -> bytes:
 def stores():
     port = free_port()
     deadline = time.monotonic() + 10
-    master = handshake.connect("127.0.0.1", port, True, deadline)
+    master = node_store.TorchStore("127.0.0.1", port, True)
     made = [master]
 
     def client():
-        s = handshake.connect("127.0.0.1", port, False, deadline)
+        s = node_store.TorchStore("127.0.0.1", port, False)
         made.append(s)
         return s
 

@@ -42,6 +42,7 @@ FOREIGN = {LIBRARY_EVENT, WARNING_EVENT}
 PENDING = {
     # the handshake's progress callback; its only text is "waiting for nodes".
     ("supervisor/nodes/handshake.py", "event"): {"waiting_for_nodes"},
+    ("supervisor/nodes/transport.py", "event"): {"waiting_for_nodes"},
 }
 
 SERVE_GRACE_S = 2.0

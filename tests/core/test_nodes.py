@@ -9,6 +9,8 @@ import time
 import pytest
 
 from tp_supervise.supervisor.nodes import handshake
+from tp_supervise.supervisor.nodes import store as stores
+from tp_supervise.supervisor.nodes.transport import TransportError, open_transport
 from tp_supervise.supervisor.outcome import EXIT_STARTUP, EXIT_USAGE
 from tp_supervise.supervisor.rank.net import free_port
 
@@ -19,12 +21,12 @@ def run_nodes(ranks, *, fps=None, tokens=None, timeout_s=10.0, run_id="shared-ru
     """One handshake per entry of ``ranks`` (its --node-rank), each on its own thread; node 0's store first."""
     port = free_port()
     deadline = time.monotonic() + timeout_s
-    master = handshake.connect("127.0.0.1", port, True, deadline)
+    master = stores.TorchStore("127.0.0.1", port, True)
     results: dict[int, object] = {}
     progress: dict[int, list] = {}
 
     def one(i, node_rank):
-        store = master if i == 0 else handshake.connect("127.0.0.1", port, False, deadline)
+        store = master if i == 0 else stores.TorchStore("127.0.0.1", port, False)
         progress[i] = []
         try:
             results[i] = handshake.handshake(store, nnodes=nnodes, node_rank=node_rank, run_id=f"{run_id}-{i}",
@@ -81,7 +83,7 @@ def test_a_wrong_join_token_is_refused_without_showing_it():
 
 def test_a_missing_node_times_out_with_83_and_progress_lines_naming_it():
     port = free_port()
-    store = handshake.connect("127.0.0.1", port, True, time.monotonic() + 5)
+    store = stores.TorchStore("127.0.0.1", port, True)
     lines = []
     t0 = time.monotonic()
     with pytest.raises(handshake.HandshakeError) as info:
@@ -95,6 +97,6 @@ def test_a_missing_node_times_out_with_83_and_progress_lines_naming_it():
 
 def test_a_node_without_node_0_times_out_naming_the_store():
     port = free_port()
-    with pytest.raises(handshake.HandshakeError) as info:
-        handshake.connect("127.0.0.1", port, False, time.monotonic() + 3.0)
+    with pytest.raises(TransportError) as info:
+        open_transport("127.0.0.1", port, 2, 1, None, time.monotonic() + 3.0)
     assert info.value.code == EXIT_STARTUP and f"127.0.0.1:{port}" in str(info.value)

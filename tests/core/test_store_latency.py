@@ -41,8 +41,8 @@ def latency_counts(metrics: SupervisorMetrics) -> dict[str, tuple[float, float]]
 
 def two_node_handshake(port: int):
     deadline = time.monotonic() + 20
-    master = handshake.connect("127.0.0.1", port, True, deadline)
-    client = handshake.connect("127.0.0.1", port, False, deadline)
+    master = stores.TorchStore("127.0.0.1", port, True)
+    client = stores.TorchStore("127.0.0.1", port, False)
     groups: dict[int, object] = {}
 
     def join(store, rank):
@@ -101,7 +101,7 @@ def test_a_call_to_a_store_that_went_away_is_timed_too():
         stdout=subprocess.PIPE, text=True)
     try:
         assert host.stdout.readline().strip() == "up"
-        client = handshake.connect("127.0.0.1", port, False, time.monotonic() + 20)
+        client = stores.TorchStore("127.0.0.1", port, False, connect_timeout_s=20)
         seen: list[tuple[str, float]] = []
         client.latency.attach(lambda op, s: seen.append((op, s)))
         assert client.add("beat/1", 1) == 1

@@ -1,0 +1,253 @@
+"""Node 0's gate: the one port the other nodes reach, in front of the store and the node links.
+
+The store itself (torch's ``TCPStore``, in its own child process: ``store_host``)
+listens on loopback only; the gate listens on the address the nodes use
+(``--master-addr``) and lets a connection through only after its hello (and,
+with ``--join-token``, the challenge-response of ``wire``).  Three kinds of
+connection:
+
+- ``store``: a tunnelled store client of another node; its frames are piped to
+  the loopback store and back;
+- ``link``: one per node, for as long as its supervisor lives.  The node pings
+  every ``BEAT_S`` and the gate answers; ``ring`` frames (something was
+  published: a fault, a stop, a hang query) are passed to every other node at
+  once, so nobody waits for a poll; ``bye`` says the node ends cleanly.  The
+  link closing without ``bye`` (the supervisor died: the kernel closed its
+  sockets) or staying silent for ``NODE_LOST_S`` (its host is gone, or a
+  partition) makes the node lost here and, through a ``lost`` frame, on every
+  other node within moments;
+- ``probe``: a second supervisor that was told ``--node-rank 0`` too found
+  the port taken and asks who holds it; both refuse (exit 64).
+
+One thread per connection (a few per node), blocking reads with timeouts; the
+number of connections is bounded, so is every buffer (a frame is at most 64
+KiB), and a connection that does not finish its hello in 3 s is closed.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+from .wire import Channel, ChannelError, Refused, WrongToken, server_hello
+
+log = structlog.get_logger("supervise.nodes")
+
+BEAT_S = 0.25  # link pings (the node's side) and the read timeout of a link connection here
+NODE_LOST_S = 4.0  # a link silent this long is a lost node (no FIN: host loss, partition)
+STORE_CONNECT_S = 2.0
+PIPE_CHUNK = 64 * 1024
+CONNECTIONS_PER_NODE = 8
+REFUSAL_REPORT_EVERY_S = 5.0
+
+
+class Gate:
+    """Accepts on ``listener`` (bound to the nodes' address); calls back on the gate's threads:
+    ``on_lost(node, detail)``, ``on_ring()``, ``on_refused(kind, node, detail)`` (a wrong token, a
+    duplicate link, a probe by a second node 0)."""
+
+    def __init__(self, listener: socket.socket, store_port: int, token: str | None, nnodes: int,
+                 on_lost: Callable[[int, str], None], on_ring: Callable[[], None],
+                 on_refused: Callable[[str, int, str], None], node_lost_s: float = NODE_LOST_S):
+        self.listener = listener
+        self.store_port = store_port
+        self.token = token
+        self.nnodes = nnodes
+        self.on_lost, self.on_ring, self.on_refused = on_lost, on_ring, on_refused
+        self.node_lost_s = node_lost_s
+        self._lock = threading.Lock()
+        self._links: dict[int, Channel] = {}
+        self._done: set[int] = set()
+        self._conns = 0
+        self._max_conns = CONNECTIONS_PER_NODE * nnodes + 16
+        self._closing = False
+        self._last_refusal_log = 0.0
+        self._thread = threading.Thread(target=self._accept, name="node-gate", daemon=True)
+
+    @property
+    def address(self) -> str:
+        host, port = self.listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def ring(self) -> None:
+        """Node 0 published something: every other node reads the store now."""
+        self._broadcast(b"ring", skip=None)
+
+    def bye(self) -> None:
+        """Node 0 ends cleanly: its links closing from now on is no loss."""
+        self._broadcast(b"bye", skip=None)
+
+    def lost(self, node: int, detail: str) -> None:
+        """Node 0 learnt that ``node`` is lost: the others hear it from the gate at once."""
+        self._broadcast(f"lost {node} {detail}".encode()[:1024], skip=node)
+
+    def links_up(self) -> set[int]:
+        with self._lock:
+            return set(self._links)
+
+    def close(self) -> None:
+        self._closing = True
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+        with self._lock:
+            links = list(self._links.values())
+        for chan in links:
+            chan.close()
+
+    # -- threads -----------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                sock, peer = self.listener.accept()
+            except OSError:
+                if self._closing:
+                    return
+                time.sleep(0.05)
+                continue
+            with self._lock:
+                full = self._conns >= self._max_conns
+                if not full:
+                    self._conns += 1
+            if full:
+                sock.close()
+                self._refusal("too many connections", -1, f"from {peer[0]}: at most {self._max_conns}")
+                continue
+            threading.Thread(target=self._serve, args=(sock, peer[0]), name="node-gate-conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        try:
+            try:
+                kind, node, chan = server_hello(sock, self.token, self.nnodes)
+            except WrongToken as exc:
+                self._refusal("token", exc.node, f"from {peer}: {exc}")
+                return
+            except Refused as exc:
+                self._refusal("hello", -1, f"from {peer}: {exc}")
+                return
+            except (ChannelError, OSError):
+                return  # a port scanner, a half-open connection, a slow client: nothing to say
+            if kind == "store":
+                self._pipe_to_store(chan)
+            elif kind == "link":
+                self._serve_link(node, chan, peer)
+            else:
+                self._refusal("probe", node, f"another supervisor at {peer} also started as node 0 for this group")
+                try:
+                    chan.send(b"node0")
+                except OSError:
+                    pass
+        finally:
+            sock.close()
+            with self._lock:
+                self._conns -= 1
+
+    def _refusal(self, kind: str, node: int, detail: str) -> None:
+        try:
+            self.on_refused(kind, node, detail)
+        except Exception as exc:
+            log.error("node gate: refusal not handled", event_name="gate_refusal_not_handled", error=repr(exc)[:200])
+        now = time.monotonic()
+        if now - self._last_refusal_log >= REFUSAL_REPORT_EVERY_S:  # a flood of strangers is one line a while
+            self._last_refusal_log = now
+            log.warning("node gate refused a connection", event_name="gate_refused", kind=kind, detail=detail[:300])
+
+    def _pipe_to_store(self, chan: Channel) -> None:
+        try:
+            store = socket.create_connection(("127.0.0.1", self.store_port), timeout=STORE_CONNECT_S)
+        except OSError:
+            return
+        store.settimeout(None)
+        chan.sock.settimeout(None)
+
+        def store_to_node() -> None:
+            try:
+                while True:
+                    data = store.recv(PIPE_CHUNK)
+                    if not data:
+                        break
+                    chan.send(data)
+            except OSError:
+                pass
+            finally:
+                chan.close()
+
+        back = threading.Thread(target=store_to_node, name="node-gate-pipe", daemon=True)
+        back.start()
+        try:
+            while True:
+                data = chan.recv()
+                if data is None:
+                    break
+                store.sendall(data)
+        except (OSError, ChannelError):
+            pass
+        finally:
+            try:
+                store.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            store.close()
+            back.join(STORE_CONNECT_S)
+
+    def _serve_link(self, node: int, chan: Channel, peer: str) -> None:
+        with self._lock:
+            duplicate = node in self._links
+            if not duplicate:
+                self._links[node] = chan
+        if duplicate:
+            self._refusal("link", node, f"a second link for node {node} from {peer}: is --node-rank {node} "
+                                        "given twice?")
+            return
+        chan.sock.settimeout(BEAT_S)
+        last = time.monotonic()
+        why = ""
+        try:
+            while not self._closing:
+                try:
+                    frame = chan.recv()
+                except socket.timeout:
+                    silent = time.monotonic() - last
+                    if silent >= self.node_lost_s:
+                        why = f"node {node} ({peer}) did not answer for {silent:.1f} s (host down or network partition)"
+                        break
+                    continue
+                if frame is None:
+                    why = f"node {node}'s supervisor ({peer}) closed its link without saying goodbye: it is gone"
+                    break
+                last = time.monotonic()
+                if frame == b"ping":
+                    chan.send(b"pong")
+                elif frame == b"ring":
+                    self.on_ring()
+                    self._broadcast(b"ring", skip=node)
+                elif frame == b"bye":
+                    with self._lock:
+                        self._done.add(node)
+        except (OSError, ChannelError) as exc:
+            why = f"node {node}'s link ({peer}) broke: {exc}"[:300]
+        finally:
+            with self._lock:
+                self._links.pop(node, None)
+                done = node in self._done
+            chan.close()
+        if why and not done and not self._closing:
+            self.on_lost(node, why)
+            self.lost(node, why)
+
+    def _broadcast(self, frame: bytes, skip: int | None) -> None:
+        with self._lock:
+            targets = [(n, c) for n, c in self._links.items() if n != skip]
+        for _node, chan in targets:
+            try:
+                chan.send(frame)
+            except OSError:
+                pass  # that link's own thread sees it end
