@@ -260,9 +260,6 @@ def test_a_partitioned_node_1_is_lost_to_node_0(cut):
     assert "node 1" in node0.summary("node_lost")["verdict"]
 
 
-@pytest.mark.xfail(reason="issue 19: node 0 keeps its store up STORE_LINGER_S (5 s) at exit waiting for a done "
-                          "from node 1, which it has just ruled lost: the process ends ~9.5 s after the partition",
-                   strict=False)
 def test_node_0_is_gone_within_the_timeout_of_a_partition(cut):
     node0 = cut["partition"].nodes[0]
     assert node0.ended is not None and node0.code == 84, node0.tail()
@@ -270,9 +267,6 @@ def test_node_0_is_gone_within_the_timeout_of_a_partition(cut):
     assert took <= NODE_LOST_S + MARGIN_S, f"node 0 exited {took:.1f} s after the partition"
 
 
-@pytest.mark.xfail(reason="issue 19: a store that never answers is never lost: node 1's node-link thread blocks in "
-                          "TorchStore.add (its beat) past the 3 s store timeout, node 1 says nothing and keeps "
-                          "its rank running until killed", strict=False)
 def test_a_partitioned_node_1_stops_its_ranks_and_exits_84(cut):
     g = cut["partition"]
     node1 = g.nodes[1]
@@ -280,8 +274,6 @@ def test_a_partitioned_node_1_stops_its_ranks_and_exits_84(cut):
     assert_lost(g, node1, 0, store=True)
 
 
-@pytest.mark.xfail(reason="issue 19: a black-holed store host is never noticed: node 1's node-link thread blocks in "
-                          "TorchStore.add (its beat), node 1 never exits and its rank keeps running", strict=False)
 def test_a_black_holed_store_host_is_a_lost_node_to_node_1(cut):
     g = cut["hole"]
     node1 = g.nodes[1]
