@@ -19,6 +19,8 @@ import pytest
 VERDICT_MODULES = (
     "tp_supervise.watchdogs.policy",
     "tp_supervise.watchdogs.adaptive",
+    "tp_supervise.watchdogs.straggler",
+    "tp_supervise.watchdogs.straggler_nodes",
     "tp_supervise.consensus.compare",
     "tp_supervise.consensus.verdict",
     "tp_supervise.dumps.diagnose",

@@ -1,0 +1,177 @@
+"""Stragglers across nodes: per-node summaries merged into one judgement.  Pure.
+
+Each node's supervisor judges its own ranks (``straggler.StragglerDetector``:
+arrivals compared within the node, on one clock) and publishes a
+``NodeSummary`` through the store at a bounded rate (``summarize``): per rank
+its median lag, late fraction, share and whether it is named (with the
+node's sentence), and its ranks' arrivals at *reference collectives* (the
+numbers that are multiples of ``straggler.REF_STRIDES``, which every node
+keeps alike) moved to a reference clock (node 0's) by the offset a store
+round trip measured (``clock_offset``, ``best_offset``).  Every node runs
+``merge_nodes`` over the summaries it has (its own included):
+
+* a rank named by its node is named on every node, by global rank and node;
+* a node as a whole is late when, at the reference collectives both sides
+  judged, its median arrival trails the other nodes' median by more than
+  ``max(min_node_lag_s, 3 x the two clocks' uncertainty)`` at most of them:
+  arrivals on two clocks are only compared beyond what the offset could
+  explain, never within a node.
+
+docs/watchdogs.md ("Stragglers", across nodes) has the long form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .straggler import StragglerReport, _median, _ms, sentence
+
+
+def summarize(
+    report: StragglerReport,
+    references: Mapping[int, tuple[tuple[int, float], ...]],
+    node: int,
+    clock_offset_s: float = 0.0,
+    offset_error_s: float = 0.0,
+) -> NodeSummary:
+    """This node's summary: ``report`` (the detector's latest), ``references`` (``detector.references()``),
+    times moved to the reference clock (local monotonic + ``clock_offset_s``, within ``offset_error_s``)."""
+    ranks = tuple(
+        RankSummary(
+            r,
+            lag.lag_p50_s,
+            lag.late_fraction,
+            lag.wait_share,
+            lag.named,
+            sentence(lag, report.step_s) if lag.named else "",
+        )
+        for r, lag in sorted(report.ranks.items())
+    )
+    refs = tuple((seq, tuple((r, t + clock_offset_s) for r, t in pairs)) for seq, pairs in sorted(references.items()))
+    return NodeSummary(node, report.at + clock_offset_s, report.step_s, ranks, refs, offset_error_s)
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    rank: int  # global
+    median_lag_s: float
+    late_fraction: float
+    wait_share: float
+    named: bool
+    sentence: str  # the node's verdict sentence when named
+
+
+@dataclass(frozen=True)
+class NodeSummary:
+    """What a node publishes (through the store, at a bounded rate; ``to_dict`` is JSON-ready)."""
+
+    node: int
+    at: float  # reference clock
+    step_s: float | None
+    ranks: tuple[RankSummary, ...]
+    references: tuple[tuple[int, tuple[tuple[int, float], ...]], ...]  # (number, ((rank, arrival), ...))
+    offset_error_s: float
+
+    def to_dict(self) -> dict:
+        return {
+            "node": self.node,
+            "at": self.at,
+            "step_seconds": self.step_s,
+            "ranks": [[r.rank, r.median_lag_s, r.late_fraction, r.wait_share, r.named, r.sentence] for r in self.ranks],
+            "references": [[seq, [[r, t] for r, t in pairs]] for seq, pairs in self.references],
+            "offset_error_seconds": self.offset_error_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> NodeSummary:
+        """Raises ValueError on anything that is not a node summary."""
+        try:
+            ranks = tuple(
+                RankSummary(int(r), float(m), float(lf), float(ws), bool(nm), str(s))
+                for r, m, lf, ws, nm, s in data["ranks"]
+            )
+            refs = tuple((int(seq), tuple((int(r), float(t)) for r, t in pairs)) for seq, pairs in data["references"])
+            step = data.get("step_seconds")
+            return cls(
+                int(data["node"]),
+                float(data["at"]),
+                None if step is None else float(step),
+                ranks,
+                refs,
+                float(data["offset_error_seconds"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a straggler node summary: {exc!r}") from None
+
+
+@dataclass(frozen=True)
+class LateNode:
+    node: int
+    ranks: tuple[int, ...]
+    median_lag_s: float
+    late: int  # reference collectives at which it was the last node, by more than the floor
+    compared: int
+
+    def sentence(self) -> str:
+        ranks = ", ".join(str(r) for r in self.ranks)
+        return (
+            f"node {self.node} (ranks {ranks}) arrives {_ms(self.median_lag_s)} late at {self.late} of "
+            f"{self.compared} reference collectives"
+        )
+
+
+@dataclass(frozen=True)
+class CrossNodeJudgement:
+    named: tuple[tuple[int, int, str], ...]  # (node, global rank, sentence): named by its own node
+    late_nodes: tuple[LateNode, ...]  # a whole node behind the others
+
+    def sentences(self) -> list[str]:
+        return [f"node {node}: {text}" for node, _rank, text in self.named] + [n.sentence() for n in self.late_nodes]
+
+
+def clock_offset(sent: float, remote: float, received: float) -> tuple[float, float]:
+    """From one round trip (local ``sent``, the remote clock's reading ``remote``, local ``received``):
+    ``(offset, error)`` such that remote time = local time + offset, within +- error."""
+    return remote - (sent + received) / 2, max(0.0, (received - sent) / 2)
+
+
+def best_offset(samples: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
+    """The ``(offset, error)`` of the round trip with the smallest error (NTP's minimum-delay filter)."""
+    return min(samples, key=lambda s: s[1], default=None)
+
+
+def merge_nodes(
+    summaries: Sequence[NodeSummary], min_node_lag_s: float = 0.001, late_share: float = 0.8, min_compared: int = 3
+) -> CrossNodeJudgement:
+    """One judgement over every node's summary (each node runs it on what it received and its own).
+
+    * ranks named by their own node (compared with their node's peers, one clock) are named for all;
+    * a node as a whole is late when, at reference collectives every node judged, its median arrival
+      trails the median of the other nodes' by at least ``max(min_node_lag_s, 3 x the clock
+      uncertainty of the two)`` at ``late_share`` of at least ``min_compared`` of them.
+    """
+    named = tuple((s.node, r.rank, r.sentence) for s in summaries for r in s.ranks if r.named)
+    by_node = {s.node: ({seq: pairs for seq, pairs in s.references}, s) for s in summaries}
+    common: dict[int, dict[int, float]] = {}
+    for node, (refs, _s) in by_node.items():
+        for seq, pairs in refs.items():
+            if pairs:
+                common.setdefault(seq, {})[node] = _median([t for _r, t in pairs])
+    late_nodes = []
+    for node, (_refs, s) in by_node.items():
+        lags, floors = [], []
+        for arrivals in common.values():
+            if node not in arrivals or len(arrivals) < 2:
+                continue
+            others = [t for n, t in arrivals.items() if n != node]
+            lags.append(arrivals[node] - _median(others))
+            worst = max(by_node[n][1].offset_error_s for n in arrivals if n != node)
+            floors.append(max(min_node_lag_s, 3 * (s.offset_error_s + worst)))
+        if len(lags) < min_compared:
+            continue
+        late = sum(1 for lag, floor in zip(lags, floors, strict=True) if lag >= floor)
+        median_lag = _median(lags)
+        if late >= late_share * len(lags) and median_lag >= _median(floors):
+            late_nodes.append(LateNode(node, tuple(r.rank for r in s.ranks), median_lag, late, len(lags)))
+    return CrossNodeJudgement(named, tuple(late_nodes))
