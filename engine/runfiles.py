@@ -283,10 +283,11 @@ class Quarantine:
         """The incident ids that quarantined this fingerprint, or None."""
         if self.path is None:
             return None
-        self._refresh()
+        self.refresh()
         return self._entries.get(fp_hex)
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
+        """Re-read the file if it changed (inode, size, mtime); cheap when it did not."""
         path = self.path
         if path is None:
             return

@@ -167,6 +167,7 @@ class Frontend:
         self.inherited = listen_sock is not None
         self._listen_sock = listen_sock
         self._quarantine = Quarantine(spec.run_dir)
+        self._quarantine.refresh()  # at start (logged); then whenever the file changes
         self._waiting = _WaitingCount()
         self._seeds = random.Random(spec.seed)
         self._created = int(time.time())

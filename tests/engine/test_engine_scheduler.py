@@ -151,14 +151,15 @@ def parse(body):
 
 
 def test_parse_defaults_and_extensions():
-    spec = parse({"prompt": "hi"})
-    assert (spec.max_tokens, spec.temperature, spec.top_p, spec.seed, spec.stop, spec.stream) == (
+    gen = parse({"prompt": "hi"}).gen
+    assert (gen.max_tokens, gen.temperature, gen.top_p, gen.seed, gen.stop, gen.stream) == (
         16, 1.0, 1.0, None, (), False)
     spec = parse({"prompt": [[1, 2, 3]], "model": "m", "stop": ["x", ""], "ignore_eos": True,
                   "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True},
                   "seed": 5, "temperature": 0, "top_p": 0.5, "max_tokens": 3})
-    assert spec.prompt_ids == (1, 2, 3) and spec.stop == ("x",) and spec.ignore_eos and spec.return_token_ids
-    assert spec.include_usage and spec.seed == 5 and spec.temperature == 0.0
+    gen = spec.gen
+    assert spec.prompt_ids == (1, 2, 3) and gen.stop == ("x",) and gen.ignore_eos and gen.return_token_ids
+    assert gen.include_usage and gen.seed == 5 and gen.temperature == 0.0
 
 
 @pytest.mark.parametrize("body,status,param", [
