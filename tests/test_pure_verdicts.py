@@ -53,6 +53,7 @@ FORBIDDEN_LIBRARIES = (
 FORBIDDEN_OWN = (
     "tp_supervise.dumps.capture",
     "tp_supervise.dumps.procinfo",
+    "tp_supervise.dumps.slowness",
     "tp_supervise.dumps.flight_capture",
     "tp_supervise.dumps.bundle",
     "tp_supervise.dumps.incident",
