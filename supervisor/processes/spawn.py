@@ -37,7 +37,7 @@ from ..rank.ptrace import allow_tracer
 from .exits import ExitInfo
 from tp_supervise.dumps.procinfo import send_to_group
 
-HOOK_DIR = Path(__file__).resolve().parent / "rank" / "_hook"  # holds sitecustomize.py and nothing else
+HOOK_DIR = Path(__file__).resolve().parents[1] / "rank" / "_hook"  # holds sitecustomize.py and nothing else
 STACK_SIGNAL = signal.SIGRTMIN + 3
 ENV_RUN_KEY = "SUPERVISE_RUN_KEY"  # the marker teardown and the sweep look for (supervisor/processes/pidfds.py)
 ROLE_NAME = "default"  # torchrun's role name when none is given
