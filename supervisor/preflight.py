@@ -40,8 +40,8 @@ def preflight(spec: LaunchSpec) -> None:
                          "meet here; leave it out, or give this host's address")
     if spec.node_rank == 0 and spec.master_port is not None and _is_local(spec.master_addr):
         _check_port_free(spec.master_addr, spec.master_port, "--master-port")
-        if spec.nnodes > 1:
-            _check_port_free(spec.master_addr, spec.resolved_store_port, "--store-port")
+        # --store-port is bound by node 0's gate itself, which, finding it taken, says by whom (another node 0
+        # of this group, or something else): nodes/transport.py
     if spec.builtin and spec.engine.port != 0:
         _check_port_free(spec.engine.host, spec.engine.port, "--port")
 
