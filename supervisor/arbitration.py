@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import enum
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
+from .events import DivergenceFound, EarlyExitCheck
+from .outcome import TEARDOWN_EXIT
 from .processes import exits
 from .processes.attempt import Attempt
 from .processes.exits import ExitInfo, ExitStatus
 from .processes.spawn import RankHandle
-from .outcome import TEARDOWN_EXIT
-from .events import EarlyExitCheck
 from .rank.heartbeat import SlotSnapshot
-from .events import DivergenceFound
 
 # A rank that exits 0 is a fault only if its peers do not follow it within
 # this window (all ranks of a finished job exit within moments of each other).

@@ -10,23 +10,22 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import structlog
-from pathlib import Path
 
 from tp_supervise.engine.inject import KINDS as INJECT_KINDS  # the engine owns its fault kinds
 
 from . import spec as specs
-from .preflight import preflight
 from .nodes.handshake import HandshakeError
 from .outcome import EXIT_USAGE
+from .preflight import preflight
 from .spec import EngineOptions, LaunchSpec, UsageError
-
 
 
 def _wants_json_logs(argv: list[str]) -> bool:
     """``--log-format json`` on the command line, read before argparse (whose errors come first)."""
-    return "--log-format=json" in argv or any(a == "--log-format" and b == "json" for a, b in zip(argv, argv[1:]))
+    return "--log-format=json" in argv or any(a == "--log-format" and b == "json" for a, b in zip(argv, argv[1:], strict=False))
 
 
 _json_errors = False  # --log-format json: errors before the run are JSON lines too (docs/logs.md, usage_error)
@@ -278,9 +277,7 @@ def join_nodes(spec: LaunchSpec):
 
     import structlog
 
-    from .nodes import handshake
-
-    from .nodes import link
+    from .nodes import handshake, link
     from .nodes.transport import TransportError, open_transport
     from .outcome import new_run_id
 

@@ -33,42 +33,62 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import structlog
 
-from . import arbitration, logs
-from .processes import exits
-from .processes import spawn as launch
-from .processes import pidfds as procs
+from . import arbitration, events, logs, signals
 from .arbitration import EARLY_EXIT_WINDOW_S, Meaning, Ruling
-from .processes.attempt import NOT_STARTED, Attempt, AttemptView, Published, RankView
-from .processes.exits import ExitInfo
-from .rank.heartbeat import HeartbeatSegment
+from .events import (
+    ConsensusAgreed,
+    ControlRequest,
+    DivergenceFound,
+    EarlyExitCheck,
+    HangQueryUnanswered,
+    LoopTick,
+    ProcessExited,
+    RankClaimed,
+    SignalReceived,
+    WatchdogVerdict,
+)
 from .incidents.desk import IncidentDesk
-from .processes.spawn import RankHandle, RankSpec, RunContext
-from .processes.exit_monitor import ExitMonitor
-from .events import ProcessExited
-from .outcome import EXIT_DIVERGENCE, EXIT_HANG, EXIT_INTERNAL, EXIT_OK, EXIT_PEER, EXIT_RANK, EXIT_STARTUP, EXIT_TEARDOWN, LAUNCHER_KEY, Outcome, new_incident_id, new_run_id, run_dir_for
-from .events import ControlRequest, LoopTick, EarlyExitCheck, SignalReceived
-from . import events
-from .nodes import handshake
-from .nodes import link
-from .nodes import messages
-from .nodes.transport import NodeTransport
-from . import signals
-from .processes.cgroup import RunCgroup
-from .rank.net import free_port
-from .signals import Hurry
-from .restart import RestartPolicy
 from .multinode import NodeGroupRules
+from .nodes import handshake, link, messages
+from .nodes.transport import NodeTransport
 from .observers.services import Services
+from .observers.watchdog_thread import WatchdogThread
+from .outcome import (
+    EXIT_DIVERGENCE,
+    EXIT_HANG,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_PEER,
+    EXIT_RANK,
+    EXIT_STARTUP,
+    EXIT_TEARDOWN,
+    LAUNCHER_KEY,
+    Outcome,
+    new_incident_id,
+    new_run_id,
+    run_dir_for,
+)
+from .processes import exits
+from .processes import pidfds as procs
+from .processes import spawn as launch
+from .processes.attempt import NOT_STARTED, Attempt, AttemptView, Published, RankView
+from .processes.cgroup import RunCgroup
+from .processes.exit_monitor import ExitMonitor
+from .processes.exits import ExitInfo
+from .processes.spawn import RankHandle, RankSpec, RunContext
+from .processes.teardown import KillPolicy, TeardownResult, teardown
+from .rank.heartbeat import HeartbeatSegment
+from .rank.net import free_port
+from .restart import RestartPolicy
+from .signals import Hurry
 from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from .state import EngineState, Event, next_state
-from .processes.teardown import KillPolicy, TeardownResult, teardown
-from .observers.watchdog_thread import WatchdogThread
-from .events import ConsensusAgreed, DivergenceFound, HangQueryUnanswered, RankClaimed, WatchdogVerdict
 
 # Events produced for one attempt (they carry its number): acted on only in that attempt.
 ATTEMPT_EVENTS = (events.ConsequenceChecked, events.ConsequenceWindowOver, ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed, HangQueryUnanswered, DivergenceFound,

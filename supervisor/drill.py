@@ -26,8 +26,9 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .rank.net import free_port
 from tp_supervise.engine.inject import KINDS as INJECT_KINDS  # the engine owns its fault kinds
+
+from .rank.net import free_port
 
 FAULT_RANK = 1
 FAULT_STEP = 20

@@ -31,7 +31,7 @@ class SignalReceived:
 @dataclass(frozen=True)
 class ControlRequest:
     request: dict
-    reply: "queue.SimpleQueue[dict]"
+    reply: queue.SimpleQueue[dict]
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from . import events
 from .arbitration import peer_consequence
 from .events import ConsequenceChecked, ConsequenceWindowOver, HangQueryUnanswered, WatchdogVerdict
 from .nodes import messages
-from .processes import output_pump
 from .outcome import EXIT_OK, EXIT_PEER, Outcome, new_incident_id
+from .processes import output_pump
 from .state import Event
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ class NodeGroupRules:
             self.node_link.publish_stop(messages.Fault(node=self.spec.node_rank, rank=None, reason="shutdown",
                                                         incident_id="", verdict="stopped on a signal"))
 
-    def _on_peer_failed(self: Supervisor, ev: "events.PeerFailed") -> None:
+    def _on_peer_failed(self: Supervisor, ev: events.PeerFailed) -> None:
         fault = ev.fault
         if self.attempt.outcome is not None:
             return
@@ -129,7 +129,7 @@ class NodeGroupRules:
                   incident_id=fault.incident_id)
         self._peer_incident("peer_failed", fault.node, fault.rank, verdict)
 
-    def _on_node_lost(self: Supervisor, ev: "events.NodeLost") -> None:
+    def _on_node_lost(self: Supervisor, ev: events.NodeLost) -> None:
         if self.attempt.outcome is not None:
             return
         self.incident_id = new_incident_id(self.run_id)
@@ -177,7 +177,7 @@ class NodeGroupRules:
                         event_name="hang_query_unanswered", incident_id=self.hang_query.incident_id)
             self._rule_hang(self.deferred_hang)
 
-    def _on_peer_hang_query(self: Supervisor, ev: "events.PeerHangQuery") -> None:
+    def _on_peer_hang_query(self: Supervisor, ev: events.PeerHangQuery) -> None:
         if self.attempt.outcome is not None or self.hang_query is not None:
             return
         log.warning("another node's ranks all wait in a collective: looking for the missing rank here",

@@ -101,7 +101,7 @@ class Std:
     per_rank: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def parse(cls, text: str, flag: str) -> "Std":
+    def parse(cls, text: str, flag: str) -> Std:
         def value(part: str) -> int:
             if part.strip() not in ("0", "1", "2", "3"):
                 raise UsageError(f"{flag} {text!r}: each value is 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "

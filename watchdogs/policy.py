@@ -46,11 +46,12 @@ neither exists the time between two progressing observations.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import AbstractSet, Mapping, Sequence
 
 from tp_supervise.supervisor.rank.heartbeat import RENDEZVOUS_PHASE, SlotSnapshot
+
 from . import adaptive
 from .progress import ExternalProgress
 
@@ -225,11 +226,11 @@ class WatchdogState:
     progressed_at: float | None = None
 
     @classmethod
-    def initial(cls, now: float) -> "WatchdogState":
+    def initial(cls, now: float) -> WatchdogState:
         """State at launch: the startup clock starts ``now``."""
         return cls(started_at=now)
 
-    def next_attempt(self, now: float) -> "WatchdogState":
+    def next_attempt(self, now: float) -> WatchdogState:
         """State for the ranks' next attempt (a restart): progress history and
         claims forgotten, what was learned about the engine's rhythm kept."""
         return WatchdogState(started_at=now, learned=self.learned)
@@ -291,7 +292,7 @@ def observe(
     now: float,
     config: WatchdogConfig,
     external: ExternalProgress | None = None,
-    exited: AbstractSet[int] = frozenset(),
+    exited: Set[int] = frozenset(),
 ) -> tuple[WatchdogState, Verdict]:
     """Fold one reading of the heartbeat slots into the state and decide.
 

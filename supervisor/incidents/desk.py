@@ -42,32 +42,34 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import structlog
 
 from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget
 from tp_supervise.dumps.incident import IncidentResult, capture_incident, write_captured, write_incident
+from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
+
+from ..outcome import new_incident_id
+from ..processes import output_pump as output
 from ..processes.exits import ExitInfo
+from ..processes.spawn import error_file
 from .error_file import last_traceback, read_error_file
 from .exchange import IncidentExchange
-from ..processes import output_pump as output
-from ..processes.spawn import error_file
-from ..outcome import new_incident_id
-from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
 
 if TYPE_CHECKING:
     from tp_supervise.watchdogs.gpu import GpuSampler
 
-    from ..processes.attempt import AttemptView, RankView
+    from ..events import DivergenceFound, WatchdogVerdict
     from ..nodes.handshake import NodeGroup
+    from ..processes.attempt import AttemptView, RankView
     from ..rank.heartbeat import SlotSnapshot
     from ..signals import Hurry
     from ..spec import LaunchSpec
-    from ..events import DivergenceFound, WatchdogVerdict
 
 log = structlog.get_logger("supervise.incident")
 
@@ -162,13 +164,13 @@ class _SoftWorker:
 class IncidentDesk:
     def __init__(
         self,
-        spec: "LaunchSpec",
+        spec: LaunchSpec,
         run_id: str,
         run_dir: Path,
-        read_heartbeats: Callable[[], "list[SlotSnapshot]"],
+        read_heartbeats: Callable[[], list[SlotSnapshot]],
         on_dump: Callable[[str, bool, float], None],
-        gpu: "GpuSampler",
-        hurry: "Hurry",
+        gpu: GpuSampler,
+        hurry: Hurry,
     ):
         """``on_dump(reason, ok, duration_s)``: called once per bundle, on the thread that
         wrote it (or on the main thread, ok=False, when it could not finish in time).
@@ -187,7 +189,7 @@ class IncidentDesk:
         self.previous_cpu = None
         self.exchange: IncidentExchange | None = None  # multi-node: fatal bundles are shared through the store
 
-    def link_nodes(self, group: "NodeGroup") -> None:
+    def link_nodes(self, group: NodeGroup) -> None:
         """Multi-node (main thread, before any rank starts): every fatal bundle's node summary goes to the
         other nodes through the supervisors' store, and the originating node merges theirs."""
         self.exchange = IncidentExchange(group, self.hurry) if group.nnodes > 1 else None
@@ -223,7 +225,7 @@ class IncidentDesk:
         self.jobs = []
 
     # -------------------------------------------------------------- evidence
-    def targets(self, attempt: "AttemptView") -> list[RankTarget]:
+    def targets(self, attempt: AttemptView) -> list[RankTarget]:
         """The ranks as the main thread knew them at the decision, with their
         heartbeat slots as they read now."""
         snaps = {s.slot: s for s in self.read_heartbeats()}
@@ -253,7 +255,7 @@ class IncidentDesk:
         announced, self.next_incident_id = self.next_incident_id, None
         return dict(extra, incident_id=announced or new_incident_id(self.run_id))
 
-    def _base_summary(self, attempt: "AttemptView") -> dict:
+    def _base_summary(self, attempt: AttemptView) -> dict:
         spec = self.spec
         return {
             "run_id": self.run_id,
@@ -287,13 +289,13 @@ class IncidentDesk:
     def _make(
         self,
         job: DumpJob,
-        attempt: "AttemptView",
+        attempt: AttemptView,
         capture_s: float,
         extra_summary: dict,
         extra_files: dict | None,
         detected_at: float,
         freeze: bool,
-        late: "Callable[[], tuple[dict, dict]] | None" = None,
+        late: Callable[[], tuple[dict, dict]] | None = None,
     ) -> None:
         """Capture (then ``job.captured``), write (then ``job.done``); on a dump thread, never raises.
 
@@ -368,13 +370,13 @@ class IncidentDesk:
     def _fatal(
         self,
         reason: str,
-        attempt: "AttemptView",
+        attempt: AttemptView,
         capture_s: float,
         extra: dict,
         files: dict | None = None,
         detected_at: float | None = None,
         freeze: bool = False,
-        late: "Callable[[], tuple[dict, dict]] | None" = None,
+        late: Callable[[], tuple[dict, dict]] | None = None,
     ) -> DumpJob:
         """Start a fatal dump on its own thread; return once its capture ended, or
         after ``--dump-timeout`` (or a second stop signal) without it."""
@@ -411,10 +413,10 @@ class IncidentDesk:
     def _async(
         self,
         reason: str,
-        attempt: "AttemptView",
+        attempt: AttemptView,
         capture_s: float,
         extra: dict,
-        reply: "queue.SimpleQueue | None" = None,
+        reply: queue.SimpleQueue | None = None,
         files: dict | None = None,
         detected_at: float | None = None,
     ) -> None:
@@ -455,7 +457,7 @@ class IncidentDesk:
         self.soft.submit(work)
 
     # -------------------------------------------------------------- incidents
-    def rank_exit(self, first: "RankView", info: ExitInfo, attempt: "AttemptView") -> None:
+    def rank_exit(self, first: RankView, info: ExitInfo, attempt: AttemptView) -> None:
         """``first``: the root cause (``attempt.launcher`` or one of ``attempt.ranks``)."""
         who = "the launcher" if first.is_launcher else f"rank {first.rank}"
         others = [r.rank for r in attempt.live_ranks() if r.slot != first.slot]
@@ -480,7 +482,7 @@ class IncidentDesk:
         self._fatal("rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, files or None, detected_at=first.exited_at,
                     late=late)
 
-    def _stderr_evidence(self, first: "RankView", verdict: str, with_error: bool):
+    def _stderr_evidence(self, first: RankView, verdict: str, with_error: bool):
         """The failing process's last stderr (``logs/rank-<r>.txt``), read on the dump thread once the
         pump drained its pipe (at most ``STDERR_DRAIN_S``); without an ``@record`` error, its last Python
         traceback becomes the bundle's ``error`` and the verdict quotes the exception line.  In tree mode a
@@ -507,7 +509,7 @@ class IncidentDesk:
 
         return late
 
-    def _watchdog_extra(self, ev: "WatchdogVerdict") -> dict:
+    def _watchdog_extra(self, ev: WatchdogVerdict) -> dict:
         v = ev.verdict
         extra = {"watchdog": v.to_dict(), "stalled_s": round(ev.stalled_s, 3)}
         reading = self.gpu.latest()  # the sampler's cache: NVML is never called here
@@ -520,15 +522,15 @@ class IncidentDesk:
             }
         return extra
 
-    def soft_hang(self, ev: "WatchdogVerdict", attempt: "AttemptView") -> None:
+    def soft_hang(self, ev: WatchdogVerdict, attempt: AttemptView) -> None:
         self._async("hang_suspected", attempt, HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at)
 
-    def hard_hang(self, ev: "WatchdogVerdict", attempt: "AttemptView") -> list[int]:
+    def hard_hang(self, ev: WatchdogVerdict, attempt: AttemptView) -> list[int]:
         """Freeze, capture (bounded by --dump-timeout), return the diagnosis' culprits (none if cut short)."""
         job = self._fatal("hang", attempt, HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at, freeze=True)
         return list(job.culprits) if job.captured.is_set() else []
 
-    def startup_timeout(self, ev: "WatchdogVerdict", attempt: "AttemptView") -> None:
+    def startup_timeout(self, ev: WatchdogVerdict, attempt: AttemptView) -> None:
         extra = self._watchdog_extra(ev)
         pending = list(ev.verdict.pending_ranks)
         extra["culprit_ranks"] = pending
@@ -538,7 +540,7 @@ class IncidentDesk:
         )
         self._fatal("startup_timeout", attempt, HANG_CAPTURE_S, extra, detected_at=ev.at)
 
-    def divergence(self, ev: "DivergenceFound", attempt: "AttemptView", blocking: bool) -> None:
+    def divergence(self, ev: DivergenceFound, attempt: AttemptView, blocking: bool) -> None:
         """``blocking`` (enforce): fatal, the ranks frozen first; else a soft dump."""
         v = ev.verdict
         extra = {"culprit_ranks": list(v.culprit_ranks), "verdict": v.verdict, "divergence": v.to_dict()}
@@ -548,10 +550,10 @@ class IncidentDesk:
         else:
             self._async("divergence", attempt, HANG_CAPTURE_S, extra, files=files, detected_at=ev.at)
 
-    def on_demand(self, reply: "queue.SimpleQueue", attempt: "AttemptView") -> None:
+    def on_demand(self, reply: queue.SimpleQueue, attempt: AttemptView) -> None:
         self._async("on_demand", attempt, HANG_CAPTURE_S, {}, reply)
 
-    def peer_incident(self, reason: str, extra: dict, attempt: "AttemptView") -> None:
+    def peer_incident(self, reason: str, extra: dict, attempt: AttemptView) -> None:
         """Multi-node: another node failed or was lost (``peer_failed``, ``node_lost``): this node's
         evidence of the same incident, captured before its own teardown (fatal, bounded)."""
         self._fatal(reason, attempt, HANG_CAPTURE_S, extra)

@@ -6,7 +6,6 @@ import json
 import os
 from pathlib import Path
 
-
 ERROR_FILE_MAX_BYTES = 256 * 1024
 
 

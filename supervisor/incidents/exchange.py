@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import structlog
 
-from tp_supervise.dumps.bundle import SUMMARY_JSON, amend_summary
 from tp_supervise.dumps import node_merge
-
-
+from tp_supervise.dumps.bundle import SUMMARY_JSON, amend_summary
 
 from ..nodes import store as stores
 
@@ -63,7 +62,7 @@ def summary_key(incident_id: str, node_rank: int) -> str:
     return f"incident/{incident_id}/node/{node_rank}"
 
 
-def last_waits(targets: "Sequence[RankTarget]") -> dict[int, str]:
+def last_waits(targets: Sequence[RankTarget]) -> dict[int, str]:
     """Rank -> the collective it waited in until it ended without it: out of it now, and its heartbeat slot
     not written since it entered it (a collective that completes writes the slot as it ends).  A peer node's
     capture comes after the originating node began its teardown, which breaks the group's collectives:
@@ -78,20 +77,20 @@ def last_waits(targets: "Sequence[RankTarget]") -> dict[int, str]:
     return out
 
 
-def _connect(group: "NodeGroup", timeout_s: float) -> "Store":
+def _connect(group: NodeGroup, timeout_s: float) -> Store:
     return stores.client(group.connect_addr, timeout_s, connect_timeout_s=max(MIN_CALL_S, min(CONNECT_S, timeout_s / 2)))
 
 
 class IncidentExchange:
     """One node's side of the exchange; ``share`` runs on a dump thread and never raises."""
 
-    def __init__(self, group: "NodeGroup", hurry: "Hurry",
-                 connect: "Callable[[NodeGroup, float], Store]" = _connect):
+    def __init__(self, group: NodeGroup, hurry: Hurry,
+                 connect: Callable[[NodeGroup, float], Store] = _connect):
         self.group = group
         self.hurry = hurry
         self.connect = connect
 
-    def share(self, bundle: Path, deadline: float, origin: int, targets: "Sequence[RankTarget]" = ()) -> None:
+    def share(self, bundle: Path, deadline: float, origin: int, targets: Sequence[RankTarget] = ()) -> None:
         """``bundle``: this node's, just written; ``deadline``: the dump's (monotonic); ``origin``: the node
         whose fault this is (this node's own rank when it is the originating one); ``targets``: the ranks as
         the capture read them (their heartbeat slots say where a rank waited before the group broke)."""
@@ -144,7 +143,7 @@ class IncidentExchange:
                      event_name="incident_origin_not_heard", incident_id=incident_id, node=origin,
                      waited_s=wait_s)
 
-    def _won(self, store: "Store", incident_id: str, attempt) -> bool:
+    def _won(self, store: Store, incident_id: str, attempt) -> bool:
         """Whether this incident is the one on the fault bus of its group attempt (the one the others follow)."""
         raw = store.get_nowait(f"fault/{attempt}") if isinstance(attempt, int) else None
         if not raw:
@@ -154,7 +153,7 @@ class IncidentExchange:
         except (ValueError, AttributeError):
             return False
 
-    def _collect(self, store: "Store", incident_id: str, expected: list[int], until: float) -> dict[int, dict]:
+    def _collect(self, store: Store, incident_id: str, expected: list[int], until: float) -> dict[int, dict]:
         heard: dict[int, dict] = {}
         while True:
             for node in expected:

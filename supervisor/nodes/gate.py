@@ -214,7 +214,7 @@ class Gate:
             while not self._closing:
                 try:
                     frame = chan.recv()
-                except socket.timeout:
+                except TimeoutError:
                     silent = time.monotonic() - last
                     if silent >= self.node_lost_s:
                         why = f"node {node} ({peer}) did not answer for {silent:.1f} s (host down or network partition)"

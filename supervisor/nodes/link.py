@@ -213,7 +213,7 @@ class NodeLink:
         me, a = self.group.node_rank, self._attempt
         keys = [f"fault/{a}", f"hang/{a}", "stop"] + [
             key for n in range(self.group.nnodes) if n != me for key in (f"beat/{n}", f"done/{a}/{n}")]
-        seen = dict(zip(keys, self.store.get_many(keys)))
+        seen = dict(zip(keys, self.store.get_many(keys), strict=True))
         seen["fault"], seen["hang"] = seen[keys[0]], seen[keys[1]]
         for n in range(self.group.nnodes):
             if n != me:

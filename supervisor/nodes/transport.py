@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from .wire import ChannelError, Refused
 from .gate import NODE_LOST_S, Gate
 from .store import STORE_TIMEOUT_S, TorchStore
 from .store_host import DEFAULT_MEMORY_BYTES, StoreHost, StoreHostError
 from .tunnel import LinkClient, Tunnel, open_channel
+from .wire import ChannelError, Refused
 
 log = structlog.get_logger("supervise.nodes")
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import structlog
 
-from .wire import Channel, ChannelError, Refused, client_hello
 from .gate import BEAT_S, NODE_LOST_S, PIPE_CHUNK
+from .wire import Channel, ChannelError, Refused, client_hello
 
 log = structlog.get_logger("supervise.nodes")
 
@@ -172,7 +172,7 @@ class LinkClient:
                     next_ping = now + BEAT_S
                 try:
                     frame = chan.recv()
-                except socket.timeout:
+                except TimeoutError:
                     silent = time.monotonic() - last_heard
                     if silent >= self.node_lost_s:
                         why = (f"node 0 (the store's host) did not answer for {silent:.1f} s: its host is down, its "

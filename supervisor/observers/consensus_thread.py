@@ -47,7 +47,7 @@ class ConsensusThread:
     divergence (its agreement would belong to the attempt that ended).
     """
 
-    def __init__(self, monitor, post: Callable[[object], None], attempt: Callable[[], "AttemptView"]):
+    def __init__(self, monitor, post: Callable[[object], None], attempt: Callable[[], AttemptView]):
         self.monitor = monitor
         self.post = post
         self.attempt = attempt
@@ -103,7 +103,7 @@ class NodeConsensusThread:
     """
 
     def __init__(self, monitor, connect: Callable[[], object], node_rank: int, nnodes: int, nproc_per_node: int,
-                 post: Callable[[object], None], attempt: Callable[[], "AttemptView"]):
+                 post: Callable[[object], None], attempt: Callable[[], AttemptView]):
         self.monitor = monitor
         self.connect = connect
         self.node_rank, self.nnodes, self.nproc_per_node = node_rank, nnodes, nproc_per_node

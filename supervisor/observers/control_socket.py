@@ -27,9 +27,9 @@ import socket
 import stat
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import psutil
 import structlog
@@ -337,7 +337,7 @@ class ControlServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue
             except OSError:
                 if self._stop.is_set():

@@ -38,8 +38,8 @@ from urllib.parse import urlsplit
 import structlog
 
 from .. import state as engine_state
-from .metrics import SupervisorMetrics
 from ..rank.net import is_loopback
+from .metrics import SupervisorMetrics
 
 log = structlog.get_logger()
 
@@ -65,7 +65,7 @@ class HealthStatus:
     detail: str = ""
 
     @classmethod
-    def for_state(cls, state: engine_state.EngineState, detail: str = "") -> "HealthStatus":
+    def for_state(cls, state: engine_state.EngineState, detail: str = "") -> HealthStatus:
         """The status implied by the engine state alone (supervisor.state's policy)."""
         return cls(
             state=state.value,
@@ -96,7 +96,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, address: tuple[str, int], handler, app: "HealthServer"):
+    def __init__(self, address: tuple[str, int], handler, app: HealthServer):
         self.app = app
         # Open connections: keep-alive clients (Prometheus) would otherwise go
         # on being served by their request threads after stop().
@@ -247,7 +247,7 @@ class HealthServer:
         health: Callable[[], HealthStatus],
         host: str,
         port: int,
-        liveness: "Liveness | None" = None,
+        liveness: Liveness | None = None,
         serve_metrics: bool = True,
     ):
         self.serve_metrics = serve_metrics  # False: a health-only listener (--health-addr)
@@ -312,7 +312,7 @@ class HealthServer:
         self._server = None
         self._thread = None
 
-    def __enter__(self) -> "HealthServer":
+    def __enter__(self) -> HealthServer:
         self.start()
         return self
 

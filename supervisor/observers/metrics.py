@@ -30,15 +30,15 @@ import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 from importlib import metadata
+from typing import Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
-from ..processes import exits
 from ..outcome import TEARDOWN_EXIT
+from ..processes import exits
 from ..rank.heartbeat import SlotSnapshot
 from ..state import EngineState
 
@@ -409,7 +409,7 @@ class SupervisorMetrics:
         """Count one rank exit (``supervisor.processes.exits`` reasons, or ``TEARDOWN_EXIT``)."""
         self.rank_exits.labels(reason=self._bounded(reason, RANK_EXIT_REASONS, "rank exit reason")).inc()
 
-    def set_nodes(self, peers_up: "Mapping[int, bool]") -> None:
+    def set_nodes(self, peers_up: Mapping[int, bool]) -> None:
         """Multi-node: which other nodes' supervisors are alive (from the node-link thread; gauges are thread safe)."""
         for node, up in peers_up.items():
             self.peer_node_up.labels(node_rank=str(node)).set(1 if up else 0)

@@ -18,22 +18,24 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 
+from tp_supervise.watchdogs.gpu import GpuSampler, holding_memory
+
 from .. import state as engine_state
+from ..events import ControlRequest, LoopTick
 from ..rank.heartbeat import SlotSnapshot
 from .http_server import HealthCell, HealthServer, HealthStatus, Liveness
 from .metrics import SupervisorMetrics
-from ..events import ControlRequest, LoopTick
-from tp_supervise.watchdogs.gpu import GpuSampler, holding_memory
 
 if TYPE_CHECKING:
     from ..processes.attempt import AttemptView
-    from ..spec import LaunchSpec
     from ..processes.teardown import TeardownResult
+    from ..spec import LaunchSpec
 
 log = structlog.get_logger("supervise")
 
@@ -50,8 +52,8 @@ TEXTFILE_TIMEOUT_S = 2.0  # a --metrics-textfile write never holds the main thre
 
 
 class Services:
-    def __init__(self, spec: "LaunchSpec", run_id: str, run_dir: Path, post: Callable[[object], None],
-                 attempt: Callable[[], "AttemptView"], run_key: str | None = None):
+    def __init__(self, spec: LaunchSpec, run_id: str, run_dir: Path, post: Callable[[object], None],
+                 attempt: Callable[[], AttemptView], run_key: str | None = None):
         self.spec = spec
         self.attempt = attempt  # the main thread's latest AttemptView: the consensus threads tag their events with it
         self.run_id = run_id
@@ -87,6 +89,7 @@ class Services:
 
     def _init_consensus(self) -> None:
         from tp_supervise.consensus.monitor import ConsensusMonitor
+
         from .consensus_thread import ConsensusThread
 
         self.consensus_monitor = ConsensusMonitor(self.run_dir, self.spec.nproc_per_node)
@@ -261,7 +264,7 @@ class Services:
     def on_dump(self, reason: str, ok: bool, duration_s: float) -> None:
         self.metrics.record_dump(reason, ok, duration_s)
 
-    def on_teardown(self, result: "TeardownResult") -> None:
+    def on_teardown(self, result: TeardownResult) -> None:
         self.metrics.record_teardown(result.duration_s, result.complete)
 
     def linger(self, seconds: float, interrupt) -> None:
@@ -295,7 +298,7 @@ class Services:
             return []
         return holding_memory(samples, pids) if pids else []
 
-    def gpu_check(self) -> "Callable[[set[int]], list[tuple[int, int, int | None]]] | None":
+    def gpu_check(self) -> Callable[[set[int]], list[tuple[int, int, int | None]]] | None:
         """What teardown calls to verify GPU memory was released; None without NVML, or
         while the sampler is stuck in a driver call (teardown then does not wait on it)."""
         if not self.gpu.available or self.gpu.wedged(GPU_QUERY_TIMEOUT_S):

@@ -13,17 +13,18 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING
 
 import psutil
 import structlog
 
-from ..rank.heartbeat import SlotSnapshot, empty_slot
 from tp_supervise.dumps.procinfo import proc_state
 from tp_supervise.watchdogs import policy
 
 from ..events import RankClaimed, WatchdogVerdict
+from ..rank.heartbeat import SlotSnapshot, empty_slot
 
 if TYPE_CHECKING:
     from ..processes.attempt import AttemptView
@@ -63,9 +64,9 @@ class WatchdogThread:
 
     def __init__(
         self,
-        spec: "LaunchSpec",
+        spec: LaunchSpec,
         read_heartbeats: Callable[[], list[SlotSnapshot]],
-        attempt: Callable[[], "AttemptView"],
+        attempt: Callable[[], AttemptView],
         post: Callable[[object], None],
         on_tick: Callable[[list[SlotSnapshot], object, float, Mapping[int, bool]], None],
     ):
@@ -128,7 +129,7 @@ class WatchdogThread:
                 delay = 0
             self._stop.wait(delay)
 
-    def live_slots(self, raw: list[SlotSnapshot], attempt: "AttemptView") -> list[SlotSnapshot]:
+    def live_slots(self, raw: list[SlotSnapshot], attempt: AttemptView) -> list[SlotSnapshot]:
         """Slots of live ranks; slots of dead or stale processes read as empty."""
         ranks = attempt.ranks
         out = []
@@ -180,7 +181,7 @@ class WatchdogThread:
         hang here if a rank of this node is elsewhere: stopped, outside collectives, or behind ``seq``."""
         self._hang_query = (seq, node)
 
-    def _post(self, verdict, snaps: list[SlotSnapshot], now: float, attempt: "AttemptView") -> None:
+    def _post(self, verdict, snaps: list[SlotSnapshot], now: float, attempt: AttemptView) -> None:
         """Hand the verdicts that need action to the main loop (before anything
         else of this tick can fail: soft/hard/startup fire only once)."""
         if verdict.thresholds_changed:
@@ -201,7 +202,7 @@ class WatchdogThread:
                 self.post(WatchdogVerdict("all_ready", 0.0, "every rank is ready", None, tuple(snaps), now,
                                           attempt.number))
 
-    def _have_ranks(self, snaps: list[SlotSnapshot], now: float, attempt: "AttemptView") -> bool:
+    def _have_ranks(self, snaps: list[SlotSnapshot], now: float, attempt: AttemptView) -> bool:
         """Every rank showed up: claimed its slot, or (a rank that cannot
         claim one, e.g. not Python or no hook) has run for a grace period."""
         spec = self.spec

@@ -15,13 +15,14 @@ worker read that reference and never see a half-made state::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Generic, Mapping, TypeVar
+from typing import Generic, TypeVar
 
+from ..outcome import LAUNCHER_KEY, Outcome
 from .exits import ExitInfo
 from .spawn import RankHandle
-from ..outcome import LAUNCHER_KEY, Outcome
 
 T = TypeVar("T")
 
@@ -54,7 +55,7 @@ class RankView:
     exited_at: float | None = None
 
     @classmethod
-    def of(cls, handle: RankHandle) -> "RankView":
+    def of(cls, handle: RankHandle) -> RankView:
         return cls(handle.slot, handle.rank, handle.pid, handle.started_at, handle.exit, handle.exited_at)
 
     @property

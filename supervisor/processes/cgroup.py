@@ -105,7 +105,7 @@ class RunCgroup:
         return found
 
     @classmethod
-    def create(cls, run_id: str) -> tuple["RunCgroup | None", str]:
+    def create(cls, run_id: str) -> tuple[RunCgroup | None, str]:
         """The run's cgroup, or None and why not (the caller logs the mechanism in use)."""
         reasons = []
         for base, kind in cls.bases():
@@ -120,7 +120,7 @@ class RunCgroup:
         return None, "; ".join(reasons) or "no cgroup hierarchy mounted"
 
     @classmethod
-    def existing(cls, run_id: str) -> list["RunCgroup"]:
+    def existing(cls, run_id: str) -> list[RunCgroup]:
         """The cgroups a (possibly dead) run with this id left, in every usable hierarchy."""
         out = []
         for base, kind in cls.bases():

@@ -28,13 +28,13 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import structlog
 
-from . import pidfds as procs
 from ..events import ProcessExited
+from . import pidfds as procs
 from .exits import ExitStatus
 from .pidfds import Pidfd
 

@@ -46,7 +46,7 @@ class ExitStatus:
     core_dumped: bool = False
 
     @classmethod
-    def from_waitid(cls, result) -> "ExitStatus":
+    def from_waitid(cls, result) -> ExitStatus:
         if result.si_code == os.CLD_EXITED:
             return cls(code=result.si_status, signal=None)
         return cls(code=None, signal=result.si_status, core_dumped=result.si_code == os.CLD_DUMPED)

@@ -46,8 +46,9 @@ import selectors
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Iterator
+from typing import IO
 
 import structlog
 
@@ -157,7 +158,7 @@ class RankStreams:
     """The pipes of one process being started: give ``stdout``/``stderr`` to Popen, then call
     ``started`` (or ``abandon`` if it failed)."""
 
-    pump: "RankOutput"
+    pump: RankOutput
     source: Source
     stdout: int
     stderr: int
@@ -220,7 +221,7 @@ class RankOutput:
         attempt = self._attempts.get(source, -1) + 1
         self._attempts[source] = attempt
         streams = []
-        for name, fd in zip(STREAMS, read_ends):
+        for name, fd in zip(STREAMS, read_ends, strict=True):
             log_path, console = self._route(source, name, attempt)
             stream = _Stream(source, name, fd, console, log_path)
             self._latest[(source, name)] = stream

@@ -27,8 +27,8 @@ import os
 import select
 import signal
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import psutil
 import structlog
@@ -128,7 +128,7 @@ class Pidfd:
         self.reaped = False
 
     @classmethod
-    def open(cls, pid: int, child: bool = False) -> "Pidfd | None":
+    def open(cls, pid: int, child: bool = False) -> Pidfd | None:
         try:
             return cls(pid, os.pidfd_open(pid), child)
         except OSError:

@@ -25,17 +25,18 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
+from tp_supervise.dumps.procinfo import send_to_group
+
+from ..rank import runtime
+from ..rank.ptrace import allow_tracer
 from . import output_pump as output
 from . import pidfds as procs
 from .cgroup import join_in_child
-from ..rank import runtime
-from ..rank.ptrace import allow_tracer
 from .exits import ExitInfo
-from tp_supervise.dumps.procinfo import send_to_group
 
 HOOK_DIR = Path(__file__).resolve().parents[1] / "rank" / "_hook"  # holds sitecustomize.py and nothing else
 STACK_SIGNAL = signal.SIGRTMIN + 3
@@ -89,7 +90,7 @@ class RankHandle:
     exit: ExitInfo | None = None
     exited_at: float | None = None
     # Held from the spawn (or the tree-mode claim) until the teardown reaped it: every signal goes through it.
-    proc: "procs.Pidfd | None" = None
+    proc: procs.Pidfd | None = None
 
     @property
     def slot(self) -> int:
@@ -185,7 +186,7 @@ def _child_setup(supervisor_pid: int, cgroup_procs: str | None):
 
 
 def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None,
-          pump: "output.RankOutput | None" = None) -> RankHandle:
+          pump: output.RankOutput | None = None) -> RankHandle:
     """Start one rank (slot -1: the tree-mode launcher).  Must be called from the main thread (see module doc).
 
     Its stdout and stderr are pipes to ``pump`` (default: the run's, ``output.installed()``); with no

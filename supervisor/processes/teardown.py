@@ -32,17 +32,17 @@ from __future__ import annotations
 import select
 import signal
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import structlog
 
+from ..signals import Hurry
 from . import pidfds as procs
 from .cgroup import RunCgroup
 from .exits import ExitStatus
-from .spawn import RankHandle, signal_group
 from .pidfds import Pidfd
-from ..signals import Hurry
+from .spawn import RankHandle, signal_group
 
 log = structlog.get_logger("supervise.teardown")
 
@@ -61,7 +61,7 @@ class KillPolicy:
     grace_s: float
     first_signal: int = signal.SIGTERM
     immediate: bool = False  # second Ctrl-C: skip straight to SIGKILL
-    hurry: "Hurry | None" = None  # set mid-wait (a second stop signal): stop waiting, escalate now
+    hurry: Hurry | None = None  # set mid-wait (a second stop signal): stop waiting, escalate now
 
 
 @dataclass
@@ -80,7 +80,7 @@ class TeardownResult:
         return not self.survivors and not self.gpu_holders
 
 
-def wait_gone(held: Iterable[Pidfd], deadline: float, hurry: "Hurry | None" = None) -> list[Pidfd]:
+def wait_gone(held: Iterable[Pidfd], deadline: float, hurry: Hurry | None = None) -> list[Pidfd]:
     """Block on the pidfds until every process ended or the deadline; returns those still running.
 
     A zombie counts as ended (its pidfd is readable)."""
