@@ -159,7 +159,7 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
     from .core import BroadcastLeader, BroadcastWorker, ReplicatedRank
     from .inject import FaultInjector
     from .model import LlamaShard
-    from .planes import PlanPublisher, PlanSubscriber, RequestExchange, startup_exchange
+    from .planes import PlanPublisher, PlanSubscriber, RequestExchange, StartupStatus, WireError, startup_exchange
     from .runfiles import InflightFile, InflightRequests, attempt_from, inflight_path
     from .runner import ModelRunner
     from .scheduler import Scheduler, SchedulerConfig
@@ -202,7 +202,7 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
     broadcast = cfg.control_plane == "broadcast"
     bridge = frontend = publisher = subscriber = None
     inflight = InflightRequests(None)
-    status = None
+    status: StartupStatus | None = None
     if rank == 0:
         bridge = EngineBridge()
         spec = FrontendSpec(model_name=cfg.model_name, max_context=cfg.max_context, vocab_size=model_cfg.vocab_size,
@@ -242,6 +242,8 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
             return STARTUP_FAILED_EXIT_CODE
         if broadcast and rank > 0:
             host = "127.0.0.1" if dist_env.single_node else dist_env.master_addr
+            if status["plan_port"] is None:
+                raise WireError("rank 0 announced no plan port for the broadcast plane")
             subscriber = PlanSubscriber(host, status["plan_port"])
         if publisher is not None and not publisher.wait_subscribers(world - 1, SUBSCRIBE_TIMEOUT_S):
             log.error("workers did not subscribe to the plan channel", timeout_s=SUBSCRIBE_TIMEOUT_S)
@@ -250,9 +252,15 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
             return STARTUP_FAILED_EXIT_CODE
 
         sched_cfg = SchedulerConfig(cfg.max_batch, cfg.max_batch_tokens, cfg.max_context, model_cfg.eos_token_ids)
-        if broadcast:
-            loop = (BroadcastLeader(runner, Scheduler(sched_cfg), bridge, publisher, injector, inflight) if rank == 0
-                    else BroadcastWorker(runner, subscriber, injector))
+        loop: BroadcastLeader | BroadcastWorker | ReplicatedRank
+        if broadcast and rank == 0:
+            if bridge is None:
+                raise RuntimeError("rank 0 has no request bridge")
+            loop = BroadcastLeader(runner, Scheduler(sched_cfg), bridge, publisher, injector, inflight)
+        elif broadcast:
+            if subscriber is None:
+                raise RuntimeError(f"rank {rank} has no plan subscriber")
+            loop = BroadcastWorker(runner, subscriber, injector)
         else:
             exchange = RequestExchange(control_group, rank, world)
             loop = ReplicatedRank(rank, runner, Scheduler(sched_cfg), exchange, comm, injector, bridge,
@@ -260,7 +268,7 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
         if bridge is not None:
             guard.set_callback(bridge.request_shutdown)
         instrument.ready()
-        if rank == 0:
+        if frontend is not None:  # rank 0
             _print_ready(cfg, frontend.host, frontend.port, world)
         log.info("serving", control_plane=cfg.control_plane, injections=[str(i) for i in injector.injections],
                  inherited_socket=listen.sock is not None)

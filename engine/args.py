@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from .inject import ALL_KINDS, Injection
 from .model_config import PRESETS, ModelConfig, ModelConfigError
@@ -54,7 +54,7 @@ class DistEnv:
             raise ValueError(f"LOCAL_RANK={self.local_rank} is outside LOCAL_WORLD_SIZE={self.local_world_size}")
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str]) -> "DistEnv":
+    def from_environ(cls, env: Mapping[str, str]) -> DistEnv:
         def num(name: str, default: int) -> int:
             text = env.get(name)
             if text is None or text == "":

@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .scheduler import Request, SeqOutput
 

@@ -14,9 +14,9 @@ prompt such as ``"w5 w9"`` encodes to ``[1, 5, 9]``.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIALS = ("<unk>", "<s>", "</s>")

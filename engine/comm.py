@@ -22,15 +22,13 @@ def init_groups(dist_env: DistEnv, device: str):
     if dist_env.world_size == 1:
         return None, None
     backend = "nccl" if device == "cuda" else "gloo"
-    kwargs = {}
-    if device == "cuda":
-        kwargs["device_id"] = torch.device("cuda", dist_env.local_rank)
+    device_id = torch.device("cuda", dist_env.local_rank) if device == "cuda" else None
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
         rank=dist_env.rank,
         world_size=dist_env.world_size,
-        **kwargs,
+        device_id=device_id,
     )
     model_group = dist.group.WORLD
     control_group = dist.new_group(backend="gloo")

@@ -82,7 +82,7 @@ class Injection:
             raise ValueError(f"inject step must be >= 1, got {self.step}")
 
     @classmethod
-    def parse(cls, text: str) -> "Injection":
+    def parse(cls, text: str) -> Injection:
         """``KIND@RANK[:STEP]`` -> Injection; ValueError with the expected format otherwise."""
         kind, sep, rest = text.strip().partition("@")
         if not sep or not kind or not rest:

@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, TextIO
 
 from tp_supervise.supervisor.rank import consensus as _consensus
 from tp_supervise.supervisor.rank import runtime as _sv
 
 
-
 class _Sinks:
-    trace = None  # open text file or None (--trace-events)
+    trace: TextIO | None = None  # open text file (--trace-events)
 
 
 _sinks = _Sinks()

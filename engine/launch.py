@@ -20,9 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from tp_supervise.supervisor.rank.net import free_port
 
@@ -73,7 +73,7 @@ class LocalEngine:
         env.update(self.spec.rank_env.get(rank, {}))
         return env
 
-    def start(self) -> "LocalEngine":
+    def start(self) -> LocalEngine:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(self.spec.nproc):
             with open(self.out_path(rank), "wb") as out, open(self.err_path(rank), "wb") as err:
@@ -143,7 +143,7 @@ class LocalEngine:
             except subprocess.TimeoutExpired:
                 pass
 
-    def __enter__(self) -> "LocalEngine":
+    def __enter__(self) -> LocalEngine:
         return self.start()
 
     def __exit__(self, *_exc) -> None:

@@ -65,7 +65,7 @@ class KVPool:
         self.limit = max_context
         self._free = list(range(slots - 1, -1, -1))
 
-    def allocate(self) -> "SeqKV":
+    def allocate(self) -> SeqKV:
         if not self._free:
             raise RuntimeError(f"KV cache full: all {self.k.shape[1]} sequence slots are in use")
         slot = self._free.pop()
@@ -77,7 +77,7 @@ class KVPool:
         self.v[:, slot].zero_()
         return SeqKV(self, slot)
 
-    def release(self, seq: "SeqKV") -> None:
+    def release(self, seq: SeqKV) -> None:
         if seq.slot is not None:
             self._free.append(seq.slot)
             seq.slot = None
@@ -223,7 +223,7 @@ class LlamaShard:
             if dec.contiguous:
                 return dec_out
         out = q.new_empty(q.shape[0], self._q_width)
-        if dec_out is not None:
+        if dec is not None and dec_out is not None:
             out[dec.rows] = dec_out
         for sp in spans:
             if sp.length == 1:

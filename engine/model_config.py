@@ -90,7 +90,7 @@ class ModelConfig:
         return self.num_layers * per_layer + heads + self.hidden_size
 
     @classmethod
-    def from_hf(cls, data: dict) -> "ModelConfig":
+    def from_hf(cls, data: dict) -> ModelConfig:
         """Build from the dict of a Hugging Face ``config.json``."""
         archs = data.get("architectures") or []
         model_type = data.get("model_type")
@@ -132,7 +132,7 @@ class ModelConfig:
         return cfg
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         try:
             data = json.loads(path.read_text())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch.distributed as dist
 import zmq
@@ -37,6 +38,14 @@ class Shutdown:
     reason: str
 
 
+class StartupStatus(TypedDict):
+    """Rank 0's startup outcome, sent to every rank (a plain dict on the wire)."""
+
+    ok: bool
+    error: str
+    plan_port: int | None  # the broadcast plane's port, when there is one
+
+
 def _encode(payload) -> bytes:
     return pickle.dumps((WIRE_VERSION, payload), protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -54,7 +63,7 @@ class PlanPublisher:
     """Rank 0's end of the broadcast plane."""
 
     def __init__(self, bind_host: str):
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a plan
@@ -85,7 +94,7 @@ class PlanSubscriber:
     """A worker's end of the broadcast plane."""
 
     def __init__(self, connect_host: str, port: int):
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -121,10 +130,11 @@ class RequestExchange:
         return box[0]
 
 
-def startup_exchange(group, rank: int, world_size: int, status: dict | None) -> dict:
-    """One broadcast from rank 0 at startup: {"ok", "error", "plan_port"}; a barrier as well."""
-    if world_size == 1:
-        return status or {}
+def startup_exchange(group, rank: int, world_size: int, status: StartupStatus | None) -> StartupStatus:
+    """One broadcast from rank 0 at startup (rank 0 passes its status, the others None); a barrier as well."""
     box = [status if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=group)
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0, group=group)
+    if box[0] is None:
+        raise WireError("rank 0 sent no startup status")
     return box[0]

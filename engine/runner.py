@@ -61,15 +61,16 @@ class ModelRunner:
         spans: list[Span] = []
         states: list[_SeqState] = []
         for item in plan.items:
-            if item.is_prefill:
+            if item.params is not None:  # a prefill item
                 if item.seq_id in self._seqs:
                     raise PlanMismatch(f"step {plan.index}: sequence {item.seq_id} prefilled twice")
                 state = _SeqState(self.model.new_cache(), item.params, make_generator(item.params.seed, self.device))
                 self._seqs[item.seq_id] = state
             else:
-                state = self._seqs.get(item.seq_id)
-                if state is None:
+                known = self._seqs.get(item.seq_id)
+                if known is None:
                     raise PlanMismatch(f"step {plan.index}: unknown sequence {item.seq_id}")
+                state = known
             if item.start != state.cache.length:
                 raise PlanMismatch(
                     f"step {plan.index}: sequence {item.seq_id} resumes at {item.start}, "

@@ -47,11 +47,11 @@ def _draw(row: torch.Tensor, best: torch.Tensor, p: SamplingParams, gen: torch.G
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """One token per row of ``logits`` [rows, vocab] (float32); ``SAMPLE_FAILED`` for a row that cannot be sampled."""
-    best, greedy = logits.max(dim=-1)
-    finite = torch.isfinite(best).tolist()  # a NaN anywhere in a row makes its max NaN
-    greedy = greedy.tolist()
-    out = []
-    for row, (p, gen) in enumerate(zip(params, generators)):
+    best, argmax = logits.max(dim=-1)
+    finite: list[bool] = torch.isfinite(best).tolist()  # a NaN anywhere in a row makes its max NaN
+    greedy: list[int] = argmax.tolist()
+    out: list[int] = []
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if not finite[row]:
             log.warning("sampling failed: non-finite logits", row=row)
             token = SAMPLE_FAILED

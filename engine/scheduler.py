@@ -82,7 +82,7 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(len(it.token_ids) for it in self.items)
 
-    def without_last(self) -> "StepPlan":
+    def without_last(self) -> StepPlan:
         return replace(self, items=self.items[:-1])
 
     def describe(self) -> list[list]:
@@ -196,7 +196,7 @@ class Scheduler:
         released = set(plan.release)
         self._release = [s for s in self._release if s not in released]
         outputs: list[SeqOutput] = []
-        for item, token in zip(plan.items, tokens):
+        for item, token in zip(plan.items, tokens, strict=True):
             seq = self._running.get(item.seq_id)
             if item.is_prefill:
                 seq = self._admit(item.seq_id)
