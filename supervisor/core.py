@@ -35,13 +35,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
+
+from tp_supervise.watchdogs.policy import VerdictKind
 
 from . import arbitration, events, logs, signals
 from .arbitration import EARLY_EXIT_WINDOW_S, Meaning, Ruling
 from .events import (
+    AllRanksReady,
     ConsensusAgreed,
     ControlRequest,
     DivergenceFound,
@@ -91,10 +94,18 @@ from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from .state import EngineState, Event, next_state
 
 # Events produced for one attempt (they carry its number): acted on only in that attempt.
-ATTEMPT_EVENTS = (events.ConsequenceChecked, events.ConsequenceWindowOver, ProcessExited, EarlyExitCheck, WatchdogVerdict, RankClaimed, HangQueryUnanswered, DivergenceFound,
+ATTEMPT_EVENTS = (events.ConsequenceChecked, events.ConsequenceWindowOver, ProcessExited, EarlyExitCheck, WatchdogVerdict, AllRanksReady, RankClaimed, HangQueryUnanswered, DivergenceFound,
                   ConsensusAgreed)
 
 log = structlog.get_logger("supervise")
+
+T = TypeVar("T")
+
+
+def _set_up(value: T | None, name: str) -> T:
+    if value is None:
+        raise RuntimeError(f"Supervisor.{name} used before _setup")
+    return value
 
 
 class Supervisor(NodeGroupRules):
@@ -128,20 +139,21 @@ class Supervisor(NodeGroupRules):
         self.hurry = Hurry()
         self.cgroup: RunCgroup | None = None
         self.oom = exits.OomCounter()
-        self.run_dir: Path | None = None
-        self.heartbeat: HeartbeatSegment | None = None
+        self._run_dir: Path | None = None
+        self._heartbeat: HeartbeatSegment | None = None
         self.death_r = self.death_w = -1
-        self.ctx: RunContext | None = None
+        self._ctx: RunContext | None = None
         self.monitor = ExitMonitor(self.post)
-        self.watchdog: WatchdogThread | None = None
-        self.desk: IncidentDesk | None = None
-        self.services: Services | None = None  # metrics, health, control socket, consensus poller
+        self._watchdog: WatchdogThread | None = None
+        self._desk: IncidentDesk | None = None
+        self._services: Services | None = None  # metrics, health, control socket, consensus poller
         # Threads that post events: started in this order, stopped in reverse.
         self.sources: list = [self.monitor]
         self.handlers: dict[type, Callable[[Any], None]] = {
             ProcessExited: self._on_exit,
             EarlyExitCheck: self._on_early_exit_check,
             WatchdogVerdict: self._on_watchdog,
+            AllRanksReady: self._on_all_ready,
             RankClaimed: self._on_claimed,
             DivergenceFound: self._on_divergence,
             ConsensusAgreed: self._on_agreed,
@@ -158,12 +170,38 @@ class Supervisor(NodeGroupRules):
         self.last_teardown: TeardownResult | None = None
         self.suspicions: set[str] = set()  # why the engine is SUSPECT: "hang", "divergence"
 
+
+    # What _setup creates (run() calls it first): reading one before is a bug, said as one.
+    @property
+    def run_dir(self) -> Path:
+        return _set_up(self._run_dir, "run_dir")
+
+    @property
+    def heartbeat(self) -> HeartbeatSegment:
+        return _set_up(self._heartbeat, "heartbeat")
+
+    @property
+    def ctx(self) -> RunContext:
+        return _set_up(self._ctx, "ctx")
+
+    @property
+    def watchdog(self) -> WatchdogThread:
+        return _set_up(self._watchdog, "watchdog")
+
+    @property
+    def desk(self) -> IncidentDesk:
+        return _set_up(self._desk, "desk")
+
+    @property
+    def services(self) -> Services:
+        return _set_up(self._services, "services")
+
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
         procs.make_subreaper()
-        self.run_dir = run_dir_for(self.run_key)
+        self._run_dir = run_dir_for(self.run_key)
         nslots = self.spec.nproc_per_node
-        self.heartbeat = HeartbeatSegment(self.run_dir / "heartbeat", nslots, self.run_id, time.monotonic())
+        self._heartbeat = HeartbeatSegment(self.run_dir / "heartbeat", nslots, self.run_id, time.monotonic())
         self.death_r, self.death_w = os.pipe()
         os.set_inheritable(self.death_r, False)
         os.set_inheritable(self.death_w, False)
@@ -173,7 +211,7 @@ class Supervisor(NodeGroupRules):
             log.info("process tracking", mechanism=self.cgroup.describe())
         else:
             log.info("process tracking", mechanism="run-marker scan only (no cgroup)", why=why_not)
-        self.ctx = RunContext(
+        self._ctx = RunContext(
             run_id=self.run_id,
             run_dir=self.run_dir,
             heartbeat_path=self.heartbeat.path,
@@ -189,9 +227,9 @@ class Supervisor(NodeGroupRules):
             run_key=self.run_key,
             cgroup_procs=self.cgroup.procs_file if self.cgroup is not None else None,
         )
-        self.services = Services(self.spec, self.run_id, self.run_dir, self.post, self.attempt_view,
+        self._services = Services(self.spec, self.run_id, self.run_dir, self.post, self.attempt_view,
                                  run_key=self.run_key)
-        self.desk = IncidentDesk(
+        self._desk = IncidentDesk(
             self.spec,
             self.run_id,
             self.run_dir,
@@ -200,7 +238,7 @@ class Supervisor(NodeGroupRules):
             gpu=self.services.gpu,
             hurry=self.hurry,
         )
-        self.watchdog = WatchdogThread(
+        self._watchdog = WatchdogThread(
             self.spec,
             read_heartbeats=self.heartbeat.read_all,
             attempt=self.attempt_view,
@@ -233,10 +271,7 @@ class Supervisor(NodeGroupRules):
 
     def _cleanup(self) -> None:
         closers = [source.stop for source in reversed(self.sources)]
-        closers += [
-            lambda: self.desk and self.desk.close(),
-            lambda: self.heartbeat and self.heartbeat.close(),
-        ]
+        closers += [part.close for part in (self._desk, self._heartbeat) if part is not None]
         for closer in closers:
             try:
                 closer()
@@ -245,7 +280,7 @@ class Supervisor(NodeGroupRules):
         for fd in (self.death_r, self.death_w):
             if fd >= 0:
                 os.close(fd)
-        if self.run_dir is not None:
+        if self._run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.cgroup is not None:
             self.cgroup.kill()  # nothing should be left; if something is, it goes now
@@ -259,7 +294,7 @@ class Supervisor(NodeGroupRules):
         if new is not self.state:
             log.debug("state", old=self.state.value, new=new.value, cause=event.value)
             self.state = new
-            if self.services is not None:
+            if self._services is not None:
                 self.services.on_state(new)
 
     # ------------------------------------------------------------------ run
@@ -360,7 +395,6 @@ class Supervisor(NodeGroupRules):
 
 
     def _launch(self) -> None:
-        assert self.ctx is not None
         self.attempt = Attempt(self.attempt_view.set, started_at=time.monotonic(), restarts=self.restart.restarts,
                                number=self.attempt.number + 1)
         logs.bind_attempt(self.attempt.number)
@@ -373,9 +407,9 @@ class Supervisor(NodeGroupRules):
             env = launch.rank_env(self.base_env, self.ctx, None, extra_env(None))
             spec = RankSpec(slot=-1, rank=-1, argv=tuple(self.spec.rank_argv()), env=env)
             with self.monitor.spawning():
-                handle = self._spawn(spec)
+                handle, proc = self._spawn(spec)
                 self.attempt.set_launcher(handle)
-                self.monitor.watch(LAUNCHER_KEY, handle.proc, self.attempt.number)
+                self.monitor.watch(LAUNCHER_KEY, proc, self.attempt.number)
             log.info("launcher started", pid=handle.pid)
             return
         for slot in range(self.spec.nproc_per_node):
@@ -383,17 +417,17 @@ class Supervisor(NodeGroupRules):
             env = launch.rank_env(self.base_env, self.ctx, slot, extra_env(slot), restart_count=self.restart.restarts)
             spec = RankSpec(slot=slot, rank=rank, argv=tuple(self.spec.rank_argv()), env=env)
             with self.monitor.spawning():
-                handle = self._spawn(spec)
+                handle, proc = self._spawn(spec)
                 self.attempt.add_rank(handle)
-                self.monitor.watch(("rank", slot), handle.proc, self.attempt.number)
+                self.monitor.watch(("rank", slot), proc, self.attempt.number)
             log.info("rank started", rank=rank, pid=handle.pid)
 
-    def _spawn(self, spec: RankSpec) -> RankHandle:
+    def _spawn(self, spec: RankSpec) -> tuple[RankHandle, procs.Pidfd]:
         """Start one process and hold it by pidfd from now on.  Opening the pidfd after the fork
         is race-free: the process is our unreaped child, its pid cannot change hands."""
         handle = launch.spawn(spec, self.ctx)
-        handle.proc = procs.Pidfd(handle.pid, os.pidfd_open(handle.pid), child=True)
-        return handle
+        proc = handle.proc = procs.Pidfd(handle.pid, os.pidfd_open(handle.pid), child=True)
+        return handle, proc
 
     def _run_attempt(self) -> Outcome:
         if self.stopping is not None:
@@ -498,6 +532,8 @@ class Supervisor(NodeGroupRules):
         if ruling.count_as is not None:
             self.services.on_rank_exit(ruling.count_as)
         handle, info = ruling.handle, ruling.info
+        if handle is None or info is None:  # only a STALE ruling names no exit
+            return
         if ruling.meaning is Meaning.CONSEQUENCE:
             log.debug("rank exited during shutdown", rank=handle.rank, pid=handle.pid, cause=info.description)
         elif ruling.meaning is Meaning.RECHECK:
@@ -560,29 +596,31 @@ class Supervisor(NodeGroupRules):
             return
         self.monitor.watch(("tree-rank", ev.slot), handle.proc, self.attempt.number)
 
+    def _on_all_ready(self, ev: AllRanksReady) -> None:
+        if self.attempt.outcome is None:
+            self.transition(Event.ALL_READY)
+            self.services.on_ready(len(self.attempt.ranks))
+
     def _on_watchdog(self, ev: WatchdogVerdict) -> None:
         if self.attempt.outcome is not None:
             return
         kind = ev.kind
-        if kind == "all_ready":
-            self.transition(Event.ALL_READY)
-            self.services.on_ready(len(self.attempt.ranks))
-        elif kind == "soft":
+        if kind is VerdictKind.SOFT:
             self.suspicions.add("hang")
             self.transition(Event.SOFT_HANG)
             self.services.on_hang("soft")
             log.warning("hang suspected: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)
             self.desk.soft_hang(ev, self.attempt.view)
-        elif kind == "recovered":
+        elif kind is VerdictKind.RECOVERED:
             log.info("progress resumed", stalled_s=round(ev.stalled_s, 2))
             self._clear_suspicion("hang")
             if self.deferred_hang is not None:  # asked the other nodes, then progress came back: no hang
                 self.deferred_hang = self.hang_query = None
-        elif kind == "hard":
+        elif kind is VerdictKind.HARD:
             if self._divergence_was_first() or self._ask_the_other_nodes(ev):
                 return
             self._rule_hang(ev)
-        elif kind == "startup_timeout":
+        elif kind is VerdictKind.STARTUP_TIMEOUT:
             self.transition(Event.STARTUP_TIMEOUT)
             log.error("startup timeout: " + ev.message, startup_timeout_s=self.spec.startup_timeout)
             self._announce_fault("startup_timeout", None, "startup timeout: " + ev.message)
@@ -644,7 +682,7 @@ class Supervisor(NodeGroupRules):
         if self.attempt.launcher is not None:
             handles.append(self.attempt.launcher)
         kind = "tree-rank" if self.spec.tree else "rank"  # the keys _launch/_on_claimed watch under
-        keys = {(kind, h.slot) for h in self.attempt.ranks.values()} | {LAUNCHER_KEY}
+        keys: set[object] = {(kind, h.slot) for h in self.attempt.ranks.values()} | {LAUNCHER_KEY}
         policy = KillPolicy(grace_s=self.spec.kill_grace, immediate=immediate, hurry=self.hurry)
         try:
             result = teardown(
@@ -652,7 +690,7 @@ class Supervisor(NodeGroupRules):
                 self.run_key,
                 policy,
                 wait_ranks_reported=lambda deadline: self.monitor.wait_all_exited(keys, deadline),
-                gpu_holders=self.services.gpu_check() if self.services is not None else None,
+                gpu_holders=self.services.gpu_check() if self._services is not None else None,
                 cgroup=self.cgroup,
                 keep=self.monitor.kept_pids,
             )
@@ -665,9 +703,9 @@ class Supervisor(NodeGroupRules):
         self.last_teardown = result
         if self.hurry.is_set() and not immediate:
             log.warning("second stop signal: grace period cut short, remaining processes were killed")
-        if self.services is not None:
+        if self._services is not None:
             self.services.on_teardown(result)
-        if self.desk is not None:
+        if self._desk is not None:
             self.desk.settle()  # dumps still writing: each until its --dump-timeout deadline
         fields = {
             "duration_s": round(result.duration_s, 3),

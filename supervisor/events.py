@@ -13,6 +13,9 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass
 
+from tp_supervise.consensus.verdict import DivergenceVerdict
+from tp_supervise.watchdogs.policy import Verdict, VerdictKind
+
 from .nodes.messages import Fault, HangQuery
 from .processes.exits import ExitStatus
 from .rank.heartbeat import SlotSnapshot
@@ -58,12 +61,13 @@ class ProcessExited:
 
 @dataclass(frozen=True)
 class WatchdogVerdict:
-    """Event: something the main loop must act on."""
+    """Event: a watchdog verdict the main loop must act on (``policy.FIRING_KINDS``: soft, recovered, hard,
+    startup_timeout)."""
 
-    kind: str  # all_ready | soft | recovered | hard | startup_timeout
+    kind: VerdictKind
     stalled_s: float
     message: str
-    verdict: object  # watchdogs.policy.Verdict (None for all_ready)
+    verdict: Verdict
     snapshots: tuple[SlotSnapshot, ...]
     at: float
     attempt: int = 0  # number of the attempt whose ranks were judged
@@ -71,9 +75,16 @@ class WatchdogVerdict:
     @property
     def log_fields(self) -> dict:
         v = self.verdict
-        if v is None:
-            return {}
         return {"soft_timeout_s": round(v.soft_timeout, 2), "hard_timeout_s": round(v.hard_timeout, 2)}
+
+
+@dataclass(frozen=True)
+class AllRanksReady:
+    """Event: every rank of the attempt showed up ready (claimed its slot, or ran through the grace period)."""
+
+    snapshots: tuple[SlotSnapshot, ...]
+    at: float
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,7 +108,7 @@ class RankClaimed:
 class DivergenceFound:
     """Event: the ranks disagreed (a consensus verdict)."""
 
-    verdict: object  # consensus.compare.DivergenceVerdict
+    verdict: DivergenceVerdict
     at: float
     # Number of the attempt whose digests were compared (the consensus threads
     # read it before each pass); 0 only for the one the main thread builds

@@ -27,9 +27,17 @@ from .processes import output_pump
 from .state import Event
 
 if TYPE_CHECKING:
-    from .core import Supervisor
+    from collections.abc import Callable
+
+    from .events import SignalReceived
+    from .incidents.desk import IncidentDesk
+    from .nodes.link import NodeLink
+    from .observers.watchdog_thread import WatchdogThread
+    from .processes.attempt import Attempt
     from .processes.exits import ExitInfo
     from .processes.spawn import RankHandle
+    from .restart import RestartPolicy
+    from .spec import LaunchSpec
 
 log = structlog.get_logger("supervise")
 
@@ -42,11 +50,42 @@ STDERR_READ_S = 0.3  # how long the check waits for the pump to drain the rank's
 class NodeGroupRules:
     """Multi-node handlers and group-restart steps of ``Supervisor`` (main thread only)."""
 
+    if TYPE_CHECKING:  # what these rules use of the supervisor they are mixed into (core.Supervisor)
+        spec: LaunchSpec
+        run_id: str
+        attempt: Attempt
+        restart: RestartPolicy
+        node_link: NodeLink | None
+        stopping: SignalReceived | None
+        group_end: Outcome | None
+        incident_id: str | None
+        hang_query: messages.HangQuery | None
+        peer_hang_query: messages.HangQuery | None
+        deferred_hang: WatchdogVerdict | None
+        suspect: tuple[RankHandle, ExitInfo, float, str | None] | None
+        post: Callable[[object], None]
+
+        @property
+        def desk(self) -> IncidentDesk: ...
+        @property
+        def watchdog(self) -> WatchdogThread: ...
+        def transition(self, event: Event) -> None: ...
+        def _finish(self, outcome: Outcome) -> None: ...
+        def _between_attempts(self, seconds: float, key: str | None = None) -> bytes | None: ...
+        def _rule_hang(self, ev: WatchdogVerdict) -> None: ...
+        def _rule_rank_failure(self, handle: RankHandle, info: ExitInfo) -> None: ...
+
     # -- multi-node restarts: one group attempt on every node, node 0 decides
-    def _restarts_as_group(self: Supervisor) -> bool:
+    @property
+    def _link(self) -> NodeLink:
+        if self.node_link is None:
+            raise RuntimeError("a multi-node rule ran in a single-node run")
+        return self.node_link
+
+    def _restarts_as_group(self) -> bool:
         return self.node_link is not None and self.spec.max_restarts > 0
 
-    def _group_restart(self: Supervisor, outcome: Outcome) -> float | None:
+    def _group_restart(self, outcome: Outcome) -> float | None:
         """After attempt n ended on this node: node 0 decides for the group (its restart policy, so the
         crash-loop limit counts group attempts) and publishes restart/<n>; the others wait for it."""
         n = self.attempt.number
@@ -62,9 +101,9 @@ class NodeGroupRules:
             delay = self.restart.after(outcome, stopping=False, uptime_s=time.monotonic() - self.attempt.started_at,
                                        group=True)
             decision = {"restart": delay is not None, "delay_s": delay or 0.0, "restarts": self.restart.restarts}
-            self.node_link.set(key, json.dumps(decision).encode())
+            self._link.set(key, json.dumps(decision).encode())
             return delay
-        self.node_link.watch(key, bool)
+        self._link.watch(key, bool)
         raw = self._between_attempts(self.spec.rendezvous_timeout, key=key)
         if raw is None:
             if self.stopping is not None:
@@ -83,14 +122,14 @@ class NodeGroupRules:
                     max_restarts=self.spec.max_restarts, backoff_s=decision["delay_s"], after=outcome.reason)
         return float(decision["delay_s"])
 
-    def _group_barrier(self: Supervisor) -> bool:
+    def _group_barrier(self) -> bool:
         """Every node is ready to launch attempt n+1 before any does (the ranks rendezvous across nodes)."""
         n = self.attempt.number + 1
         key, nnodes = f"ready/{n}", self.spec.nnodes
-        self.node_link.begin_attempt(n)
+        self._link.begin_attempt(n)
         if self.stopping is None and self.group_end is None:
-            self.node_link.add(key, 1)
-            self.node_link.watch(key, lambda v: int(v or b"0") >= nnodes)
+            self._link.add(key, 1)
+            self._link.watch(key, lambda v: int(v or b"0") >= nnodes)
             if self._between_attempts(self.spec.rendezvous_timeout, key=key) is not None:
                 self.hang_query = self.peer_hang_query = self.deferred_hang = None
                 log.info("every node is ready for the next attempt", event_name="group_restart_ready", attempt=n)
@@ -104,15 +143,15 @@ class NodeGroupRules:
             self.group_end = Outcome(EXIT_PEER, "node_lost")
         return False
 
-    def _tell_the_nodes(self: Supervisor, outcome: Outcome) -> None:
+    def _tell_the_nodes(self, outcome: Outcome) -> None:
         """The end of this node's attempt, for the others: done, or a stop they should follow."""
         if outcome.code == EXIT_OK and outcome.reason == "clean":
-            self.node_link.finished()
+            self._link.finished()
         elif outcome.reason == "shutdown":
-            self.node_link.publish_stop(messages.Fault(node=self.spec.node_rank, rank=None, reason="shutdown",
+            self._link.publish_stop(messages.Fault(node=self.spec.node_rank, rank=None, reason="shutdown",
                                                         incident_id="", verdict="stopped on a signal"))
 
-    def _on_peer_failed(self: Supervisor, ev: events.PeerFailed) -> None:
+    def _on_peer_failed(self, ev: events.PeerFailed) -> None:
         fault = ev.fault
         if self.attempt.outcome is not None:
             return
@@ -129,7 +168,7 @@ class NodeGroupRules:
                   incident_id=fault.incident_id)
         self._peer_incident("peer_failed", fault.node, fault.rank, verdict)
 
-    def _on_node_lost(self: Supervisor, ev: events.NodeLost) -> None:
+    def _on_node_lost(self, ev: events.NodeLost) -> None:
         if self.attempt.outcome is not None:
             return
         self.incident_id = new_incident_id(self.run_id)
@@ -137,7 +176,7 @@ class NodeGroupRules:
         log.error("peer node lost: tearing this node down", node=ev.node, detail=ev.detail)
         self._peer_incident("node_lost", ev.node, None, verdict)
 
-    def _peer_incident(self: Supervisor, reason: str, node: int, rank: int | None, verdict: str) -> None:
+    def _peer_incident(self, reason: str, node: int, rank: int | None, verdict: str) -> None:
         if self.suspect is not None:  # this node's rank died first here, but of the peer's failure
             handle, info, _at, why = self.suspect
             self.suspect = None
@@ -151,7 +190,7 @@ class NodeGroupRules:
         self.desk.peer_incident(reason, extra, self.attempt.view)
         self._finish(Outcome(EXIT_PEER, reason, culprit=rank))
 
-    def _ask_the_other_nodes(self: Supervisor, ev: WatchdogVerdict) -> bool:
+    def _ask_the_other_nodes(self, ev: WatchdogVerdict) -> bool:
         """Multi-node: when every rank of this node waits inside a collective, the rank that is elsewhere is on
         another node, whose own watchdog may see nothing (a stopped rank outside collectives looks idle there).
         Ask the others (nodes.HangQuery); the node that holds it raises the hang under this incident id and
@@ -163,7 +202,7 @@ class NodeGroupRules:
         seq = max(c.coll_seq for c in v.in_collective)
         self.hang_query = messages.HangQuery(self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500])
         self.deferred_hang = ev
-        self.node_link.ask_where(self.hang_query)
+        self._link.ask_where(self.hang_query)
         log.warning("hang here, cause elsewhere: every rank of this node waits in a collective; asking the other nodes",
                     event_name="hang_query_sent", seq=seq, wait_s=messages.HANG_QUERY_WAIT_S, incident_id=self.hang_query.incident_id)
         timer = threading.Timer(messages.HANG_QUERY_WAIT_S, self.post, args=(HangQueryUnanswered(self.attempt.number),))
@@ -171,13 +210,14 @@ class NodeGroupRules:
         timer.start()
         return True
 
-    def _on_hang_query_unanswered(self: Supervisor, ev: HangQueryUnanswered) -> None:
+    def _on_hang_query_unanswered(self, ev: HangQueryUnanswered) -> None:
         if self.attempt.outcome is None and self.deferred_hang is not None:
             log.warning("no other node holds the missing rank: ruling the hang on this node's evidence",
-                        event_name="hang_query_unanswered", incident_id=self.hang_query.incident_id)
+                        event_name="hang_query_unanswered",
+                        incident_id=self.hang_query.incident_id if self.hang_query else None)
             self._rule_hang(self.deferred_hang)
 
-    def _on_peer_hang_query(self: Supervisor, ev: events.PeerHangQuery) -> None:
+    def _on_peer_hang_query(self, ev: events.PeerHangQuery) -> None:
         if self.attempt.outcome is not None or self.hang_query is not None:
             return
         log.warning("another node's ranks all wait in a collective: looking for the missing rank here",
@@ -186,7 +226,7 @@ class NodeGroupRules:
         self.watchdog.answer_hang_query(ev.query.seq, ev.query.node)
 
     # -- cause before consequence: a rank that died of a broken peer connection waits for the peer's news
-    def _maybe_a_consequence(self: Supervisor, handle: RankHandle, info: ExitInfo) -> bool:
+    def _maybe_a_consequence(self, handle: RankHandle, info: ExitInfo) -> bool:
         """Multi-node: hold the ruling of a failed rank until its stderr was read (off this thread); if it died
         of a broken peer connection, until CONSEQUENCE_WAIT_S after its exit.  True: the ruling is held."""
         if self.node_link is None or self.attempt.outcome is not None or handle.rank < 0:
@@ -212,7 +252,7 @@ class NodeGroupRules:
         threading.Thread(target=check, name=f"consequence-check-{slot}", daemon=True).start()
         return True
 
-    def _on_consequence_checked(self: Supervisor, ev: ConsequenceChecked) -> None:
+    def _on_consequence_checked(self, ev: ConsequenceChecked) -> None:
         if self.suspect is None or self.attempt.outcome is not None or ev.slot != self.suspect[0].slot:
             return
         handle, info, exited_at, _ = self.suspect
@@ -230,7 +270,7 @@ class NodeGroupRules:
         timer.daemon = True
         timer.start()
 
-    def _on_consequence_window_over(self: Supervisor, ev: ConsequenceWindowOver) -> None:
+    def _on_consequence_window_over(self, ev: ConsequenceWindowOver) -> None:
         if self.suspect is None or self.attempt.outcome is not None or ev.slot != self.suspect[0].slot:
             return
         handle, info, _, _ = self.suspect

@@ -23,7 +23,7 @@ import structlog
 from tp_supervise.dumps.procinfo import proc_state
 from tp_supervise.watchdogs import policy
 
-from ..events import RankClaimed, WatchdogVerdict
+from ..events import AllRanksReady, RankClaimed, WatchdogVerdict
 from ..rank.heartbeat import SlotSnapshot, empty_slot
 
 if TYPE_CHECKING:
@@ -192,15 +192,15 @@ class WatchdogThread:
                 soft_source=verdict.soft_source,
                 hard_source=verdict.hard_source,
             )
-        kind = verdict.kind.value
-        if kind in ("soft", "recovered", "hard", "startup_timeout"):
+        kind = verdict.kind
+        if kind in policy.FIRING_KINDS:
             self.post(WatchdogVerdict(kind, verdict.stalled_s, verdict.message, verdict, tuple(snaps), now,
                                       attempt.number))
-        if not self.all_ready_posted and kind not in ("startup_wait", "startup_timeout", "startup_overdue"):
+        if not self.all_ready_posted and kind not in (policy.VerdictKind.STARTUP_WAIT, policy.VerdictKind.STARTUP_TIMEOUT,
+                                                      policy.VerdictKind.STARTUP_OVERDUE):
             if self._have_ranks(snaps, now, attempt):
                 self.all_ready_posted = True
-                self.post(WatchdogVerdict("all_ready", 0.0, "every rank is ready", None, tuple(snaps), now,
-                                          attempt.number))
+                self.post(AllRanksReady(tuple(snaps), now, attempt.number))
 
     def _have_ranks(self, snaps: list[SlotSnapshot], now: float, attempt: AttemptView) -> bool:
         """Every rank showed up: claimed its slot, or (a rank that cannot

@@ -70,7 +70,7 @@ class TeardownResult:
     escalated: bool = False  # SIGKILL was needed
     killed: list[int] = field(default_factory=list)
     survivors: list[procs.ProcInfo] = field(default_factory=list)
-    gpu_holders: list[tuple[int, int, int]] = field(default_factory=list)  # (gpu, pid, bytes)
+    gpu_holders: list[tuple[int, int, int | None]] = field(default_factory=list)  # (gpu, pid, bytes or unknown)
     gpu_checked: bool = False
     marker_scans: int = 0  # walks of /proc for the run marker (one per teardown)
     statuses: dict[int, ExitStatus] = field(default_factory=dict)  # pid → status of each rank reaped here
@@ -108,7 +108,7 @@ def teardown(
     run_id: str,
     policy: KillPolicy,
     wait_ranks_reported: Callable[[float], bool],
-    gpu_holders: Callable[[set[int]], list[tuple[int, int, int]]] | None = None,
+    gpu_holders: Callable[[set[int]], list[tuple[int, int, int | None]]] | None = None,
     cgroup: RunCgroup | None = None,
     keep: Callable[[], Iterable[int]] = tuple,
 ) -> TeardownResult:

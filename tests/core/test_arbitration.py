@@ -201,7 +201,7 @@ def test_watchdog_reads_the_published_view_and_only_posts():
     for slot in range(2):
         attempt.add_rank(handle(slot))
     wd.tick(10.0)  # unclaimed slots past the grace period: ready
-    assert [p.kind for p in posted] == ["all_ready"] and ticks == [{0: True, 1: True}]
+    assert [type(p).__name__ for p in posted] == ["AllRanksReady"] and ticks == [{0: True, 1: True}]
     wd.tick(10.1)
     assert len(posted) == 1, "all_ready once per attempt"
 
@@ -213,4 +213,4 @@ def test_watchdog_reads_the_published_view_and_only_posts():
     for slot in range(2):
         again.add_rank(handle(slot, pid=2000 + slot))
     wd.tick(30.0)
-    assert [p.kind for p in posted] == ["all_ready", "all_ready"], "a new attempt is watched afresh"
+    assert [type(p).__name__ for p in posted] == ["AllRanksReady", "AllRanksReady"], "a new attempt is watched afresh"
