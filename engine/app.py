@@ -156,7 +156,7 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
     from .bridge import EngineBridge
     from .chat_api import load_chat_template
     from .comm import TPComm, destroy_groups, init_groups
-    from .core import BroadcastLeader, BroadcastWorker, ReplicatedRank
+    from .loops import BroadcastLeader, BroadcastWorker, ReplicatedRank
     from .inject import FaultInjector
     from .model import LlamaShard
     from .planes import PlanPublisher, PlanSubscriber, RequestExchange, StartupStatus, WireError, startup_exchange
