@@ -16,14 +16,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import structlog
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 log = structlog.get_logger("supervise.nodes")
 
 
 PREFIX = "tpsv/v1/"
+
+T = TypeVar("T")
 
 
 STORE_TIMEOUT_S = 3.0  # every store call: a peer that stopped answering is lost, not waited for
@@ -105,7 +110,7 @@ class _Caller:
         self.broken: str | None = None
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def call(self, fn: Callable[[], object], timeout_s: float) -> object:
+    def call(self, fn: Callable[[], T], timeout_s: float) -> T:
         if self.broken:
             raise StoreDeadline(self.broken)
         box: list = []
@@ -148,7 +153,7 @@ class TorchStore:
         self._caller = _Caller(f"store-client-{port}")
         t0 = time.monotonic()
         connect_s = connect_timeout_s or timeout_s
-        self._store = self._caller.call(
+        self._store: TCPStore = self._caller.call(
             lambda: TCPStore(host, port, None, is_master, timedelta(seconds=connect_s), wait_for_workers=False),
             connect_s + 1.0)
         self.latency.record("connect", time.monotonic() - t0)  # a refused attempt raised: not a latency
@@ -159,7 +164,7 @@ class TorchStore:
         self.timeout_s = max(0.001, seconds)
         self._store.set_timeout(timedelta(seconds=self.timeout_s))
 
-    def _timed(self, op: str, fn: Callable[[], object]) -> object:
+    def _timed(self, op: str, fn: Callable[[], T]) -> T:
         t0 = time.monotonic()
         try:
             # torch's own timeout first; ours a moment later, for the calls torch's does not bound
@@ -168,7 +173,8 @@ class TorchStore:
             self.latency.record(op, time.monotonic() - t0)
 
     def set(self, key: str, value: bytes) -> None:
-        self._timed("set", lambda: self._store.set(PREFIX + key, value))
+        # torch's stub says str; the binding (a std::string) takes bytes as they are
+        self._timed("set", lambda: self._store.set(PREFIX + key, value))  # type: ignore[arg-type]
 
     def get_nowait(self, key: str) -> bytes | None:
         """One ``get`` sample: the check and, when the key exists, the read."""
@@ -179,20 +185,22 @@ class TorchStore:
                 return None
             return bytes(self._store.get(full))
 
-        return self._timed("get", get)  # type: ignore[return-value]
+        return self._timed("get", get)
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._timed("add", lambda: self._store.add(PREFIX + key, amount)))  # type: ignore[call-overload]
+        return int(self._timed("add", lambda: self._store.add(PREFIX + key, amount)))
 
     def first_writer(self, key: str, value: bytes) -> bytes:
         """Set ``key`` unless someone did first (a key holding b"" counts as unset); returns the value that won."""
-        return bytes(self._timed("compare_set", lambda: self._store.compare_set(PREFIX + key, "", value)))  # type: ignore[call-overload]
+        # torch's stub says str; the binding (a std::string) takes bytes as they are
+        won = self._timed("compare_set", lambda: self._store.compare_set(PREFIX + key, "", value))  # type: ignore[arg-type]
+        return bytes(won)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
         """One round trip for several keys; a missing key makes it wait for the store timeout, so callers
         create every key first (``NodeLink._create_keys``)."""
         values = self._timed("multi_get", lambda: self._store.multi_get([PREFIX + k for k in keys]))
-        return [bytes(v) for v in values]  # type: ignore[attr-defined]
+        return [bytes(v) for v in values]
 
 
 def default_store_port(master_port: int) -> int:
