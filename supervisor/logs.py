@@ -28,9 +28,11 @@ import logging
 import re
 import sys
 import threading
+from types import FrameType
 
 import structlog
 from structlog.stdlib import ProcessorFormatter
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 from tp_supervise.dumps.render import plain
 
@@ -60,7 +62,7 @@ def event_name(text: str) -> str:
 
 def _calling_module() -> str:
     """The module of the first frame outside structlog and logging (``-m`` runs name their module, not ``__main__``)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         scope = frame.f_globals
         name = scope.get("__name__", "")
@@ -86,7 +88,7 @@ def _module_logger(*_names: str) -> logging.Logger:
     return logging.getLogger(_calling_module())
 
 
-def _add_run_id(_logger, _method, event: dict) -> dict:
+def _add_run_id(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     """Every line of every thread carries the run id and, once the group was
     launched, the attempt (contextvars do not cross into the supervisor's threads)."""
     for key, value in _run[0].items():
@@ -94,7 +96,7 @@ def _add_run_id(_logger, _method, event: dict) -> dict:
     return event
 
 
-def _name_event(logger, _method, event: dict) -> dict:
+def _name_event(logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     """``message``, ``event`` and ``logger`` of one of our calls (see the module docstring)."""
     text = str(event.pop("event", ""))
     name = event.pop("event_name", None) or event_name(text)
@@ -104,7 +106,7 @@ def _name_event(logger, _method, event: dict) -> dict:
     return event
 
 
-def _name_foreign(_logger, _method, event: dict) -> dict:
+def _name_foreign(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     """``message``, ``event`` and ``logger`` of a record of the stdlib ``logging`` (a library, a warning)."""
     record = event["_record"]
     event["message"] = str(event.pop("event", "")).rstrip("\n")
@@ -113,21 +115,21 @@ def _name_foreign(_logger, _method, event: dict) -> dict:
     return event
 
 
-def _head_first(_logger, _method, event: dict) -> dict:
+def _head_first(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     """The keys agents map come first, so a person reading a raw line finds them too."""
     head = {key: event.pop(key) for key in HEAD_KEYS if key in event}
     head.update(event)
     return head
 
 
-def _for_people(_logger, _method, event: dict) -> dict:
+def _for_people(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     """Console lines show the text; the event name is for machines."""
     event.pop("event", None)
     event.pop("logger", None)
     return event
 
 
-def _visible_controls(_logger, _method, event: dict) -> dict:
+def _visible_controls(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     """Console lines: text from ranks (verdicts, collective names) cannot drive the terminal.
 
     Control characters other than newline and tab are shown as escapes; the
@@ -174,11 +176,12 @@ def configure(fmt: str = "console", level: int = logging.INFO, stream=None) -> N
     """
     stream = stream or sys.stderr
     _configured[0] = fmt
-    stamp = [
+    stamp: list[Processor] = [
         _add_run_id,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    render: list[Processor]
     if fmt == "json":
         render = [
             structlog.processors.format_exc_info,
