@@ -39,9 +39,11 @@ def read_error_file(path: Path) -> tuple[bytes, str, str] | None:
     except ValueError:
         return raw, "", ""
     message = data.get("message") if isinstance(data, dict) else None
-    extra = {}
+    extra: dict[str, object] = {}
     if isinstance(message, dict):  # torch: {"message": {"message": "Err: ...", "extraInfo": {"py_callstack": ...}}}
-        extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
+        info = message.get("extraInfo")
+        if isinstance(info, dict):
+            extra = info
         message = message.get("message")
     text = str(message or "").strip().splitlines()
     return raw, (text[-1][:500] if text else ""), str(extra.get("py_callstack", ""))[-ERROR_TRACEBACK_CHARS:]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import select
 import signal
@@ -296,7 +297,7 @@ class RunProcesses:
                 parents.append(pid)
                 if pid in self.held:
                     continue
-                proc = open_verified(pid, lambda p, parent=parent: self._child_of(p, parent))
+                proc = open_verified(pid, functools.partial(self._child_of, parent=parent))
                 if proc is not None:
                     self.held[pid] = proc
                     new.append(proc)
