@@ -142,19 +142,19 @@ def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None,
             raise HandshakeError("node 0 could not publish a run id", EXIT_USAGE)
     host = socket.gethostname()
     claims = store.add(f"node/{node_rank}/claims", 1)
-    info = {"host": host, "pid": os.getpid(), "fingerprint": dict(fp), "token": token_digest(token)}
+    own = {"host": host, "pid": os.getpid(), "fingerprint": dict(fp), "token": token_digest(token)}
     if claims > 1:
         other = _info(store.get_nowait(f"node/{node_rank}/info"), node_rank)
         who = other["host"] if other else "another supervisor"
         _refuse(store, f"duplicate --node-rank {node_rank}: {who} registered as node {node_rank} first; give "
                 f"every node its own --node-rank in 0..{nnodes - 1}")
-    store.set(f"node/{node_rank}/info", json.dumps(info).encode())
+    store.set(f"node/{node_rank}/info", json.dumps(own).encode())
     next_progress = time.monotonic() + PROGRESS_EVERY_S
     while True:
         refused = store.get_nowait("refused")
         if refused:
             raise HandshakeError(shown(refused), EXIT_USAGE)
-        infos = {}
+        infos: dict[int, dict] = {}
         for node in range(nnodes):
             info = _info(store.get_nowait(f"node/{node}/info"), node)
             if info is not None:

@@ -123,10 +123,13 @@ def bind_host(master_addr: str) -> tuple[str, bool]:
     except OSError:
         return "0.0.0.0", False
     for family, _, _, _, sockaddr in infos:
+        address = sockaddr[0]
+        if not isinstance(address, str):  # not an IP family
+            continue
         probe = socket.socket(family, socket.SOCK_DGRAM)
         try:
-            probe.bind((sockaddr[0], 0))
-            return sockaddr[0], True
+            probe.bind((address, 0))
+            return address, True
         except OSError:
             continue
         finally:
