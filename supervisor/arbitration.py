@@ -109,7 +109,7 @@ def rule_early_exit_check(attempt: Attempt, check: EarlyExitCheck) -> Ruling:
         return STALE
     if attempt.live_ranks():
         return Ruling(Meaning.FAILED, handle, handle.exit, exits.EARLY_EXIT)
-    if all(h.exit.reason in (exits.CLEAN, exits.EARLY_EXIT) for h in attempt.ranks.values()):
+    if all(h.exit is not None and h.exit.reason in (exits.CLEAN, exits.EARLY_EXIT) for h in attempt.ranks.values()):
         return Ruling(Meaning.CLEAN, handle, handle.exit, exits.CLEAN, ALL_RANKS_CLEAN)
     return Ruling(Meaning.DONE, handle, handle.exit, exits.CLEAN)
 
@@ -118,8 +118,9 @@ def root_cause(attempt: Attempt, handle: RankHandle, info: ExitInfo) -> tuple[Ra
     """The earliest failure of the attempt, which may be a rank whose early
     exit (code 0) was still inside its grace window; ``handle`` if none."""
     handles = list(attempt.ranks.values()) + [attempt.launcher]
-    failed = [h for h in handles if h is not None and h.exit is not None and h.exit.failed]
-    first = min(failed, key=lambda h: h.exited_at) if failed else handle
+    failed = [(h.exited_at, h) for h in handles
+              if h is not None and h.exit is not None and h.exit.failed and h.exited_at is not None]
+    first = min(failed, key=lambda pair: pair[0])[1] if failed else handle
     return first, first.exit or info
 
 
