@@ -86,12 +86,15 @@ class Source:
         return "launcher" if self.rank is None else str(self.rank)
 
 
-def _console_locks(stream: IO[str]) -> list:
+def _console_locks(stream: IO[str]) -> list[contextlib.AbstractContextManager[object]]:
     """The locks log lines take to write to ``stream``: the stdlib handlers' on the root logger
     (supervisor/logs.py) and structlog's PrintLogger's, taken in that order around each write of rank
     lines, so a rank line and a log line never share a line."""
-    locks = [h.lock for h in logging.getLogger().handlers
-             if getattr(h, "stream", None) is stream and getattr(h, "lock", None) is not None]
+    locks: list[contextlib.AbstractContextManager[object]] = []
+    for h in logging.getLogger().handlers:
+        lock = getattr(h, "lock", None)
+        if getattr(h, "stream", None) is stream and lock is not None:
+            locks.append(lock)
     try:
         from structlog._output import _get_lock_for_file
 

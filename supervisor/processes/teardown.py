@@ -136,7 +136,8 @@ def teardown(
         result.marker_scans = found.marker_scans
 
         def everyone() -> list[Pidfd]:
-            return [h.proc for h in leaders] + [p for pid, p in found.held.items() if pid not in rank_pids]
+            held = [p for pid, p in found.held.items() if pid not in rank_pids]
+            return [h.proc for h in leaders if h.proc is not None] + held
 
         remaining: list[Pidfd] = []
         if not policy.immediate and policy.grace_s > 0:
