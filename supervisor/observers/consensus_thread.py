@@ -17,6 +17,9 @@ import structlog
 from ..events import ConsensusAgreed, DivergenceFound
 
 if TYPE_CHECKING:
+    from tp_supervise.consensus.across_nodes import NodeDigests
+
+    from ..nodes.store import Store
     from ..processes.attempt import AttemptView
 
 log = structlog.get_logger("supervise.consensus")
@@ -102,16 +105,16 @@ class NodeConsensusThread:
     rank; the reference nodes log it and learn the end from the fault bus.
     """
 
-    def __init__(self, monitor, connect: Callable[[], object], node_rank: int, nnodes: int, nproc_per_node: int,
+    def __init__(self, monitor, connect: Callable[[], Store], node_rank: int, nnodes: int, nproc_per_node: int,
                  post: Callable[[object], None], attempt: Callable[[], AttemptView]):
         self.monitor = monitor
         self.connect = connect
         self.node_rank, self.nnodes, self.nproc_per_node = node_rank, nnodes, nproc_per_node
         self.post = post
         self.attempt = attempt  # read once per pass: its number tags the divergences posted (as ConsensusThread)
-        self.exchange = None
+        self.exchange: NodeDigests | None = None
         self.exchange_attempt = 0
-        self.store = None
+        self.store: Store | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-consensus", daemon=True)
 
