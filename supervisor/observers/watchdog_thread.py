@@ -27,6 +27,8 @@ from ..events import AllRanksReady, RankClaimed, WatchdogVerdict
 from ..rank.heartbeat import SlotSnapshot, empty_slot
 
 if TYPE_CHECKING:
+    from tp_supervise.watchdogs.progress import ExternalProgress
+
     from ..processes.attempt import AttemptView
     from ..spec import LaunchSpec
 
@@ -248,7 +250,7 @@ class AdapterThread:
         from tp_supervise.watchdogs.adapters import PrometheusProgress
 
         self.scraper = PrometheusProgress(url, engine=engine, timeout=ADAPTER_TIMEOUT_S)
-        self.latest = None
+        self.latest: ExternalProgress | None = None  # None until the first scrape
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-adapter", daemon=True)
 
