@@ -6,6 +6,7 @@ Usage errors exit 64 (EX_USAGE) before anything is started.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -14,12 +15,14 @@ from pathlib import Path
 
 import structlog
 
-from tp_supervise.engine.inject import KINDS as INJECT_KINDS  # the engine owns its fault kinds
+from tp_supervise.engine.inject import ALL_KINDS as INJECT_KINDS  # the engine owns its fault kinds
+from tp_supervise.engine.inject import REQUEST_KINDS
 
 from . import spec as specs
 from .nodes.handshake import HandshakeError
 from .outcome import EXIT_USAGE
 from .preflight import preflight
+from .processes.listen_socket import ListenSocket
 from .spec import EngineOptions, LaunchSpec, UsageError
 
 
@@ -87,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-kind", default="auto", choices=("auto", "vllm", "sglang"), help="metric family names of --engine-metrics-url")
     g.add_argument("--no-hook", dest="hook", action="store_false", help="do not put the zero-code torch.distributed hook on the ranks' PYTHONPATH")
     g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="relaunch the whole group after a fault this many times (backoff 1 s .. 30 s)")
+    g.add_argument("--quarantine-after", type=int, default=specs.DEFAULT_QUARANTINE_AFTER, metavar="N", help="a request that the failing step of N failed attempts had just scheduled is answered 400 for the rest of the run (engines that write $SUPERVISE_RUN_DIR/inflight-rank0, as the built-in one does); 0: never")
+    g.add_argument("--listen", metavar="HOST:PORT", help="bind HOST:PORT once for the whole run and hand it to the COMMAND's rank 0 the systemd way (LISTEN_FDS=1, fd 3, LISTEN_PID): connections wait in the backlog across restarts instead of being refused; for engines that support socket activation (the built-in engine gets --host/--port this way by itself)" + _SAID)
     w = serve.add_argument_group("watchdogs (omit timeouts for adaptive ones)")
     w.add_argument("--hard-timeout", type=_seconds, help="no progress while busy: dump, then kill the group (exit 81)")
     w.add_argument("--soft-timeout", type=_seconds, help="no progress while busy: dump only")
@@ -167,6 +172,9 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     if args.read_timeout is not None and not 0.1 <= args.read_timeout <= 3600:
         raise UsageError(f"--read-timeout {args.read_timeout}: must be a number of seconds in 0.1..3600")
     injections = tuple(specs.parse_injection(text, INJECT_KINDS) for text in args.inject)
+    for inj in injections:
+        if inj.kind in REQUEST_KINDS and inj.step is not None:
+            raise UsageError(f"--inject {inj}: {inj.kind} is triggered by a request, not a step: {inj.kind}@RANK")
     engine = EngineOptions(
         device=args.device,
         control_plane=args.control_plane,
@@ -212,6 +220,8 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         consensus=args.consensus,
         consensus_inband=args.consensus_inband,
         max_restarts=args.max_restarts,
+        quarantine_after=args.quarantine_after,
+        listen=specs.parse_hostport(args.listen, "--listen") if args.listen else None,
         log_format=args.log_format,
         zero_code_hook=args.hook,
         adaptive_floors=specs.parse_pair(args.adaptive_floors, "--adaptive-floors"),
@@ -232,17 +242,43 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
 def cmd_serve(args: argparse.Namespace) -> int:
     from . import logs
     from .observers import control_socket as control
-    from .processes import output_pump as output
 
     logs.configure(args.log_format, level=logging.getLevelName(args.log_level.upper()))
+    listener = None
     try:
         spec = spec_from_args(args)
         preflight(spec)
         control.registry_dir()  # a registry another user controls is refused before anything starts
+        spec, listener = bind_serving_port(spec)
     except (UsageError, control.RegistryError) as exc:
         say_error(str(exc))
         return EXIT_USAGE
+    try:
+        return _serve(spec, args, listener)
+    finally:
+        if listener is not None:
+            listener.close()
+
+
+def bind_serving_port(spec: LaunchSpec) -> tuple[LaunchSpec, ListenSocket | None]:
+    """The port rank 0 serves on, bound once for the whole run (supervisor/processes/listen_socket.py): the
+    built-in engine's --host/--port, or --listen for a COMMAND; only on the node that holds global rank 0.
+    A port that is taken is a usage error (64) before anything starts."""
+    if spec.rank_offset != 0:
+        return spec, None
+    if spec.builtin:
+        listener = ListenSocket.bind(spec.engine.host, spec.engine.port, "--port")
+        if spec.engine.port == 0:  # the port the kernel picked is the one the ready line names
+            spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, port=listener.port))
+        return spec, listener
+    if spec.listen is not None:
+        return spec, ListenSocket.bind(spec.listen[0], spec.listen[1], "--listen", systemd=True)
+    return spec, None
+
+
+def _serve(spec: LaunchSpec, args: argparse.Namespace, listener: ListenSocket | None) -> int:
     from .core import Supervisor
+    from .processes import output_pump as output
 
     base_env = dict(os.environ)  # before anything of ours touches os.environ
     base_env.pop("SUPERVISE_JOIN_TOKEN", None)  # a secret of the supervisors, not of the ranks
@@ -259,7 +295,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 0
     run_id = link[1].run_id if link else spec.run_id
     with output.install(spec.output, spec.log_format):  # the ranks' stdout/stderr: pipes, read by one thread
-        code = Supervisor(spec, base_env, run_id=run_id, nodes=link).run()
+        code = Supervisor(spec, base_env, run_id=run_id, nodes=link, listener=listener).run()
     if link is not None:
         # Multi-node: a daemon thread may still sit in a TCPStore call (bounded by the store's timeout) and
         # torch's store objects must not meet the interpreter's finalisation: on a loaded host that ended in

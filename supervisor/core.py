@@ -57,6 +57,7 @@ from .events import (
     WatchdogVerdict,
 )
 from .incidents.desk import IncidentDesk
+from .incidents.quarantine import RequestQuarantine
 from .multinode import NodeGroupRules
 from .nodes import handshake, link, messages
 from .nodes.transport import NodeTransport
@@ -84,11 +85,12 @@ from .processes.attempt import NOT_STARTED, Attempt, AttemptView, Published, Ran
 from .processes.cgroup import RunCgroup
 from .processes.exit_monitor import ExitMonitor
 from .processes.exits import ExitInfo
+from .processes.listen_socket import ListenSocket
 from .processes.spawn import RankHandle, RankSpec, RunContext
 from .processes.teardown import KillPolicy, TeardownResult, teardown
 from .rank.heartbeat import HeartbeatSegment
 from .rank.net import free_port
-from .restart import RestartPolicy
+from .restart import RESTART_STABLE_S, RestartPolicy
 from .signals import Hurry
 from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from .state import EngineState, Event, next_state
@@ -110,8 +112,9 @@ def _set_up(value: T | None, name: str) -> T:
 
 class Supervisor(NodeGroupRules):
     def __init__(self, spec: LaunchSpec, base_env: Mapping[str, str], run_id: str | None = None,
-                 nodes: tuple[NodeTransport, handshake.NodeGroup] | None = None):
+                 nodes: tuple[NodeTransport, handshake.NodeGroup] | None = None, listener: ListenSocket | None = None):
         self.spec = spec
+        self.listener = listener  # rank 0's listening socket, the caller's for the whole run (processes/listen_socket.py)
         self.base_env = dict(base_env)
         self.run_id = run_id or new_run_id()
         # What this node's run owns on this host (run dir, cgroup, registry entry, process marker): the run id
@@ -147,6 +150,7 @@ class Supervisor(NodeGroupRules):
         self._watchdog: WatchdogThread | None = None
         self._desk: IncidentDesk | None = None
         self._services: Services | None = None  # metrics, health, control socket, consensus poller
+        self._quarantine: RequestQuarantine | None = None  # incident file, in-flight requests, quarantine.json
         # Threads that post events: started in this order, stopped in reverse.
         self.sources: list = [self.monitor]
         self.handlers: dict[type, Callable[[Any], None]] = {
@@ -196,6 +200,10 @@ class Supervisor(NodeGroupRules):
     def services(self) -> Services:
         return _set_up(self._services, "services")
 
+    @property
+    def quarantine(self) -> RequestQuarantine:
+        return _set_up(self._quarantine, "quarantine")
+
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
         procs.make_subreaper()
@@ -238,6 +246,9 @@ class Supervisor(NodeGroupRules):
             gpu=self.services.gpu,
             hurry=self.hurry,
         )
+        self._quarantine = RequestQuarantine(self.run_dir, self.spec.quarantine_after, fresh_after_s=RESTART_STABLE_S,
+                                             on_quarantined=self.services.metrics.record_quarantined)
+        self.desk.requests_of = self.quarantine.evidence
         self._watchdog = WatchdogThread(
             self.spec,
             read_heartbeats=self.heartbeat.read_all,
@@ -321,6 +332,8 @@ class Supervisor(NodeGroupRules):
     def _run_attempts(self) -> int:
         while True:
             outcome = self._run_attempt()
+            if outcome.code != EXIT_OK:
+                self.quarantine.attempt_ended()  # quarantine.json before any next attempt
             if self._restarts_as_group():
                 delay = self._group_restart(outcome)
             else:
@@ -345,9 +358,9 @@ class Supervisor(NodeGroupRules):
             code = EXIT_TEARDOWN
         log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restart.restarts)
         linger = self.spec.metrics_linger
-        if linger is None:
+        if linger is None:  # the default: only while someone scrapes, until the final state was scraped
             linger = DEFAULT_FAULT_LINGER_S if code != EXIT_OK else 0.0
-        self.services.linger(linger, self.hurry)
+        self.services.linger(linger, self.hurry, until_scraped=self.spec.metrics_linger is None)
         return code
 
     def _wait_backoff(self, delay: float) -> None:
@@ -402,6 +415,7 @@ class Supervisor(NodeGroupRules):
             shutil.rmtree(self.run_dir / "fr-dump", ignore_errors=True)
         self.suspicions = set()
         self.suspect = None
+        self.quarantine.before_attempt()
         extra_env = self.services.rank_env
         if self.spec.tree:
             env = launch.rank_env(self.base_env, self.ctx, None, extra_env(None))
@@ -412,10 +426,14 @@ class Supervisor(NodeGroupRules):
                 self.monitor.watch(LAUNCHER_KEY, proc, self.attempt.number)
             log.info("launcher started", pid=handle.pid)
             return
+        fds: tuple[int, ...]
         for slot in range(self.spec.nproc_per_node):
             rank = self.spec.rank_offset + slot
             env = launch.rank_env(self.base_env, self.ctx, slot, extra_env(slot), restart_count=self.restart.restarts)
-            spec = RankSpec(slot=slot, rank=rank, argv=tuple(self.spec.rank_argv()), env=env)
+            argv, fds = tuple(self.spec.rank_argv()), ()
+            if rank == 0 and self.listener is not None:  # the serving port outlives the attempt
+                argv, env, fds = self.listener.hand_to(argv, env, keep=(self.ctx.death_fd,))
+            spec = RankSpec(slot=slot, rank=rank, argv=argv, env=env, pass_fds=fds)
             with self.monitor.spawning():
                 handle, proc = self._spawn(spec)
                 self.attempt.add_rank(handle)
@@ -473,6 +491,8 @@ class Supervisor(NodeGroupRules):
         if self.node_link is not None:
             self.node_link.publish_fault(messages.Fault(node=self.spec.node_rank, rank=rank, reason=reason,
                                                          incident_id=self.incident_id, verdict=verdict[:500]))
+        # Before the teardown signals any rank: rank 0 names the incident in the 503s it answers.
+        self.quarantine.fault(self.incident_id, self.attempt.view)
 
 
 

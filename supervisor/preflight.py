@@ -42,8 +42,8 @@ def preflight(spec: LaunchSpec) -> None:
         _check_port_free(spec.master_addr, spec.master_port, "--master-port")
         # --store-port is bound by node 0's gate itself, which, finding it taken, says by whom (another node 0
         # of this group, or something else): nodes/transport.py
-    if spec.builtin and spec.engine.port != 0:
-        _check_port_free(spec.engine.host, spec.engine.port, "--port")
+    # The engine's --port (and --listen) are bound for the run by the CLI right after these checks (a taken port is a
+    # usage error there): supervisor/processes/listen_socket.py
 
 
 def _check_command(spec: LaunchSpec) -> None:

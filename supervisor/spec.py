@@ -34,6 +34,7 @@ DEFAULT_ENGINE_PORT = 8000
 DEFAULT_DUMP_KEEP = 50
 DEFAULT_DUMP_MAX_BYTES = 1 << 30
 DEFAULT_LOG_MAX_BYTES = 100 << 20  # each --log-dir file, before it is rotated
+DEFAULT_QUARANTINE_AFTER = 2  # failed attempts a request must have been scheduled in before it is refused
 
 _INJECT_RE = re.compile(r"^(?P<kind>[a-z_]+)@(?P<rank>\d+)(?::(?P<step>\d+))?$")
 
@@ -255,6 +256,11 @@ class LaunchSpec:
     consensus: str = "observe"
     consensus_inband: int = 0
     max_restarts: int = 0
+    # A request scheduled by the failing step of this many failed attempts is refused for the run (0: never);
+    # supervisor/incidents/quarantine.py.
+    quarantine_after: int = DEFAULT_QUARANTINE_AFTER
+    # --listen HOST:PORT: a COMMAND's rank 0 inherits this listening socket the systemd way (LISTEN_FDS)
+    listen: tuple[str, int] | None = None
     log_format: str = "console"
     zero_code_hook: bool = True
     # Adaptive watchdog bounds (soft, hard) in seconds; None keeps watchdogs/adaptive.py's defaults.
@@ -318,6 +324,11 @@ class LaunchSpec:
             raise UsageError("--consensus-inband N: N must be >= 0 (0 disables the in-band check)")
         if self.stack_method not in STACK_METHODS:
             raise UsageError(f"--stack-method {self.stack_method!r}: choose one of {', '.join(STACK_METHODS)}")
+        if self.quarantine_after < 0:
+            raise UsageError(f"--quarantine-after {self.quarantine_after}: must be >= 0 (0 never quarantines)")
+        if self.listen is not None and (not self.command or self.tree):
+            raise UsageError("--listen hands a listening socket to a COMMAND's rank 0 (spawn mode); the built-in "
+                             "engine's socket is --host/--port, and in --tree mode the ranks are the launcher's")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts {self.max_restarts}: must be >= 0")
         if self.dump_keep < 1:

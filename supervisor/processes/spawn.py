@@ -73,6 +73,7 @@ class RankSpec:
     rank: int  # global rank
     argv: tuple[str, ...]
     env: Mapping[str, str]
+    pass_fds: tuple[int, ...] = ()  # kept open at their numbers besides the death pipe (rank 0's listening socket)
 
 
 @dataclass
@@ -200,7 +201,7 @@ def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None,
             env=dict(spec.env),
             cwd=cwd,
             start_new_session=True,
-            pass_fds=(ctx.death_fd,),
+            pass_fds=(ctx.death_fd, *spec.pass_fds),
             preexec_fn=_child_setup(ctx.supervisor_pid, ctx.cgroup_procs),
             close_fds=True,
             stdout=streams.stdout if streams else None,
