@@ -62,6 +62,7 @@ from .error_file import last_traceback, read_error_file
 from .exchange import IncidentExchange
 
 if TYPE_CHECKING:
+    from tp_supervise.dumps.evidence import CpuSamples
     from tp_supervise.watchdogs.gpu import GpuSampler
 
     from ..events import DivergenceFound, WatchdogVerdict
@@ -186,7 +187,7 @@ class IncidentDesk:
         self.soft = _SoftWorker()
         self.jobs: list[DumpJob] = []  # in flight; main thread only
         self.next_incident_id: str | None = None  # set by the main thread before a fatal dump it announced
-        self.previous_cpu = None
+        self.previous_cpu: CpuSamples | None = None  # the last capture's CPU samples, handed to the next one
         self.exchange: IncidentExchange | None = None  # multi-node: fatal bundles are shared through the store
 
     def link_nodes(self, group: NodeGroup) -> None:
@@ -477,8 +478,9 @@ class IncidentDesk:
             files[f"logs/rank-{first.rank}.error.json"] = raw
             extra["error"] = {"message": message, "traceback": traceback_text, "source": "error_file"}
             if message:
-                extra["verdict"] = f"{verdict}: {message}"
-        late = self._stderr_evidence(first, extra["verdict"], with_error=error is None)
+                verdict = f"{verdict}: {message}"
+                extra["verdict"] = verdict
+        late = self._stderr_evidence(first, verdict, with_error=error is None)
         self._fatal("rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, files or None, detected_at=first.exited_at,
                     late=late)
 
