@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from .events import SignalReceived
     from .incidents.desk import IncidentDesk
+    from .incidents.quarantine import RequestQuarantine
     from .nodes.link import NodeLink
     from .observers.watchdog_thread import WatchdogThread
     from .processes.attempt import Attempt
@@ -69,6 +70,8 @@ class NodeGroupRules:
         def desk(self) -> IncidentDesk: ...
         @property
         def watchdog(self) -> WatchdogThread: ...
+        @property
+        def quarantine(self) -> RequestQuarantine: ...
         def transition(self, event: Event) -> None: ...
         def _finish(self, outcome: Outcome) -> None: ...
         def _between_attempts(self, seconds: float, key: str | None = None) -> bytes | None: ...
@@ -185,6 +188,8 @@ class NodeGroupRules:
             log.warning("rank death was a consequence of another node's failure", event_name="rank_exit_consequence",
                         rank=handle.rank, node=node, reason=reason)
         self.transition(Event.RANK_EXIT)
+        if self.incident_id is not None:  # before this node's teardown: its rank 0 names the incident
+            self.quarantine.fault(self.incident_id, self.attempt.view)
         extra = {"culprit_ranks": [rank] if rank is not None else [], "verdict": verdict,
                  "incident_id": self.incident_id, "culprit_node": node}
         self.desk.peer_incident(reason, extra, self.attempt.view)

@@ -189,6 +189,8 @@ class IncidentDesk:
         self.next_incident_id: str | None = None  # set by the main thread before a fatal dump it announced
         self.previous_cpu: CpuSamples | None = None  # the last capture's CPU samples, handed to the next one
         self.exchange: IncidentExchange | None = None  # multi-node: fatal bundles are shared through the store
+        # The requests an incident caught in flight (incidents/quarantine.py): incident id -> summary fields.
+        self.requests_of: Callable[[str], dict] = lambda _incident_id: {}
 
     def link_nodes(self, group: NodeGroup) -> None:
         """Multi-node (main thread, before any rank starts): every fatal bundle's node summary goes to the
@@ -382,6 +384,7 @@ class IncidentDesk:
         """Start a fatal dump on its own thread; return once its capture ended, or
         after ``--dump-timeout`` (or a second stop signal) without it."""
         extra = self._with_incident_id(extra)
+        extra = dict(self.requests_of(extra["incident_id"]), **extra)
         detected_at = time.monotonic() if detected_at is None else detected_at
         timeout = self.spec.dump_timeout
         job = DumpJob(reason, timeout)

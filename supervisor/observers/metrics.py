@@ -240,6 +240,11 @@ class SupervisorMetrics:
             name("rank_exits_total"), "Rank process exits by classified reason.", ["reason"], registry=reg
         )
         self.restarts = Counter(name("restarts_total"), "Restarts of the rank group.", registry=reg)
+        self.quarantined_requests = Counter(
+            name("quarantined_requests_total"),
+            "Requests quarantined for the run: scheduled by the failing step of --quarantine-after failed attempts.",
+            registry=reg,
+        )
         self.teardown_seconds = Gauge(
             name("teardown_seconds"), "Duration of the last teardown; NaN before the first.", registry=reg
         )
@@ -424,6 +429,9 @@ class SupervisorMetrics:
 
     def record_restart(self) -> None:
         self.restarts.inc()
+
+    def record_quarantined(self, count: int) -> None:
+        self.quarantined_requests.inc(count)
 
     def record_teardown(self, duration_s: float, complete: bool) -> None:
         self.teardown_seconds.set(duration_s)

@@ -1,0 +1,258 @@
+"""Serving through faults, the supervisor's side: the incident file, the requests in flight, the quarantine.
+
+The engine and the supervisor share three files in ``$SUPERVISE_RUN_DIR``
+(their format is the engine's, ``tp_supervise.engine.runfiles``; docs/engine.md,
+"Files in $SUPERVISE_RUN_DIR")::
+
+    incident          written here when a fault is ruled, before any rank is signalled
+                      (the engine names it in the 503s of the requests it had in flight);
+                      removed before the next attempt starts
+    inflight-rank0    written by rank 0: fingerprints of the requests it has in flight,
+                      each with the time it was first scheduled; read here at the ruling
+                      and again after the teardown (the writer is dead by then)
+    quarantine.json   written here: fingerprints the engine answers 400 for the rest of the run
+
+**Which requests are blamed.**  Every request running when the group fails
+was "in flight", but most of them are bystanders: the client retries them
+(the standard SDKs retry a 503) and, after a restart, the retried bystanders
+and the poison request are scheduled together in the first step of the new
+attempt.  Counting every in-flight fingerprint would quarantine the
+bystanders with the poison.  What sets a request that kills the group apart
+is that it was *started by the step that failed*: the suspects of a failure
+are the in-flight requests first scheduled within ``SAME_STEP_S`` of the
+newest one (one engine step schedules its new requests back to back, a step
+later is at least one forward pass later).  A fingerprint that was a suspect
+in ``--quarantine-after`` failed attempts of one crash loop is quarantined
+for the run: ``request_quarantined`` in the log, the counter
+``supervise_quarantined_requests_total``, ``quarantine.json`` rewritten before
+the next attempt.  An attempt that stayed up ``fresh_after_s`` before failing
+starts a new crash loop: older suspicions are forgotten.
+
+Limits: a request that fails the group later in its life than its first
+step (a crash at its 50th token) is never a suspect, so it is not
+quarantined (the restarts are bounded by ``--max-restarts`` as before); a
+bystander scheduled in the very same step as the poison request, in each of
+the failures, is quarantined with it (nothing outside the engine tells them
+apart).
+
+Main thread only (the ruling, the end of an attempt, the next launch); the
+desk's dump threads read ``evidence()``'s frozen dicts.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from tp_supervise.engine import runfiles
+
+if TYPE_CHECKING:
+    from ..processes.attempt import AttemptView
+
+log = structlog.get_logger("supervise")
+
+# New requests of one engine step are recorded back to back (microseconds apart); the step before ran a
+# forward pass in between (milliseconds).  Requests first scheduled within this of the newest are the suspects.
+SAME_STEP_S = 0.002
+
+
+# -- the incident file ------------------------------------------------------------------------------------------
+def write_incident(run_dir: Path, incident_id: str) -> bool:
+    """``incident``, atomically (temporary file, rename); False when it could not be written (logged)."""
+    path = Path(run_dir) / runfiles.INCIDENT_FILE
+    tmp = path.with_name(f".{runfiles.INCIDENT_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(incident_id[: runfiles.MAX_INCIDENT_CHARS] + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("run file not written: the engine's 503s will not name the incident", event_name="run_file_write_failed",
+                    file=str(path), error=repr(exc))
+        return False
+    return True
+
+
+def clear_incident(run_dir: Path) -> None:
+    try:
+        os.unlink(Path(run_dir) / runfiles.INCIDENT_FILE)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("run file not removed: the next attempt may name the last incident", event_name="run_file_write_failed",
+                    file=str(Path(run_dir) / runfiles.INCIDENT_FILE), error=repr(exc))
+
+
+# -- inflight-rank0 with each request's start time --------------------------------------------------------------
+@dataclass(frozen=True)
+class InFlight:
+    """One read of an in-flight file: the writer, its attempt, and fingerprint → first scheduled (monotonic ns)."""
+
+    pid: int
+    attempt: int
+    started_ns: dict[str, int]
+
+    def suspects(self) -> set[str]:
+        """The requests the last step started: first scheduled within SAME_STEP_S of the newest."""
+        if not self.started_ns:
+            return set()
+        newest = max(self.started_ns.values())
+        return {fp for fp, ns in self.started_ns.items() if newest - ns <= SAME_STEP_S * 1e9}
+
+    def oldest_first(self) -> list[str]:
+        return sorted(self.started_ns, key=lambda fp: (self.started_ns[fp], fp))
+
+
+def read_in_flight(path: Path) -> InFlight | None:
+    """The file's requests with their start times (``runfiles.read_inflight``'s rules: retried while a change is
+    being written).  None: no file.  Raises ``runfiles.InflightFormatError`` for a file that is not one."""
+    for _ in range(runfiles.READ_RETRIES):
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(data) < runfiles.HEADER.size:
+            raise runfiles.InflightFormatError(f"{len(data)} bytes is shorter than the header")
+        magic, version, nslots, pid, attempt, generation = runfiles.HEADER.unpack_from(data, 0)
+        if magic != runfiles.MAGIC or version != runfiles.LAYOUT_VERSION:
+            raise runfiles.InflightFormatError(f"magic {magic!r}, version {version}")
+        if len(data) != runfiles.HEADER.size + runfiles.SLOT.size * nslots:
+            raise runfiles.InflightFormatError(f"{len(data)} bytes for {nslots} slots")
+        started: dict[str, int] = {}
+        for i in range(nslots):
+            state, since, fp = runfiles.SLOT.unpack_from(data, runfiles.HEADER.size + runfiles.SLOT.size * i)
+            if state == runfiles.SLOT_IN_FLIGHT:
+                started[fp.hex()] = since
+        with open(path, "rb") as f:
+            f.seek(runfiles.GENERATION_OFFSET)
+            (after,) = struct.unpack("<Q", f.read(8))
+        if generation % 2 == 0 and after == generation:
+            break
+    return InFlight(pid, attempt, started)  # a dead writer may have stopped mid-change: the state bytes hold
+
+
+# -- the quarantine ---------------------------------------------------------------------------------------------
+@dataclass
+class FailedAttempt:
+    incident_id: str
+    attempt: int  # TORCHELASTIC_RESTART_COUNT of the attempt
+    rank0_pid: int | None
+    started_ns: dict[str, int] = field(default_factory=dict)  # fingerprint → first scheduled
+    suspects: set[str] = field(default_factory=set)
+    note: str | None = None  # why nothing was read (no file, a stale file, ...)
+
+
+class RequestQuarantine:
+    """Per run: the suspects of each failed attempt, the fingerprints quarantined, the files the engine reads."""
+
+    def __init__(self, run_dir: Path, after: int, fresh_after_s: float, on_quarantined: Callable[[int], None]):
+        self.run_dir = Path(run_dir)
+        self.after = after  # 0: never quarantine (the in-flight requests still go into the bundles)
+        self.fresh_after_s = fresh_after_s
+        self.on_quarantined = on_quarantined
+        self.loop: list[FailedAttempt] = []  # failed attempts of the current crash loop
+        self.quarantined: dict[str, list[str]] = {}  # fingerprint → the incidents it was a suspect in
+        self.decided: dict[str, list[str]] = {}  # incident id → fingerprints it quarantined
+        self._evidence: dict[str, dict] = {}
+
+    @property
+    def inflight_path(self) -> Path:
+        return runfiles.inflight_path(self.run_dir, 0)
+
+    def before_attempt(self) -> None:
+        """The next attempt starts: its requests are not part of the last incident."""
+        clear_incident(self.run_dir)
+
+    def fault(self, incident_id: str, view: AttemptView, now: float | None = None) -> None:
+        """A fault was ruled (before the teardown signals anything): the incident file, then the requests in flight,
+        read while rank 0 may still be answering them, then the quarantine."""
+        now = time.monotonic() if now is None else now
+        write_incident(self.run_dir, incident_id)
+        if self.loop and self.loop[-1].incident_id == incident_id:
+            return
+        if view.started_at and now - view.started_at >= self.fresh_after_s:
+            self.loop = []  # it stayed up: not a crash loop, what came before is no evidence against a request
+        rank0 = next((r.pid for r in view.ranks.values() if r.rank == 0), None)
+        failed = FailedAttempt(incident_id, view.restarts, rank0)
+        self.loop.append(failed)
+        self._read_into(failed)
+        self._decide(failed)
+
+    def attempt_ended(self) -> None:
+        """After the teardown, before the next attempt: the file once more (its writer is gone: requests it
+        recorded after the ruling count too), then the quarantine, written before the next attempt starts."""
+        if self.loop:
+            failed = self.loop[-1]
+            self._read_into(failed)
+            self._decide(failed)
+
+    def evidence(self, incident_id: str) -> dict:
+        """The bundle's ``requests`` field for an incident ruled here ({} when none)."""
+        return self._evidence.get(incident_id, {})
+
+    # ------------------------------------------------------------------ internals
+    def _read_into(self, failed: FailedAttempt) -> None:
+        path = self.inflight_path
+        note = None
+        try:
+            snap = read_in_flight(path)
+        except (OSError, runfiles.InflightFormatError) as exc:
+            log.warning("in-flight requests unreadable: no quarantine evidence from this failure",
+                        event_name="inflight_unreadable", path=str(path), error=str(exc)[:200])
+            snap, note = None, f"unreadable: {str(exc)[:200]}"
+        if snap is None:
+            note = note or "no in-flight file (the engine does not write one, or rank 0 never served)"
+        elif snap.attempt != failed.attempt or (failed.rank0_pid is not None and snap.pid != failed.rank0_pid):
+            note = (f"the in-flight file is an earlier attempt's (attempt {snap.attempt}, pid {snap.pid}; "
+                    f"this attempt {failed.attempt}, rank 0 pid {failed.rank0_pid})")
+            snap = None
+        if snap is not None:
+            failed.started_ns.update(snap.started_ns)
+            failed.suspects = InFlight(snap.pid, snap.attempt, failed.started_ns).suspects()
+            failed.note = None
+        elif not failed.started_ns:  # a failed second read takes nothing away from the first
+            failed.note = note
+        self._evidence[failed.incident_id] = self._describe(failed)
+
+    def _decide(self, failed: FailedAttempt) -> None:
+        if self.after <= 0:
+            return
+        new = []
+        for fp in sorted(failed.suspects):
+            if fp in self.quarantined:
+                continue
+            incidents = [f.incident_id for f in self.loop if fp in f.suspects]
+            if len(incidents) >= self.after:
+                self.quarantined[fp] = incidents
+                new.append(fp)
+                log.warning("request quarantined: it was scheduled in the failing step of every one of these failed "
+                            "attempts; the engine answers it 400 for the rest of the run",
+                            event_name="request_quarantined", fingerprint=fp, incident_ids=incidents)
+        if not new:
+            return
+        self.decided.setdefault(failed.incident_id, []).extend(new)
+        try:
+            runfiles.write_quarantine(self.run_dir, {fp: list(ids) for fp, ids in self.quarantined.items()})
+        except OSError as exc:
+            log.warning("run file not written: quarantined requests may run again", event_name="run_file_write_failed",
+                        file=str(self.run_dir / runfiles.QUARANTINE_FILE), error=repr(exc))
+        self.on_quarantined(len(new))
+        self._evidence[failed.incident_id] = self._describe(failed)
+
+    def _describe(self, failed: FailedAttempt) -> dict:
+        started = failed.started_ns
+        requests: dict = {
+            "attempt": failed.attempt,
+            "in_flight": sorted(started, key=lambda fp: (started[fp], fp)),
+            "suspects": sorted(failed.suspects),
+            "quarantined": {fp: list(self.quarantined[fp]) for fp in self.decided.get(failed.incident_id, [])},
+            "quarantine_after": self.after,
+        }
+        if failed.note:
+            requests["note"] = failed.note
+        return {"requests": requests}
