@@ -57,6 +57,10 @@ class Hurry:
     def is_set(self) -> bool:
         return self._set
 
+    def fileno(self) -> int:
+        """Readable once set: wait for it with select() next to other fds."""
+        return self._r
+
     def wait(self, timeout: float) -> bool:
         """Sleep up to ``timeout`` seconds, waking at once when set; returns whether it is set."""
         if not self._set and timeout > 0:

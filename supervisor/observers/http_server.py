@@ -24,6 +24,9 @@ docs/metrics.md for what exposing it reveals).
 from __future__ import annotations
 
 import json
+import math
+import os
+import select
 import socket
 import socketserver
 import sys
@@ -33,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import structlog
@@ -180,6 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.NOT_FOUND, b"not here: this listener serves /healthz /readyz /livez; /metrics is on "
                        b"--metrics-addr\n", TEXT_TYPE, send_body)
         elif path == "/metrics":
+            began = time.monotonic()
             try:
                 body, content_type = app.metrics.exposition(self.headers.get("Accept", ""))
             except Exception:  # a broken collector must not kill the endpoint
@@ -187,6 +192,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.INTERNAL_SERVER_ERROR, b"exposition failed\n", TEXT_TYPE, send_body)
                 return
             self._send(HTTPStatus.OK, body, content_type, send_body)
+            if send_body:
+                app.scrapes.served(began)
         elif path == "/livez":
             age = app.liveness.age()
             alive = age < app.liveness.stale_after_s
@@ -213,6 +220,66 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (base class signature)
         log.debug("http request", client=self.client_address[0], line=format % args)
+
+
+class Waitable(Protocol):
+    """Something select() can wait on that says when it is set (``signals.Hurry``)."""
+
+    def fileno(self) -> int: ...
+
+    def is_set(self) -> bool: ...
+
+
+class Scrapes:
+    """When /metrics was served: lets the supervisor's exit wait for one scrape of its final state.
+
+    A request thread calls ``served(began)`` once a /metrics body went out, ``began`` the monotonic time its
+    exposition was taken: a scrape that began after the run's last update carried the final counts.  While
+    someone waits, a byte on a pipe wakes it (it also waits on the second-Ctrl-C pipe), so nothing polls; the
+    pipe exists only during ``wait_after`` and every use of it holds the lock (no write to a reused fd number).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self.latest = -math.inf  # when the exposition of the latest scrape was taken
+        self._wake: tuple[int, int] | None = None
+
+    def served(self, began: float) -> None:
+        with self._lock:
+            self.count += 1
+            self.latest = max(self.latest, began)
+            if self._wake is not None:
+                try:
+                    os.write(self._wake[1], b"s")
+                except OSError:  # full: readable already
+                    pass
+
+    def wait_after(self, mark: float, timeout_s: float, interrupt: Waitable) -> bool:
+        """Until a scrape that began at or after ``mark`` was served (True), ``timeout_s`` passed or ``interrupt``
+        is set (False)."""
+        deadline = time.monotonic() + timeout_s
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        with self._lock:
+            self._wake = (r, w)
+        try:
+            while self.latest < mark:
+                left = deadline - time.monotonic()
+                if left <= 0 or interrupt.is_set():
+                    return False
+                select.select([r, interrupt.fileno()], [], [], left)
+                try:
+                    os.read(r, 4096)
+                except BlockingIOError:  # woken by the interrupt (or the time), not by a scrape
+                    pass
+            return True
+        finally:
+            with self._lock:
+                self._wake = None
+            os.close(r)
+            os.close(w)
 
 
 class Liveness:
@@ -256,6 +323,7 @@ class HealthServer:
         self.liveness = liveness or Liveness(stale_after_s=float("inf"))
         self.host = host
         self.requested_port = port
+        self.scrapes = Scrapes()  # /metrics requests served (the linger at exit waits for one)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -267,14 +268,27 @@ class Services:
     def on_teardown(self, result: TeardownResult) -> None:
         self.metrics.record_teardown(result.duration_s, result.complete)
 
-    def linger(self, seconds: float, interrupt) -> None:
-        """Keep /metrics up after the incident so Prometheus scrapes its last counts."""
+    def linger(self, seconds: float, interrupt, until_scraped: bool = False) -> None:
+        """Keep /metrics up after the incident so Prometheus scrapes its last counts.
+
+        ``until_scraped`` (the default linger): only while a scraper exists, i.e. not at all when /metrics was
+        never scraped in this run, else until the first scrape of the final state, at most ``seconds``."""
         self.flush_textfile()
         if self.http is None or seconds <= 0:
             return
+        scrapes = self.http.scrapes
+        if until_scraped and scrapes.count == 0:
+            log.info("metrics linger skipped: /metrics was never scraped in this run", url=self.metrics_url)
+            return
         log.info("metrics stay up before exit", seconds=seconds, url=self.metrics_url,
+                 until="the first scrape of the final state" if until_scraped else "the time is up",
                  skip="a second Ctrl-C ends it")
-        interrupt.wait(seconds)
+        if not until_scraped:
+            interrupt.wait(seconds)
+            return
+        began = time.monotonic()
+        if scrapes.wait_after(began, seconds, interrupt):
+            log.info("final metrics scraped", waited_s=round(time.monotonic() - began, 3))
 
     def settle_consensus(self, now: float) -> list:
         """Divergences still in flight (a rank that died mid-step, e.g. gloo
