@@ -366,12 +366,13 @@ class LaunchSpec:
         """watchdogs.adaptive.AdaptiveParams with the floors/ceilings given (validated there)."""
         from tp_supervise.watchdogs.adaptive import AdaptiveParams
 
-        bounds = {}
-        if self.adaptive_floors is not None:
-            bounds.update(soft_floor=self.adaptive_floors[0], hard_floor=self.adaptive_floors[1])
-        if self.adaptive_ceilings is not None:
-            bounds.update(soft_ceiling=self.adaptive_ceilings[0], hard_ceiling=self.adaptive_ceilings[1])
-        return AdaptiveParams(**bounds)
+        floors, ceilings = self.adaptive_floors, self.adaptive_ceilings
+        if floors is None:
+            floors = (AdaptiveParams.soft_floor, AdaptiveParams.hard_floor)
+        if ceilings is None:
+            ceilings = (AdaptiveParams.soft_ceiling, AdaptiveParams.hard_ceiling)
+        return AdaptiveParams(soft_floor=floors[0], hard_floor=floors[1],
+                              soft_ceiling=ceilings[0], hard_ceiling=ceilings[1])
 
     @property
     def builtin(self) -> bool:
@@ -475,6 +476,7 @@ def resolve_nproc(nproc_per_node: str | int | None, tp: int | None, nnodes: int,
         return nproc_per_node
     if builtin:
         return DEFAULT_BUILTIN_TP
-    if tree and launcher_nproc(command) is not None:
-        return _nproc_number(launcher_nproc(command))
+    launcher_given = launcher_nproc(command) if tree else None
+    if launcher_given is not None:
+        return _nproc_number(launcher_given)
     raise UsageError("how many ranks? give --nproc-per-node N (or --tp N)")

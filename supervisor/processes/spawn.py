@@ -116,7 +116,7 @@ def error_file(run_dir: Path, rank: int) -> Path:
 
 
 def rank_env(
-    base: Mapping[str, str], ctx: RunContext, slot: int | None, extra: Mapping[str, str] = (),
+    base: Mapping[str, str], ctx: RunContext, slot: int | None, extra: Mapping[str, str] | None = None,
     restart_count: int = 0,
 ) -> dict[str, str]:
     """The environment of one rank (``slot`` None: the tree-mode launcher)."""
@@ -164,7 +164,7 @@ def rank_env(
     env.setdefault("PYTHONUNBUFFERED", "1")
     if ctx.zero_code_hook:
         env["PYTHONPATH"] = _join_path(str(HOOK_DIR), base.get("PYTHONPATH"))
-    for key, value in dict(extra).items():
+    for key, value in (extra or {}).items():
         if key in base:  # the user's explicit setting wins
             continue
         env[key] = value
