@@ -1,7 +1,7 @@
 """Issue 4/11 benchmark: what heartbeats cost a rank.
 
     .venv/bin/python -m bench.bench_heartbeat [--quick] [--json OUT] [--before JSON]
-                                              [--update-docs docs/benchmarks.md]
+                                              [--update-docs [FILE]]
 
 1. Per call (in-process, many iterations, in several fresh processes): ``with sv.step()``,
    ``with sv.collective(op, desc)``, ``sv.phase(name)``, and the zero-code
@@ -10,6 +10,10 @@
    its async path (a call that returns work, then ``wait()`` on the work),
    each minus the cost of the same calls without heartbeats; the work is a
    real gloo work that has completed, so gloo's own time is not counted.
+   In the same processes, the pieces of the blocking path, each timed alone
+   on the objects the hook uses (a forwarding wrapper, the hooked
+   ``Work.wait``, the lane's ``threading.local``, ``time.monotonic``, the
+   memoryview stores): "where the time goes", the rest being the whole minus them.
 2. On a realistic loop, same run: a decode step of a small Llama-like TP
    shard in plain torch (per layer: QKV, attention-sized matmul, o_proj,
    all_reduce, gate/up, down, all_reduce) on a real single-rank gloo group,
@@ -44,14 +48,24 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench._docs import Stamp, add_common_args, replace_section
 from tp_supervise.supervisor.rank import heartbeat as hb
 from tp_supervise.supervisor.rank import runtime
-from bench._docs import replace_section
 
 HEADING = "## Heartbeat cost"
+MODULE = "bench.bench_heartbeat"
 NS = 1e9
 BLOCKING_ROW = "zero-code hook: blocking collective"
 ASYNC_ROW = "zero-code hook: async_op=True, then wait()"
+# The pieces of the blocking path, each timed alone: (name, how many of it the wrapper's path makes).
+PIECE = "piece: "
+PIECE_WRAPPER = PIECE + "a wrapper's own call with `*args, **kwargs` (forwarding to the collective)"
+PIECE_WAIT = PIECE + "the hook's `Work.wait` over torch's own (torch's blocking collectives call it in Python)"
+PIECE_LANE = PIECE + "the thread's lane through a `threading.local`"
+PIECE_CLOCK = PIECE + "`time.monotonic()`"
+PIECE_U64 = PIECE + "a u64 store into the shared slot through a memoryview (lane in, lane out)"
+PIECE_F64 = PIECE + "an f64 store into the lane's arrival ring through a memoryview"
+PIECE_COUNTS = {PIECE_WRAPPER: 1, PIECE_WAIT: 1, PIECE_LANE: 1, PIECE_CLOCK: 1, PIECE_U64: 2, PIECE_F64: 1}
 
 
 @dataclass(frozen=True)
@@ -173,7 +187,39 @@ def _per_call(number: int, repeat: int, dist, tensor) -> dict[str, float]:
         with runtime.collective("all_reduce", "8x512 float32"):
             pass
 
+    # The blocking path's pieces, each timed alone (hot caches), on the objects the hook uses.
+    lane = runtime.lane()
+    assert lane is not None, "no lane: the runtime is not attached"
+    state = runtime.thread_state
+    word, ring = lane.word, lane.ring
+    value = int(word[0])
+    now = time.monotonic()
+
+    def target(t):
+        return None
+
+    def forwarding(*args, **kwargs):
+        return target(*args, **kwargs) if kwargs else target(*args)
+
+    def store_u64():
+        word[0] = value
+
+    def store_f64():
+        ring[1] = now
+
+    def nothing():
+        pass
+
+    pieces = {
+        PIECE_WRAPPER: best(lambda: forwarding(tensor)) - best(lambda: target(tensor)),
+        PIECE_WAIT: best(lambda: wait(done)) - best(lambda: plain_wait(done)),
+        PIECE_LANE: best(lambda: state.lane) - empty,
+        PIECE_CLOCK: best(time.monotonic) - best(nothing),
+        PIECE_U64: best(store_u64) - best(nothing),
+        PIECE_F64: best(store_f64) - best(nothing),
+    }
     return {
+        **pieces,
         "step() begin+end": best(step) - empty,
         "collective() begin+end": best(coll) - empty,
         "phase()": best(lambda: runtime.phase("decode")) - empty,
@@ -407,7 +453,7 @@ def _per_call_here(quick: bool) -> dict[str, float]:
         _patch_work(torch)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            return _per_call(20_000 if quick else 200_000, 5, dist, torch.zeros(LoopShape.batch, LoopShape.hidden))
+            return _per_call(10_000 if quick else 200_000, 5, dist, torch.zeros(LoopShape.batch, LoopShape.hidden))
         finally:
             dist.destroy_process_group()
             seg.close()
@@ -426,7 +472,7 @@ def run(quick: bool, per_call_runs: int) -> Result:
         _patch_work(torch)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            pairs = 100 if quick else 1000
+            pairs = 40 if quick else 1000
             without_ms, api, zero = _loop(torch, dist, shape, pairs)
             snap = seg.read(0)
             assert snap.step > 0 and snap.coll_seq > 0, "the runtime did not write the segment"
@@ -450,14 +496,34 @@ def run(quick: bool, per_call_runs: int) -> Result:
     )
 
 
+def _calls(res: Result) -> dict[str, float]:
+    return {name: ns for name, ns in res.per_call_ns.items() if not name.startswith(PIECE)}
+
+
+def _breakdown(res: Result) -> str:
+    """Where the blocking path's time goes: each piece timed alone, and what is left of the whole."""
+    rows, spent = [], 0.0
+    for name, count in PIECE_COUNTS.items():
+        ns = res.per_call_ns[name]
+        spent += ns * count
+        rows.append(f"| {name[len(PIECE):]} | {ns:,.0f} | {count} | {ns * count:,.0f} |")
+    whole = res.per_call_ns[BLOCKING_ROW]
+    rows.append(f"| the rest: the call's bookkeeping (its arguments kept for a late description, the nesting "
+                f"depth, the slot's text check) and the `try`/`finally` that leaves the collective on an exception "
+                f"| | | {whole - spent:,.0f} |")
+    rows.append(f"| the whole blocking path (the per-call table's row) | | | {whole:,.0f} |")
+    return "| piece | ns each | per collective | ns |\n|---|---|---|---|\n" + "\n".join(rows)
+
+
 def _per_call_table(res: Result, before: dict | None) -> str:
+    calls = _calls(res)
     if before is None:
-        rows = "\n".join(f"| {name} | {ns:,.0f} |" for name, ns in res.per_call_ns.items())
+        rows = "\n".join(f"| {name} | {ns:,.0f} |" for name, ns in calls.items())
         return f"| call | ns |\n|---|---|\n{rows}"
     old = before.get("per_call_ns", {})
     old.setdefault(BLOCKING_ROW, old.get("zero-code wrapper (describe + heartbeat)"))  # the row's old name
     rows = []
-    for name, ns in res.per_call_ns.items():
+    for name, ns in calls.items():
         was = old.get(name)
         ratio = f"{ns / was:.2f}x" if was else ""
         rows.append(f"| {name} | {was:,.0f} | {ns:,.0f} | {ratio} |" if was else f"| {name} | | {ns:,.0f} | |")
@@ -481,7 +547,7 @@ def _goal(pct: float, goal: float = 0.5, margin: float = 0.05) -> str:
     return "met, with no margin: runs on this shared machine differ by more" if pct > goal - margin else "met"
 
 
-def markdown(res: Result, command: str, before: dict | None = None, before_label: str = "the previous code") -> str:
+def markdown(res: Result, stamp: str, before: dict | None = None, before_label: str = "the previous code") -> str:
     s = res.shape
     blocking = res.per_call_ns[BLOCKING_ROW]
     loop_head = "| | value | before |\n|---|---|---|" if before else "| | value |\n|---|---|"
@@ -493,9 +559,9 @@ def markdown(res: Result, command: str, before: dict | None = None, before_label
 """
     return f"""{HEADING}
 
-Command: `{command}` (CPU, torch on one thread; numbers from one run on the
-shared {os.cpu_count()}-core development machine, 1-minute load average {res.load[0]:.1f} before and
-{res.load[1]:.1f} after: other jobs were running, so small timings are inflated).
+{stamp}
+
+CPU, torch on one thread; on a machine shared with other jobs small timings are inflated.
 
 Per call, in-process, best of 5 repeats, minus the same calls without heartbeats;
 each figure the median over {res.per_call_runs} fresh processes:
@@ -506,19 +572,14 @@ Goal (issue 11): the zero-code hook costs <= 1 us per collective on this machine
 {blocking:,.0f} ns on the blocking path ({"met" if blocking <= 1000 else "not met"}), {res.per_call_ns[ASYNC_ROW]:,.0f} ns for an
 async call and the wait on its work together.
 
-Where a blocking collective's time goes (hot caches, each piece timed
-alone on this machine): the wrapper's own call with `*args, **kwargs`
-~130 ns; the hook's `Work.wait`, which torch's blocking collectives call
-in Python, ~170 ns; the thread's lane through a `threading.local` ~40 ns;
-`time.monotonic()` ~25 ns; three stores into the shared slot through
-memoryviews (lane in, `ts_coll_begin`, lane out) ~30 ns each; the rest is
-the call's bookkeeping (its arguments kept for a late description, the
-nesting depth) and the `try`/`finally` that leaves the collective on an
-exception.  That is the floor of a pure-Python hook that keeps what the
-watchdog, the flight view and the dumps read (the count, "in collective",
-the begin time, the description); going lower needs C.  The async path is
-two hooked calls (the issue, then the wait on its work) plus tracking the
-work by weak reference.
+Where a blocking collective's time goes (hot caches, each piece timed alone in the same processes as
+the table above, median over them; the rest is the whole minus the pieces):
+
+{_breakdown(res)}
+
+That is the floor of a pure-Python hook that keeps what the watchdog, the flight view and the dumps
+read (the count, "in collective", the arrival time, the description); going lower needs C.  The async
+path is two hooked calls (the issue, then the wait on its work) plus tracking the work by weak reference.
 
 Realistic loop, same run: a decode step of a Llama-like TP shard in plain
 torch ({s.layers} layers, hidden {s.hidden}, FFN {s.ffn}, batch {s.batch}, attention over {s.context}
@@ -558,23 +619,22 @@ def update_docs(path: Path, section: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    add_common_args(ap, "40 pairs of steps, 10,000 calls per timing, one process for the per-call table")
     ap.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON")
     ap.add_argument("--before", type=Path, metavar="JSON", help="a --json file from the previous code: compare")
     ap.add_argument("--before-label", default="the previous code", help="what --before measured (for the docs)")
-    ap.add_argument("--update-docs", type=Path, metavar="FILE", help="rewrite the Heartbeat cost section of FILE")
     ap.add_argument("--per-call-runs", type=int, metavar="N", help="processes for the per-call table (default 5, 1 with --quick)")
     ap.add_argument("--per-call-only", action="store_true", help=argparse.SUPPRESS)  # one process of the table, JSON
     args = ap.parse_args(argv)
     if args.per_call_only:
         print(json.dumps(_per_call_here(args.quick)))
         return 0
+    stamp = Stamp.begin(MODULE, argv)
     res = run(args.quick, args.per_call_runs or (1 if args.quick else 5))
     if args.json:
-        args.json.write_text(json.dumps({**asdict(res), "command": " ".join(sys.argv)}, indent=2))
+        args.json.write_text(json.dumps({**asdict(res), "command": stamp.command}, indent=2))
     before = json.loads(args.before.read_text()) if args.before else None
-    command = ".venv/bin/python -m bench.bench_heartbeat" + (" --quick" if args.quick else "")
-    section = markdown(res, command + (" --before before.json" if before else ""), before, args.before_label)
+    section = markdown(res, stamp.text(), before, args.before_label)
     print(section)
     if args.update_docs:
         update_docs(args.update_docs, section)
