@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import structlog
 
@@ -47,7 +48,7 @@ def say_error(message: str) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse exits 2; our contract says 64
+    def error(self, message: str) -> NoReturn:  # argparse exits 2; our contract says 64
         if not _json_errors:
             self.print_usage(sys.stderr)
         say_error(message)
@@ -320,6 +321,8 @@ def join_nodes(spec: LaunchSpec):
     log = structlog.get_logger("supervise")
     deadline = time.monotonic() + spec.rendezvous_timeout
     host, port = spec.master_addr, spec.resolved_store_port
+    if port is None:  # LaunchSpec refuses --nnodes > 1 without --master-port
+        raise handshake.HandshakeError("multi-node needs --master-port (or --store-port)", EXIT_USAGE)
 
     def interrupt(_signum, _frame):  # a stop signal during the (long) rendezvous: nothing to tear down
         raise KeyboardInterrupt
