@@ -108,13 +108,18 @@ def _threshold(value: float | None) -> float:
 
 
 class GpuReading(Protocol):
-    """What observe_gpus reads from one sample (watchdogs.gpu.GpuSample has these)."""
+    """What observe_gpus reads from one sample (watchdogs.gpu.GpuSample has these, read-only: it is frozen)."""
 
-    index: int
-    utilization_pct: float | None
-    power_w: float | None
-    memory_used: int | None
-    memory_total: int | None
+    @property
+    def index(self) -> int: ...
+    @property
+    def utilization_pct(self) -> float | None: ...
+    @property
+    def power_w(self) -> float | None: ...
+    @property
+    def memory_used(self) -> int | None: ...
+    @property
+    def memory_total(self) -> int | None: ...
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,13 @@ from .http_server import HealthCell, HealthServer, HealthStatus, Liveness
 from .metrics import SupervisorMetrics
 
 if TYPE_CHECKING:
+    from tp_supervise.consensus.monitor import ConsensusMonitor
+
     from ..processes.attempt import AttemptView
     from ..processes.teardown import TeardownResult
     from ..spec import LaunchSpec
+    from .consensus_thread import ConsensusThread, NodeConsensusThread
+    from .control_socket import ControlServer
 
 log = structlog.get_logger("supervise")
 
@@ -80,12 +84,12 @@ class Services:
         self.gpu = GpuSampler(GPU_SAMPLE_INTERVAL_S)
         self._gpu_seen = 0  # seq of the last reading put into the metrics
         self._gpu_unverified_logged = False
-        self.consensus_monitor = None
-        self.consensus_thread = None
-        self.node_consensus = None
+        self.consensus_monitor: ConsensusMonitor | None = None
+        self.consensus_thread: ConsensusThread | None = None
+        self.node_consensus: NodeConsensusThread | None = None
         if spec.consensus != "off":
             self._init_consensus()
-        self.control = None
+        self.control: ControlServer | None = None
         self.metrics.set_engine_state(engine_state.EngineState.STARTING)
 
     def _init_consensus(self) -> None:
