@@ -156,8 +156,8 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
     from .bridge import EngineBridge
     from .chat_api import load_chat_template
     from .comm import TPComm, destroy_groups, init_groups
-    from .loops import BroadcastLeader, BroadcastWorker, ReplicatedRank
     from .inject import FaultInjector
+    from .loops import BroadcastLeader, BroadcastWorker, ReplicatedRank
     from .model import LlamaShard
     from .planes import PlanPublisher, PlanSubscriber, RequestExchange, StartupStatus, WireError, startup_exchange
     from .runfiles import InflightFile, InflightRequests, attempt_from, inflight_path
