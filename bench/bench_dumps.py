@@ -1,32 +1,33 @@
-"""Wall time of a full incident dump for 2, 4 and 8 fake ranks, py-spy and fallback paths.
+"""Issue 5/11 benchmark: wall time of an incident dump of real torch ranks, py-spy and fallback paths.
 
-A "full dump" is ``dumps.incident.write_incident``: /proc + heartbeat of
-every rank, stacks of every rank in parallel, flight-recorder collection
-(the fake ranks serve none, so each rank answers "no socket" at once),
-the verdict, and the bundle written atomically.  Rank 1 is stuck in a
-Python function, the others wait in a "collective" (torch-free fake ranks,
-tests/dumps/fake_rank.py).
+    .venv/bin/python -m bench.bench_dumps [--repeat 10] [--ranks 2,4,8] [--quick] [--update-docs [FILE]]
 
-Usage:
-    .venv/bin/python bench/bench_dumps.py [--repeat N] [--ranks 2,4,8] [--freeze] [--write-docs]
+The ranks are real torch.distributed programs (``bench/dump_rank.py``, gloo)
+with what a supervised rank has: the zero-code hook on PYTHONPATH (heartbeats
+from their collectives, torch's flight recorder and its worker server, the
+stack signal), ``OMP_NUM_THREADS=1`` as ``supervise serve`` gives them, and
+so torch's and gloo's own threads (the count is measured and shown).  Rank 1
+is stuck in a Python function; every other rank blocks inside a gloo
+all_reduce waiting for it.  One set of ranks per rank count serves every
+dump of that count.
 
-``--write-docs`` replaces the "## Dumps" section of docs/benchmarks.md.
-Goal (issue 5): <= 1 s for 8 ranks (Python stacks).
+1. **Dumps** (the soft path, ``dumps.incident.write_incident``): /proc and
+   heartbeat of every rank, stacks of every rank in parallel, flight-recorder
+   collection over the ranks' worker sockets, the verdict, the bundle written
+   atomically.  Goal (issue 5): <= 1 s for 8 ranks.
+2. **Freeze, then dump** (the fatal path, ``capture_incident(freeze=True)``):
+   reads every rank's state, SIGSTOPs them all, waits until each reads
+   stopped, takes the stacks of the frozen ranks, resumes them and reads
+   their flight recorders (the capture, all the teardown waits for); then
+   ``write_captured`` writes the bundle.
 
-``--freeze`` measures the fatal path instead (issue 11, "freeze, then
-dump"): ``dumps.incident.capture_incident(freeze=True)`` reads /proc of
-every rank, SIGSTOPs them and waits until each reads stopped (the
-freeze), takes the stacks of the frozen ranks, resumes them and reads
-their flight recorders (the capture, which is all the teardown waits
-for); then ``write_captured`` writes the bundle.  With ``--write-docs`` it
-replaces the "## Freeze, then dump" section.
+Every dump must name rank 1 as the culprit; every frozen rank must have stacks.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,68 +38,100 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "dumps"))
 
 import structlog  # noqa: E402
+from dumps_fakes import FakeRankSet  # noqa: E402
 
+from bench._docs import Stamp, add_common_args, replace_section  # noqa: E402
 from tp_supervise.dumps.bundle import BundleWriter  # noqa: E402
 from tp_supervise.dumps.capture import ENV_PYSPY, find_pyspy  # noqa: E402
 from tp_supervise.dumps.incident import capture_incident, write_captured, write_incident  # noqa: E402
-from dumps_fakes import FakeRankSet  # noqa: E402
+from tp_supervise.supervisor.processes.spawn import HOOK_DIR  # noqa: E402
+from tp_supervise.supervisor.rank import flight as rank_flight  # noqa: E402
+from tp_supervise.supervisor.rank.net import free_port  # noqa: E402
 
+MODULE = "bench.bench_dumps"
 GOAL_S = 1.0
 DEADLINE_S = 5.0
-DOCS = ROOT / "docs" / "benchmarks.md"
+START_TIMEOUT_S = 300.0
 SECTION = "## Dumps"
 FREEZE_SECTION = "## Freeze, then dump"
 METHODS = ("py-spy", "faulthandler")
+RANK = ROOT / "bench" / "dump_rank.py"
+CULPRIT = 1
 
 
-def run_one(nranks: int, method: str, repeat: int, root: Path) -> list[float]:
-    ranks = FakeRankSet(root / f"{method}-{nranks}", nranks)
-    writer = BundleWriter(root / f"{method}-{nranks}" / "dumps", keep=repeat + 1, max_bytes=0)
-    times = []
+def start_ranks(root: Path, n: int) -> FakeRankSet:
+    """``n`` real gloo ranks, parked: rank 1 in a Python function, the others inside all_reduce #4."""
+    import subprocess
+
+    ranks = FakeRankSet(root, n)
+    port = free_port()
+    for r in range(n):
+        env = ranks.env(r)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HOOK_DIR), env.get("PYTHONPATH", "")) if p)
+        env.update(rank_flight.rank_env(ranks.run_dir, r, environ=env))
+        env.setdefault("OMP_NUM_THREADS", "1")  # what supervise serve gives each of several ranks
+        ranks.procs[r] = subprocess.Popen(
+            [sys.executable, str(RANK), str(r), str(n), str(port)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        )
     try:
-        ranks.start({r: ("python" if r == 1 else "collective") for r in range(nranks)})
-        for _ in range(repeat):
-            res = write_incident(
-                writer,
-                reason="hang",
-                run_id=ranks.run_id,
-                targets=ranks.targets(),
-                run_dir=ranks.run_dir,
-                method=method,
-                deadline_s=DEADLINE_S,
-            )
-            if not res.ok or res.diagnosis is None or res.diagnosis.culprit_ranks != [1]:
-                raise RuntimeError(f"bad dump: {res}")
-            times.append(res.duration_s)
-    finally:
+        ranks.wait_parked(START_TIMEOUT_S)
+        deadline = time.monotonic() + 30
+        while not all(ranks.segment.read(r).in_collective for r in range(n) if r != CULPRIT):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the ranks did not all enter the collective")
+            time.sleep(0.02)
+    except BaseException:
         ranks.close()
-    return times
+        raise
+    return ranks
 
 
-def run_frozen(nranks: int, method: str, repeat: int, root: Path) -> list[tuple[float, float, float, float]]:
-    """(all stopped, freeze, capture incl. freeze, whole dump) seconds per fatal dump of ``nranks`` ranks."""
-    ranks = FakeRankSet(root / f"frozen-{method}-{nranks}", nranks)
-    writer = BundleWriter(root / f"frozen-{method}-{nranks}" / "dumps", keep=repeat + 1, max_bytes=0)
-    times = []
-    try:
-        ranks.start({r: ("python" if r == 1 else "collective") for r in range(nranks)})
-        for _ in range(repeat):
-            captured = capture_incident(
-                ranks.targets(), reason="hang", run_dir=ranks.run_dir, method=method, deadline_s=DEADLINE_S,
-                freeze=True,
-            )
-            res = write_captured(writer, captured, reason="hang", run_id=ranks.run_id)
-            frozen = captured.frozen
-            if frozen is None or len(frozen.stopped) != nranks or not frozen.settled:
-                raise RuntimeError(f"bad freeze: {frozen}")
-            if not res.ok or res.diagnosis is None or res.diagnosis.culprit_ranks != [1]:
-                raise RuntimeError(f"bad dump: {res}")
-            if any(not ev.has_stacks for ev in captured.evidence.ranks.values()):
-                raise RuntimeError("a frozen rank has no stacks")
-            times.append((frozen.signalled_s, frozen.duration_s, captured.duration_s, res.duration_s))
-    finally:
-        ranks.close()
-    return times
+def threads(ranks: FakeRankSet) -> list[int]:
+    return [len(os.listdir(f"/proc/{p.pid}/task")) for p in ranks.procs.values()]
+
+
+def _check_flight(path: Path | None, n: int) -> None:
+    """Every rank's flight-recorder trace is in the bundle: the collection over the worker sockets ran."""
+    got = sorted(x.name for x in (path / "fr").iterdir()) if path is not None and (path / "fr").is_dir() else []
+    if got != [f"rank-{r}" for r in range(n)]:
+        raise RuntimeError(f"flight-recorder traces in the bundle: {got}, want all {n} ranks")
+
+
+def dump_once(ranks: FakeRankSet, writer: BundleWriter, method: str) -> float:
+    res = write_incident(writer, reason="hang", run_id=ranks.run_id, targets=ranks.targets(), run_dir=ranks.run_dir,
+                         method=method, deadline_s=DEADLINE_S)
+    if not res.ok or res.diagnosis is None or res.diagnosis.culprit_ranks != [CULPRIT]:
+        raise RuntimeError(f"bad dump: {res}")
+    _check_flight(res.path, len(ranks.procs))
+    return res.duration_s
+
+
+def frozen_once(ranks: FakeRankSet, writer: BundleWriter, method: str) -> tuple[float, float, float, float]:
+    """(all stopped, freeze, capture incl. freeze, whole dump) seconds of one fatal dump."""
+    captured = capture_incident(ranks.targets(), reason="hang", run_dir=ranks.run_dir, method=method,
+                                deadline_s=DEADLINE_S, freeze=True)
+    res = write_captured(writer, captured, reason="hang", run_id=ranks.run_id)
+    frozen = captured.frozen
+    if frozen is None or len(frozen.stopped) != len(ranks.procs) or not frozen.settled:
+        raise RuntimeError(f"bad freeze: {frozen}")
+    if not res.ok or res.diagnosis is None or res.diagnosis.culprit_ranks != [CULPRIT]:
+        raise RuntimeError(f"bad dump: {res}")
+    if any(not ev.has_stacks for ev in captured.evidence.ranks.values()):
+        raise RuntimeError("a frozen rank has no stacks")
+    _check_flight(res.path, len(ranks.procs))
+    return frozen.signalled_s, frozen.duration_s, captured.duration_s, res.duration_s
+
+
+def table(results: dict[tuple[str, int], list[float]]) -> str:
+    lines = [
+        "| ranks | stacks | median s | max s | goal met (<= 1 s) |",
+        "|---:|---|---:|---:|---|",
+    ]
+    for (method, n), times in sorted(results.items()):
+        med, worst = statistics.median(times), max(times)
+        lines.append(f"| {n} | {method} | {med:.3f} | {worst:.3f} | {'yes' if worst <= GOAL_S else 'no'} |")
+    return "\n".join(lines)
 
 
 def frozen_table(results: dict[tuple[str, int], list[tuple[float, float, float, float]]]) -> str:
@@ -108,7 +141,7 @@ def frozen_table(results: dict[tuple[str, int], list[tuple[float, float, float, 
         "|---:|---|---:|---:|---:|---:|",
     ]
     for (method, n), times in sorted(results.items()):
-        signalled, freeze, capture, whole = zip(*times)
+        signalled, freeze, capture, whole = zip(*times, strict=True)
         lines.append(
             f"| {n} | {method} | {statistics.median(signalled) * 1e3:.2f} | {statistics.median(freeze) * 1e3:.1f} "
             f"| {statistics.median(capture):.3f} ({max(capture):.3f}) | {statistics.median(whole):.3f} "
@@ -117,108 +150,94 @@ def frozen_table(results: dict[tuple[str, int], list[tuple[float, float, float, 
     return "\n".join(lines)
 
 
-def table(results: dict[tuple[str, int], list[float]]) -> str:
-    lines = [
-        "| ranks | path | median s | max s | goal met (<= 1 s) |",
-        "|---:|---|---:|---:|---|",
-    ]
-    for (method, n), times in sorted(results.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        med, worst = statistics.median(times), max(times)
-        lines.append(f"| {n} | {method} | {med:.3f} | {worst:.3f} | {'yes' if worst <= GOAL_S else 'no'} |")
-    return "\n".join(lines)
+def _ranks_text(counts: list[int], nthreads: dict[int, list[int]]) -> str:
+    return "; ".join(f"{n} ranks: {min(t)}-{max(t)} threads each" if min(t) != max(t) else f"{n} ranks: {t[0]} threads each"
+                     for n, t in sorted(nthreads.items()) if n in counts)
 
 
-def write_docs(body: str, section: str = SECTION) -> None:
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    start = text.find(section + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + body
-    else:
-        nxt = text.find("\n## ", start + len(section))
-        text = text[:start] + body + (text[nxt + 1 :] if nxt >= 0 else "")
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(text.rstrip("\n") + "\n")
+def dumps_section(stamp: Stamp, repeat: int, counts: list[int], nthreads: dict[int, list[int]], out: str,
+                  skipped: str) -> str:
+    return f"""{SECTION}
+
+{stamp.text()}
+
+Wall time of one full incident dump (`dumps.incident.write_incident`: /proc and heartbeat of every rank,
+Python stacks of every rank in parallel, flight-recorder collection over the ranks' worker sockets, verdict,
+atomic bundle write) of real torch ranks (`bench/dump_rank.py`: gloo, the zero-code hook, torch's flight
+recorder, `OMP_NUM_THREADS=1` as `supervise serve` gives; threads per rank, counted in /proc:
+{_ranks_text(counts, nthreads)}). Rank 1 is stuck in a Python function, the others block inside a gloo
+all_reduce waiting for it; every dump names rank 1. No previous CPU sample is passed, so each dump also
+spends the minimum 0.1 s CPU-measurement window. Dumps per row: {repeat}; figures are
+`IncidentResult.duration_s`; every bundle held every rank's flight-recorder trace.{skipped}
+
+{out}
+"""
+
+
+def freeze_section(stamp: Stamp, repeat: int, counts: list[int], nthreads: dict[int, list[int]], out: str,
+                   skipped: str) -> str:
+    return f"""{FREEZE_SECTION}
+
+{stamp.text()}
+
+The fatal path (hard hang, enforced divergence): `dumps.incident.capture_incident(freeze=True)` reads every
+rank's state, SIGSTOPs every rank (**all stopped after**), reads the rest of /proc and waits until each
+reads stopped (**freeze**), takes the stacks of the frozen ranks (py-spy `--nonblocking`; with the
+faulthandler fallback each rank is resumed only for its own capture), resumes them and reads their flight
+recorders (**capture**: all the main thread waits for, at most `--dump-timeout`, before the teardown); then
+the verdict and the atomic bundle write (**whole dump**, which may finish after the teardown). The same
+real torch ranks as "Dumps" ({_ranks_text(counts, nthreads)}): rank 1 stuck in a Python function, the
+others inside a gloo all_reduce; no previous CPU sample, and none is measured across a freeze. Dumps per
+row: {repeat}; figures are `Frozen.signalled_s`, `Frozen.duration_s`, `Captured.duration_s` and
+`IncidentResult.duration_s`; every frozen rank had stacks.{skipped}
+
+{out}
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--ranks", default="2,4,8")
-    p.add_argument("--freeze", action="store_true", help="measure freeze, then dump (the fatal path)")
-    p.add_argument("--write-docs", action="store_true")
+    p.add_argument("--repeat", type=int, default=10, help="dumps per row")
+    p.add_argument("--ranks", default="2,4,8", help="rank counts, comma-separated")
+    add_common_args(p, "2 ranks, one dump per row")
     args = p.parse_args(argv)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))  # quiet: warnings+ only
+    if args.quick:
+        args.repeat, args.ranks = 1, "2"
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))  # quiet: errors only
+    stamp = Stamp.begin(MODULE, argv)
     counts = [int(x) for x in args.ranks.split(",")]
     methods = [m for m in METHODS if m != "py-spy" or find_pyspy() is not None]
-    if args.freeze:
-        return main_frozen(args, counts, methods)
-    results: dict[tuple[str, int], list[float]] = {}
-    load = os.getloadavg()[0]
+    skipped = "" if "py-spy" in methods else " py-spy is not installed here: its rows are missing."
+    plain: dict[tuple[str, int], list[float]] = {}
+    frozen: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
+    nthreads: dict[int, list[int]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-dumps-") as tmp:
-        for method in methods:
-            for n in counts:
-                results[(method, n)] = run_one(n, method, args.repeat, Path(tmp))
-                print(f"{method:13s} {n} ranks: {[round(t, 3) for t in results[(method, n)]]}", flush=True)
-    out = table(results)
-    print(out)
-    if args.write_docs:
-        cmd = f".venv/bin/python bench/bench_dumps.py --repeat {args.repeat} --ranks {args.ranks} --write-docs"
-        body = (
-            f"{SECTION}\n\n"
-            "Wall time of one full incident dump (`dumps.incident.write_incident`: /proc and heartbeat of\n"
-            "every rank, Python stacks of every rank in parallel, flight-recorder collection, verdict,\n"
-            "atomic bundle write). Rank 1 is stuck in a Python function, the others wait in a\n"
-            "\"collective\" (torch-free fake ranks). No previous CPU sample is passed, so each dump also\n"
-            "spends the minimum 0.1 s CPU-measurement window.\n\n"
-            f"Command: `{cmd}`\n\n"
-            f"Machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, "
-            f"{args.repeat} dumps per row, 1-minute load average {load:.1f} at the start (the machine is\n"
-            f"shared); measured {time.strftime('%Y-%m-%d')}. Figures are `IncidentResult.duration_s`.\n\n"
-            f"{out}\n"
-        )
-        write_docs(body)
-        print(f"wrote {DOCS}")
-    return 0
-
-
-def main_frozen(args, counts: list[int], methods: list[str]) -> int:
-    results: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
-    load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="bench-freeze-") as tmp:
-        for method in methods:
-            for n in counts:
-                results[(method, n)] = run_frozen(n, method, args.repeat, Path(tmp))
-                print(f"{method:13s} {n} ranks: {[tuple(round(x, 4) for x in t) for t in results[(method, n)]]}",
-                      flush=True)
-    out = frozen_table(results)
-    print(out)
-    if args.write_docs:
-        cmd = f".venv/bin/python bench/bench_dumps.py --freeze --repeat {args.repeat} --ranks {args.ranks} --write-docs"
-        body = (
-            f"{FREEZE_SECTION}\n\n"
-            "The fatal path (hard hang, enforced divergence): `dumps.incident.capture_incident(freeze=True)`\n"
-            "reads every rank's state, SIGSTOPs every rank (**all stopped after**), reads the rest of /proc and\n"
-            "waits until each reads stopped (**freeze**),\n"
-            "takes the stacks of the frozen ranks (py-spy `--nonblocking`; with the faulthandler fallback each\n"
-            "rank is resumed only for its own capture), resumes them and reads their flight recorders\n"
-            "(**capture**: all the main thread waits for, at most `--dump-timeout`, before the teardown);\n"
-            "then the verdict and the atomic bundle write (**whole dump**, which may finish after the\n"
-            "teardown). Rank 1 is stuck in a Python function, the others wait in a \"collective\"\n"
-            "(torch-free fake ranks); no previous CPU sample, and none is measured across a freeze.\n\n"
-            f"Command: `{cmd}`\n\n"
-            f"Machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, "
-            f"{args.repeat} dumps per row, 1-minute load average {load:.1f} at the start (the machine is\n"
-            f"shared); measured {time.strftime('%Y-%m-%d')}. Figures are `Frozen.signalled_s`,\n"
-            "`Frozen.duration_s`, `Captured.duration_s` and `IncidentResult.duration_s`.\n\n"
-            f"{out}\n"
-        )
-        write_docs(body, FREEZE_SECTION)
-        print(f"wrote {DOCS}")
+        for n in counts:
+            t0 = time.monotonic()
+            ranks = start_ranks(Path(tmp) / f"ranks-{n}", n)
+            try:
+                nthreads[n] = threads(ranks)
+                print(f"{n} ranks parked in {time.monotonic() - t0:.1f} s, threads {nthreads[n]}", flush=True)
+                for method in methods:
+                    writer = BundleWriter(Path(tmp) / f"dumps-{method}-{n}", keep=2, max_bytes=0)
+                    plain[(method, n)] = [dump_once(ranks, writer, method) for _ in range(args.repeat)]
+                    frozen[(method, n)] = [frozen_once(ranks, writer, method) for _ in range(args.repeat)]
+                    print(f"{method:13s} {n} ranks: dump {[round(t, 3) for t in plain[(method, n)]]}, freeze "
+                          f"{[tuple(round(x, 4) for x in t) for t in frozen[(method, n)]]}", flush=True)
+            finally:
+                ranks.close()
+    one = dumps_section(stamp, args.repeat, counts, nthreads, table(plain), skipped)
+    two = freeze_section(stamp, args.repeat, counts, nthreads, frozen_table(frozen), skipped)
+    print(one)
+    print(two)
+    if args.update_docs:
+        replace_section(args.update_docs, SECTION, one)
+        replace_section(args.update_docs, FREEZE_SECTION, two)
     return 0
 
 
 if __name__ == "__main__":
-    # py-spy path must really be py-spy: do not let a stray setting turn it off
+    # the py-spy path must really be py-spy: do not let a stray setting turn it off
     if os.environ.get(ENV_PYSPY):
         print(f"note: ${ENV_PYSPY}={os.environ[ENV_PYSPY]}", file=sys.stderr)
     sys.exit(main())
