@@ -246,9 +246,12 @@ class RequestQuarantine:
 
     def _describe(self, failed: FailedAttempt) -> dict:
         started = failed.started_ns
+        newest = max(started.values(), default=0)
         requests: dict = {
             "attempt": failed.attempt,
             "in_flight": sorted(started, key=lambda fp: (started[fp], fp)),
+            # how long before the newest request each one was first scheduled (what makes the suspects)
+            "started_ms_before_newest": {fp: round((newest - ns) / 1e6, 3) for fp, ns in started.items()},
             "suspects": sorted(failed.suspects),
             "quarantined": {fp: list(self.quarantined[fp]) for fp in self.decided.get(failed.incident_id, [])},
             "quarantine_after": self.after,
