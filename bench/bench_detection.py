@@ -1,7 +1,7 @@
 """Issue 4 benchmark: how fast the adaptive watchdogs name a hang in steady decode.
 
     .venv/bin/python -m bench.bench_detection [--runs 3] [--kinds stop,hang_collective]
-                                              [--fault-step 600] [--update-docs docs/benchmarks.md]
+                                              [--fault-step 600] [--quick] [--update-docs [FILE]]
 
 Each run starts ``supervise serve --tp 2`` (the built-in engine, CPU, gloo)
 with NO timeout flags, so the soft and hard thresholds are the adaptive ones,
@@ -45,15 +45,17 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench._docs import Stamp, add_common_args, replace_section
+from tp_supervise.supervisor.drill import wait_engine_health
 from tp_supervise.supervisor.rank.net import free_port
 from tp_supervise.watchdogs.adaptive import AdaptiveParams
-from bench._docs import replace_section
-from tp_supervise.supervisor.drill import wait_engine_health
 
 HEADING = "## Hang detection"
+MODULE = "bench.bench_detection"
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_RANK = 1
 DEFAULT_FAULT_STEP = 600
+QUICK_FAULT_STEP = 100  # still after the warm-up (50 progress events: a few steps of ~18 collectives)
 DEFAULT_RUNS = 3
 DEFAULT_KINDS = "stop,hang_collective"
 LOAD_THREADS = 4
@@ -406,11 +408,12 @@ def markdown(results: list[RunResult], cfg: dict) -> str:
     invalid = [r for r in results if not r.valid]
     return f"""{HEADING}
 
-Command: `.venv/bin/python -m {cfg['command']}` (CPU, gloo, TP=2, the default random tiny model,
-broadcast control plane, {LOAD_THREADS} client threads x {MAX_TOKENS}-token requests, **no timeout flags**: the
-adaptive thresholds; the fault `KIND@{FAULT_RANK}:{cfg['fault_step']}` lands well after the learner's
-warm-up, which every run below checks). {cfg['when']}, 1-minute load average {cfg['load'][0]:.1f}
-before and {cfg['load'][1]:.1f} after (shared 2-core machine).
+{cfg['stamp']}
+
+`supervise serve --tp 2` (CPU, gloo, the default random tiny model, broadcast control plane),
+{LOAD_THREADS} client threads x {MAX_TOKENS}-token requests, **no timeout flags**: the adaptive thresholds;
+the fault `KIND@{FAULT_RANK}:{cfg['fault_step']}` lands after the learner's warm-up, which every run below
+checks.
 
 Fault instant: the rank's own `inject:` log line (`stop` logs just before SIGSTOP, `hang_collective` when it
 skips the all_reduce); verdicts: the supervisor's `hang suspected:` / `hang:` log events; same host clock.
@@ -445,10 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-step", type=int, default=DEFAULT_FAULT_STEP,
                     help="decode step of the fault (after the adaptive warm-up)")
     ap.add_argument("--json", action="store_true", help="also print every run as JSON")
-    ap.add_argument("--update-docs", type=Path, metavar="FILE", help="rewrite the Hang detection section of FILE")
+    add_common_args(ap, f"one run of kind stop, the fault at step {QUICK_FAULT_STEP}")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.runs, args.kinds, args.fault_step = 1, "stop", QUICK_FAULT_STEP
+    stamp = Stamp.begin(MODULE, argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    load_before = os.getloadavg()[0]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-detection-") as tmp:
         for i in range(args.runs):
@@ -460,15 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"p99 step {r.p99_step_s} s, thresholds {r.soft_threshold_s}/{r.hard_threshold_s} "
                       f"({r.threshold_source}) {r.note}", file=sys.stderr, flush=True)
                 results.append(r)
-    command = "bench.bench_detection"
-    if args.runs != DEFAULT_RUNS:
-        command += f" --runs {args.runs}"
-    if args.kinds != DEFAULT_KINDS:
-        command += f" --kinds {args.kinds}"
-    if args.fault_step != DEFAULT_FAULT_STEP:
-        command += f" --fault-step {args.fault_step}"
-    cfg = {"command": command, "fault_step": args.fault_step, "load": (load_before, os.getloadavg()[0]),
-           "when": time.strftime("Measured %Y-%m-%d", time.gmtime())}
+    cfg = {"stamp": stamp.text(), "fault_step": args.fault_step}
     section = markdown(results, cfg)
     if args.json:
         print(json.dumps([asdict(r) | {"goal_s": r.goal_s} for r in results], indent=2))
