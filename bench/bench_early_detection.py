@@ -1,7 +1,7 @@
 """Issue 11 benchmark: how fast the adaptive watchdogs name a hang early in a run.
 
     .venv/bin/python -m bench.bench_early_detection [--runs 2] [--fault-at 25,100,400]
-                                                    [--json FILE] [--baseline FILE] [--update-docs docs/benchmarks.md]
+                                                    [--json FILE] [--baseline FILE] [--quick] [--update-docs [FILE]]
 
 Each run starts ``supervise serve --nproc-per-node 2 --kill-grace 2`` with NO
 timeout flags (adaptive thresholds) around ``tests/fakes/gloo_loop.py``, a
@@ -39,11 +39,13 @@ from pathlib import Path
 
 import psutil
 
-from bench._docs import replace_section
+from bench._docs import Stamp, add_common_args, replace_section
 from bench.bench_detection import parse_log
 from tp_supervise.watchdogs.adaptive import AdaptiveParams
 
 HEADING = "## Early hang detection (adaptive warm-up)"
+MODULE = "bench.bench_early_detection"
+QUICK_FAULT_AT = 100
 ROOT = Path(__file__).resolve().parent.parent
 GLOO = ROOT / "tests" / "fakes" / "gloo_loop.py"
 DEFAULT_RUNS = 2
@@ -199,24 +201,25 @@ def markdown(results: list[RunResult], cfg: dict, baseline: list[dict] | None) -
         before = _median([b.get("exit_s") for b in baseline or [] if b.get("fault_at") == n])
         lines.append(
             f"| {n} | {len(mine)} | {_f(_median([r.hard_s for r in mine]))} | {_f(exit_s)} "
-            f"| {_f(before) if baseline else 'not measured'} "
-            f"| {'yes' if all(r.exit_s is not None and r.exit_s <= GOAL_S for r in mine) else 'no'} |"
+            + (f"| {_f(before)} " if baseline else "")
+            + f"| {'yes' if all(r.exit_s is not None and r.exit_s <= GOAL_S for r in mine) else 'no'} |"
         )
     return f"""{HEADING}
 
-Command: `.venv/bin/python -m {cfg['command']}` (`supervise serve --nproc-per-node 2`, **no timeout
-flags**, around `tests/fakes/gloo_loop.py`: zero-code gloo, one all_reduce and a 10 ms sleep per iteration;
-rank 1 SIGSTOPs itself at iteration N, i.e. after N collectives, about N x 10 ms after the first).
-{cfg['when']}, 1-minute load average {cfg['load'][0]:.1f} before and {cfg['load'][1]:.1f} after (shared
-2-core machine). Fault instant: the benchmark sees rank 1 stopped in /proc; verdicts and exit: the
-supervisor's log events; exit: the process; thresholds, basis and events: the hang bundle's `summary.json`.
+{cfg['stamp']}
+
+`supervise serve --nproc-per-node 2`, **no timeout flags**, around `tests/fakes/gloo_loop.py`: zero-code
+gloo, one all_reduce and a 10 ms sleep per iteration; rank 1 SIGSTOPs itself at iteration N, i.e. after N
+collectives, about N x 10 ms after the first. Fault instant: the benchmark sees rank 1 stopped in /proc;
+verdicts: the supervisor's log events; exit: the process; thresholds, basis and events: the hang bundle's
+`summary.json`.{cfg['baseline']}
 
 | fault at iteration | exit | culprit | fault -> soft s | fault -> hard s | fault -> exit s | hard threshold s (source) | learner basis s | events learned |
 |---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
-| fault at iteration | runs | fault -> hard s (median) | fault -> exit s (median) | before: fault -> exit s (median) | within {GOAL_S:.0f} s |
-|---|---|---|---|---|---|
+| fault at iteration | runs | fault -> hard s (median) | fault -> exit s (median) |{" before: fault -> exit s (median) |" if baseline else ""} within {GOAL_S:.0f} s |
+|---|---|---|---|{"---|" if baseline else ""}---|
 {chr(10).join(lines)}
 
 {reading(results, baseline)}
@@ -229,11 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-at", default=DEFAULT_FAULT_AT, help="comma-separated iterations of the fault")
     ap.add_argument("--json", type=Path, metavar="FILE", help="also write every run as JSON to FILE")
     ap.add_argument("--baseline", type=Path, help="JSON of earlier runs (--json output) to compare with")
-    ap.add_argument("--update-docs", type=Path, metavar="FILE", help="rewrite this benchmark's section of FILE")
+    ap.add_argument("--baseline-label", default="earlier runs", help="what --baseline measured (for the docs)")
+    add_common_args(ap, f"one run, the fault at iteration {QUICK_FAULT_AT} (after the warm-up)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.runs, args.fault_at = 1, str(QUICK_FAULT_AT)
+    stamp = Stamp.begin(MODULE, argv)
     fault_ats = [int(n) for n in args.fault_at.split(",") if n.strip()]
     baseline = json.loads(args.baseline.read_text()) if args.baseline else None
-    load_before = os.getloadavg()[0]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-early-") as tmp:
         for i in range(args.runs):
@@ -245,13 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"threshold {r.hard_threshold_s} ({r.source}), events {r.events} {r.note}",
                       file=sys.stderr, flush=True)
                 results.append(r)
-    command = "bench.bench_early_detection"
-    if args.runs != DEFAULT_RUNS:
-        command += f" --runs {args.runs}"
-    if args.fault_at != DEFAULT_FAULT_AT:
-        command += f" --fault-at {args.fault_at}"
-    cfg = {"command": command, "load": (load_before, os.getloadavg()[0]),
-           "when": time.strftime("Measured %Y-%m-%d", time.gmtime())}
+    cfg = {"stamp": stamp.text(),
+           "baseline": f"\n\"Before\": `--baseline {args.baseline}`, {args.baseline_label}." if baseline else ""}
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     section = markdown(results, cfg, baseline)
