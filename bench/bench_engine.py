@@ -1,6 +1,6 @@
 """Issue 3 benchmark: our engine vs Hugging Face transformers tensor-parallel generate.
 
-    .venv/bin/python -m bench.bench_engine [--quick] [--update-docs docs/benchmarks.md]
+    .venv/bin/python -m bench.bench_engine [--quick] [--update-docs [FILE]]
 
 Same random Llama checkpoint (written once with transformers), TP=2 on CPU
 over gloo, one torch thread per rank on both sides, greedy decoding, every
@@ -32,7 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from bench._docs import replace_section
+
+from bench._docs import Stamp, add_common_args, replace_section
 
 HEADING = "## Engine throughput"
 TP = 2
@@ -40,7 +41,17 @@ PROMPT_TOKENS = 32
 NEW_TOKENS = 64
 CONCURRENT = 16
 BATCH1_REQUESTS = 3
-QUICK_NEW_TOKENS = 16
+QUICK_NEW_TOKENS = 8
+MODULE = "bench.bench_engine"
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch1: int  # requests one after another
+    concurrent: int  # requests at once (ours) / generate calls one after another and one static batch (HF)
+
+
+QUICK = Workload(batch1=1, concurrent=4)
 HF_TIMEOUT_S = 1800
 READY_TIMEOUT_S = 300
 
@@ -72,7 +83,7 @@ def prompts(shape: ModelShape, n: int, seed: int) -> list[list[int]]:
 
 
 # -- Hugging Face side (runs under torch.distributed.run) ------------------------------
-def hf_worker(model_dir: str, out: str, new_tokens: int, seed: int, shape: ModelShape) -> None:
+def hf_worker(model_dir: str, out: str, new_tokens: int, seed: int, shape: ModelShape, work: Workload) -> None:
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -81,8 +92,8 @@ def hf_worker(model_dir: str, out: str, new_tokens: int, seed: int, shape: Model
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, distributed_config=DistributedConfig(tp_plan="auto")).eval()
-    batch1 = prompts(shape, BATCH1_REQUESTS, seed)
-    many = prompts(shape, CONCURRENT, seed + 1)
+    batch1 = prompts(shape, work.batch1, seed)
+    many = prompts(shape, work.concurrent, seed + 1)
 
     def generate(ids: list[list[int]]) -> list[list[int]]:
         with torch.no_grad():
@@ -104,13 +115,14 @@ def hf_worker(model_dir: str, out: str, new_tokens: int, seed: int, shape: Model
     dist.destroy_process_group()
 
 
-def run_hf(model_dir: Path, work: Path, new_tokens: int, seed: int) -> dict:
+def run_hf(model_dir: Path, work: Path, new_tokens: int, seed: int, load: Workload) -> dict:
     from tp_supervise.supervisor.rank.net import free_port
 
     out = work / "hf.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP), "--master-port",
            str(free_port()), str(Path(__file__).resolve()), "--hf-worker", str(model_dir), "--out", str(out),
-           "--new-tokens", str(new_tokens), "--seed", str(seed)]
+           "--new-tokens", str(new_tokens), "--seed", str(seed), "--batch1", str(load.batch1),
+           "--concurrent", str(load.concurrent)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HF_TIMEOUT_S)
     if proc.returncode != 0:
@@ -119,13 +131,13 @@ def run_hf(model_dir: Path, work: Path, new_tokens: int, seed: int) -> dict:
 
 
 # -- our engine ------------------------------------------------------------------------------
-def run_ours(model_dir: Path, work: Path, new_tokens: int, seed: int, shape: ModelShape) -> dict:
+def run_ours(model_dir: Path, work: Path, new_tokens: int, seed: int, shape: ModelShape, load: Workload) -> dict:
     import urllib.request
 
     from tp_supervise.engine.launch import LaunchSpec, LocalEngine
 
     engine = LocalEngine(LaunchSpec(TP, ("--model", str(model_dir), "--port", "0", "--max-batch",
-                                         str(CONCURRENT))), work / "engine-logs")
+                                         str(load.concurrent))), work / "engine-logs")
     engine.start()
     try:
         url = engine.wait_ready(READY_TIMEOUT_S)
@@ -141,11 +153,11 @@ def run_ours(model_dir: Path, work: Path, new_tokens: int, seed: int, shape: Mod
         request(prompts(shape, 1, seed)[0][:8])  # warm-up
         results = {}
         start = time.perf_counter()
-        outputs = [request(p) for p in prompts(shape, BATCH1_REQUESTS, seed)]
+        outputs = [request(p) for p in prompts(shape, load.batch1, seed)]
         results["batch1"] = {"tokens": sum(map(len, outputs)), "seconds": time.perf_counter() - start,
                              "first": outputs[0]}
-        many = prompts(shape, CONCURRENT, seed + 1)
-        with ThreadPoolExecutor(CONCURRENT) as pool:
+        many = prompts(shape, load.concurrent, seed + 1)
+        with ThreadPoolExecutor(load.concurrent) as pool:
             start = time.perf_counter()
             outputs = list(pool.map(request, many))
             seconds = time.perf_counter() - start
@@ -156,7 +168,7 @@ def run_ours(model_dir: Path, work: Path, new_tokens: int, seed: int, shape: Mod
 
 
 # -- report --------------------------------------------------------------------------------
-def report(ours: dict, hf: dict, shape: ModelShape, new_tokens: int, command: str, load: tuple) -> str:
+def report(ours: dict, hf: dict, shape: ModelShape, new_tokens: int, stamp: Stamp, load: Workload) -> str:
     def phase(d: dict) -> Phase:
         return Phase(d["tokens"], d["seconds"])
 
@@ -167,10 +179,11 @@ def report(ours: dict, hf: dict, shape: ModelShape, new_tokens: int, command: st
                                          * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
                                          + 3 * shape.hidden_size * shape.intermediate_size)
               + 2 * shape.vocab_size * shape.hidden_size)
+    r1, rseq = o1.tok_s / h1.tok_s, o16.tok_s / hseq.tok_s
+    n = load.concurrent
     lines = [
         HEADING, "",
-        f"Command: `{command}` (one run on the shared 2-core development machine; 1-minute load average "
-        f"{load[0]:.1f} before, {load[1]:.1f} after).",
+        stamp.text(),
         "",
         f"Same random Llama checkpoint on both sides ({params / 1e6:.0f} M parameters: "
         f"{shape.num_hidden_layers} layers, hidden {shape.hidden_size}, {shape.num_attention_heads} heads / "
@@ -183,20 +196,21 @@ def report(ours: dict, hf: dict, shape: ModelShape, new_tokens: int, command: st
         "",
         "| workload | ours tok/s | Hugging Face tok/s | ratio |",
         "|---|---|---|---|",
-        f"| batch 1 ({BATCH1_REQUESTS} requests, one at a time) | {o1.tok_s:.1f} | {h1.tok_s:.1f} | "
-        f"{o1.tok_s / h1.tok_s:.2f}x |",
-        f"| {CONCURRENT} concurrent requests vs HF one `generate` per request | {o16.tok_s:.1f} | "
-        f"{hseq.tok_s:.1f} | {o16.tok_s / hseq.tok_s:.2f}x |",
-        f"| {CONCURRENT} concurrent requests vs HF one static batch of {CONCURRENT} | {o16.tok_s:.1f} | "
+        f"| batch 1 ({load.batch1} requests, one at a time) | {o1.tok_s:.1f} | {h1.tok_s:.1f} | {r1:.2f}x |",
+        f"| {n} concurrent requests vs HF one `generate` per request | {o16.tok_s:.1f} | "
+        f"{hseq.tok_s:.1f} | {rseq:.2f}x |",
+        f"| {n} concurrent requests vs HF one static batch of {n} | {o16.tok_s:.1f} | "
         f"{hstatic.tok_s:.1f} | {o16.tok_s / hstatic.tok_s:.2f}x |",
         "",
-        "Goal (issue 3): >= 1x at batch 1 and >= 3x at 16 concurrent requests (against HF serving requests "
-        "one `generate` at a time; the static batch is a reference a server cannot use, since requests "
-        "arrive at different times).",
+        f"Goal (issue 3): >= 1x at batch 1 ({'met' if r1 >= 1 else 'not met'} in this run) and >= 3x at "
+        f"{CONCURRENT} concurrent requests ({'met' if rseq >= 3 else 'not met'}"
+        f"{'' if n == CONCURRENT else f'; this run had {n}, so it does not measure this goal'}), against HF serving "
+        "requests one `generate` at a time; the static batch is a reference a server cannot use, since requests "
+        "arrive at different times.",
         "",
         "Both sides run back to back under the same machine load. On a shared machine the absolute tok/s "
-        "move a lot between runs (batch 1 is latency-bound: 18 collectives per token, each needing both "
-        "ranks scheduled); read the ratios.",
+        "move a lot between runs (batch 1 is latency-bound: every token waits for all its collectives, each "
+        "needing both ranks scheduled); read the ratios.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -207,28 +221,30 @@ def update_docs(path: Path, section: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_engine", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help=f"{QUICK_NEW_TOKENS} new tokens per request")
-    p.add_argument("--update-docs", type=Path, default=None, metavar="docs/benchmarks.md")
+    add_common_args(p, f"{QUICK_NEW_TOKENS} new tokens per request, {QUICK.batch1} batch-1 request, "
+                       f"{QUICK.concurrent} concurrent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=argparse.SUPPRESS)
+    p.add_argument("--batch1", type=int, default=BATCH1_REQUESTS, help=argparse.SUPPRESS)
+    p.add_argument("--concurrent", type=int, default=CONCURRENT, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     shape = ModelShape()
     if ns.hf_worker:
-        hf_worker(ns.hf_worker, ns.out, ns.new_tokens, ns.seed, shape)
+        hf_worker(ns.hf_worker, ns.out, ns.new_tokens, ns.seed, shape, Workload(ns.batch1, ns.concurrent))
         return 0
     from tp_supervise.engine.checkpoint_gen import CheckpointSpec, write_random_checkpoint
 
+    stamp = Stamp.begin(MODULE, argv)
     new_tokens = QUICK_NEW_TOKENS if ns.quick else ns.new_tokens
-    load_before = os.getloadavg()[0]
+    load = QUICK if ns.quick else Workload(BATCH1_REQUESTS, CONCURRENT)
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         work = Path(tmp)
         model_dir = write_random_checkpoint(work / "model", CheckpointSpec(seed=ns.seed, **asdict(shape)))
-        ours = run_ours(model_dir, work, new_tokens, ns.seed, shape)
-        hf = run_hf(model_dir, work, new_tokens, ns.seed)
-    command = ".venv/bin/python -m bench.bench_engine" + (" --quick" if ns.quick else "")
-    section = report(ours, hf, shape, new_tokens, command, (load_before, os.getloadavg()[0]))
+        ours = run_ours(model_dir, work, new_tokens, ns.seed, shape, load)
+        hf = run_hf(model_dir, work, new_tokens, ns.seed, load)
+    section = report(ours, hf, shape, new_tokens, stamp, load)
     print(section)
     if ns.update_docs is not None:
         update_docs(ns.update_docs, section)
