@@ -1,14 +1,26 @@
 """``supervise drill``: the fault matrix against the built-in engine.
 
-For each inject kind: start ``supervise serve --tp N --inject KIND@1:STEP``
-on free ports, drive completion requests at it until the supervisor exits (or
-a time limit), and check the outcome against what the kind must produce::
+For each inject kind: start ``supervise serve --tp N --max-restarts 1 --inject
+KIND@1:STEP`` on free ports, drive completion requests at it until the
+supervisor exits (or a time limit), and check the outcome against what the
+kind must produce.  The injection fires in every attempt: the group fails,
+restarts once, and fails again, so the exit code and the last bundle are the
+second fault's::
 
     kind              exit  bundle            culprit
     crash/exit/segfault/abort   80  rank_exit  [1]
     stop/hang_collective/hang_scheduler  81  hang  [1]
     diverge_token/diverge_batch (replicated, enforce)  82  divergence  [1]
     slow              0 after SIGTERM, no bundle (slow is not a hang)
+    poison (poison@1, --max-restarts 3)  0 after SIGTERM  rank_exit  [1]: a request carrying
+                      TPS_POISON, resent until it gets 400 request_quarantined, after at
+                      most two group failures, while the other requests are served
+
+Besides the outcome, two times: *detected after*, from the start of the load
+to the fault's ruling (its log line), and *serving again*, from the ruling
+to the first successful completion of a request sent after it (a short probe
+goes out every ``PROBE_EVERY_S``; during the restart it waits in the port's
+backlog and the new attempt answers it).
 
 Prints a table (rich) or ``--json``; exit 0 only when every kind passed.
 """
@@ -23,10 +35,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
-from tp_supervise.engine.inject import KINDS as INJECT_KINDS  # the engine owns its fault kinds
+from tp_supervise.engine.inject import ALL_KINDS as INJECT_KINDS  # the engine owns its fault kinds
+from tp_supervise.engine.inject import POISON_MARKER
 
 from .rank.net import free_port
 
@@ -38,6 +52,12 @@ READY_TIMEOUT_S = 90.0
 LOAD_THREADS = 4
 REQUEST_TIMEOUT_S = 30.0
 HEALTH_POLL_S = 0.2
+PROBE_EVERY_S = 0.2
+PROBE_TOKENS = 2
+RETRY_PAUSE_S = 1.0  # a client whose request failed (503, connection error) sends it again after this
+SERVED_AFTER_S = 30.0  # poison: how long the other requests get to show they are served after the 400
+# Log events of the supervisor that rule a fault (docs/logs.md).
+RULINGS = ("rank_exited", "hang", "divergence", "startup_timeout")
 
 EXPECT = {
     "crash": (80, "rank_exit"),
@@ -50,6 +70,7 @@ EXPECT = {
     "diverge_token": (82, "divergence"),
     "diverge_batch": (82, "divergence"),
     "slow": (0, None),
+    "poison": (0, "rank_exit"),
 }
 
 
@@ -61,21 +82,76 @@ class DrillResult:
     expected_exit: int
     bundle_reason: str | None
     culprit_ranks: list[int] | None
-    detect_s: float | None
+    detect_s: float | None  # the load's start → the fault's ruling
     verdict: str
     note: str = ""
+    serving_again_s: float | None = None  # the ruling → the first request sent after it completed
 
 
-def _load(port: int, stop: threading.Event) -> None:
-    body = json.dumps({"prompt": "drill", "max_tokens": 64, "ignore_eos": True, "temperature": 0}).encode()
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    while not stop.is_set():
-        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-                resp.read()
-        except (urllib.error.URLError, OSError, ValueError):
-            stop.wait(0.2)
+def _post(port: int, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int | None, bytes]:
+    """One completion request: (status, body); status None when no answer came (refused, reset, timed out)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return None, repr(exc).encode()
+
+
+@dataclass
+class Traffic:
+    """The drill's clients: LOAD_THREADS threads of long completions, and a short probe every PROBE_EVERY_S whose
+    send and answer times (wall clock) say when the engine served again.  Every prompt is distinct: a request's
+    fingerprint is its content, and the quarantine must see each client's request as its own."""
+
+    port: int
+    probes: list[tuple[float, float, bool]] = field(default_factory=list)  # (sent, answered, ok)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Traffic:
+        for i in range(LOAD_THREADS):
+            self._threads.append(threading.Thread(target=self._load, args=(i,), name=f"drill-load-{i}", daemon=True))
+        self._threads.append(threading.Thread(target=self._probe, name="drill-probe", daemon=True))
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _load(self, worker: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            body = {"prompt": f"drill {worker}.{n}", "max_tokens": 64, "ignore_eos": True, "temperature": 0}
+            status, _ = _post(self.port, body)
+            if status != 200:
+                self._stop.wait(HEALTH_POLL_S)
+
+    def _probe(self) -> None:
+        n = 0
+        while not self._stop.wait(PROBE_EVERY_S):
+            n += 1
+            sent = time.time()
+            status, _ = _post(self.port, {"prompt": f"probe {n}", "max_tokens": PROBE_TOKENS, "temperature": 0})
+            self.probes.append((sent, time.time(), status == 200))
+
+    def served_after(self, at: float) -> float | None:
+        """When the first probe sent at or after ``at`` was answered 200 (wall clock), or None."""
+        return min((done for sent, done, ok in self.probes if ok and sent >= at), default=None)
+
+    def wait_served_after(self, at: float, timeout_s: float) -> float | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            done = self.served_after(at)
+            if done is not None:
+                return done
+            time.sleep(HEALTH_POLL_S)
+        return None
 
 
 def wait_engine_health(port: int, proc: subprocess.Popen, deadline: float) -> bool:
@@ -91,32 +167,67 @@ def wait_engine_health(port: int, proc: subprocess.Popen, deadline: float) -> bo
     return False
 
 
+def first_ruling(log_path: Path) -> float | None:
+    """Wall-clock time of the supervisor's first fault ruling in its JSON log, or None."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") in RULINGS and str(record.get("logger", "")).startswith("tp_supervise.supervisor"):
+            return datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def _fatal_bundles(dump_dir: Path) -> list[dict]:
+    if not dump_dir.is_dir():
+        return []
+    out = []
+    for path in sorted(p for p in dump_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if "hang_suspected" not in path.name and (path / "summary.json").is_file():
+            out.append(json.loads((path / "summary.json").read_text()))
+    return out
+
+
+def _argv(port: int, tp: int, dump_dir: Path, plane: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tp", str(tp), "--port", str(port),
+        "--metrics-addr", "127.0.0.1:0", "--metrics-linger", "0", "--dump-dir", str(dump_dir), "--log-format", "json",
+        "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "3",
+        "--control-plane", plane, "--consensus", "enforce", *extra,
+    ]
+
+
+def _since(start: float, at: float | None) -> float | None:
+    return None if at is None else round(at - start, 2)
+
+
 def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
+    if kind == "poison":
+        return run_poison(tp, dump_root)
     expected_exit, expected_reason = EXPECT[kind]
     dump_dir = dump_root / kind
     port = free_port()
     plane = "replicated" if kind.startswith("diverge") else "broadcast"
-    argv = [
-        sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tp", str(tp), "--port", str(port),
-        "--metrics-addr", "127.0.0.1:0", "--metrics-linger", "0", "--dump-dir", str(dump_dir), "--log-format", "json",
-        "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "3",
-        "--control-plane", plane, "--consensus", "enforce",
-        "--inject", f"{kind}@{FAULT_RANK}:{FAULT_STEP}",
-    ]
+    argv = _argv(port, tp, dump_dir, plane, "--max-restarts", "1", "--inject", f"{kind}@{FAULT_RANK}:{FAULT_STEP}")
     log_path = dump_root / f"{kind}.log"
+    traffic = Traffic(port)
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
-        stop = threading.Event()
-        threads = []
         try:
             if not wait_engine_health(port, proc, time.monotonic() + READY_TIMEOUT_S):
                 proc.kill()
                 proc.wait()
-                return DrillResult(kind, False, proc.returncode, expected_exit, None, None, None, "", "engine never became ready")
-            started = time.monotonic()
-            threads = [threading.Thread(target=_load, args=(port, stop), daemon=True) for _ in range(LOAD_THREADS)]
-            for t in threads:
-                t.start()
+                return DrillResult(kind, False, proc.returncode, expected_exit, None, None, None, "",
+                                   "engine never became ready")
+            started = time.time()
+            traffic.start()
             limit = SLOW_OBSERVE_S if kind == "slow" else DRILL_LIMIT_S
             try:
                 code = proc.wait(timeout=limit)
@@ -127,24 +238,79 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
                 else:
                     proc.kill()
                     code = proc.wait()
-            ended = time.monotonic()
         finally:
-            stop.set()
+            traffic.stop()
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    bundles = sorted(p for p in dump_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) if dump_dir.is_dir() else []
-    fatal = [b for b in bundles if "hang_suspected" not in b.name]
-    summary = json.loads((fatal[-1] / "summary.json").read_text()) if fatal else {}
+    fatal = _fatal_bundles(dump_dir)
+    summary = fatal[-1] if fatal else {}
     reason = summary.get("reason")
     culprits = summary.get("culprit_ranks")
     passed = code == expected_exit and reason == expected_reason
+    ruled_at = first_ruling(log_path) if expected_reason else None
+    served_at = traffic.served_after(ruled_at) if ruled_at is not None else None
     if expected_reason is not None:
-        passed = passed and culprits == [FAULT_RANK]
-    return DrillResult(
-        kind, passed, code, expected_exit, reason, culprits,
-        round(ended - started, 2) if expected_reason else None, summary.get("verdict", ""), f"log: {log_path}",
-    )
+        passed = passed and culprits == [FAULT_RANK] and served_at is not None
+    note = f"log: {log_path}" + ("" if served_at is not None or expected_reason is None else
+                                 "; no request was served after the fault (did the group restart?)")
+    return DrillResult(kind, passed, code, expected_exit, reason, culprits, _since(started, ruled_at),
+                       summary.get("verdict", ""), note, _since(ruled_at, served_at) if ruled_at else None)
+
+
+def run_poison(tp: int, dump_root: Path) -> DrillResult:
+    """A request carrying POISON_MARKER, sent again after every failure as a retrying client would: quarantined (400)
+    after at most two group failures, the other requests served after it; then SIGTERM (exit 0)."""
+    expected_exit, expected_reason = EXPECT["poison"]
+    dump_dir = dump_root / "poison"
+    port = free_port()
+    argv = _argv(port, tp, dump_dir, "broadcast", "--max-restarts", "3", "--inject", f"poison@{FAULT_RANK}")
+    log_path = dump_root / "poison.log"
+    traffic = Traffic(port)
+    answer: tuple[int | None, bytes] = (None, b"")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            if not wait_engine_health(port, proc, time.monotonic() + READY_TIMEOUT_S):
+                proc.kill()
+                proc.wait()
+                return DrillResult("poison", False, proc.returncode, expected_exit, None, None, None, "",
+                                   "engine never became ready")
+            started = time.time()
+            traffic.start()
+            deadline = time.monotonic() + DRILL_LIMIT_S
+            body = {"prompt": f"drill {POISON_MARKER}", "max_tokens": PROBE_TOKENS, "temperature": 0}
+            while time.monotonic() < deadline and proc.poll() is None:
+                answer = _post(port, body)
+                if answer[0] is not None and answer[0] < 500:
+                    break
+                time.sleep(RETRY_PAUSE_S)
+            answered = time.time()
+            served = traffic.wait_served_after(answered, SERVED_AFTER_S) if answer[0] == 400 else None
+            alive = proc.poll() is None
+            if alive:
+                proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+        finally:
+            traffic.stop()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    fatal = _fatal_bundles(dump_dir)
+    failures = len([s for s in fatal if s.get("reason") == expected_reason])
+    quarantined = answer[0] == 400 and b"request_quarantined" in answer[1]
+    passed = quarantined and alive and served is not None and code == expected_exit and 1 <= failures <= 2
+    if quarantined:
+        verdict = (f"400 request_quarantined after {failures} group failure(s); the others "
+                   + ("served after it" if served is not None else "NOT served after it"))
+    else:
+        verdict = f"no quarantine: the last answer was {answer[0]} {answer[1][:200].decode(errors='replace')}"
+    ruled_at = first_ruling(log_path)
+    served_at = traffic.served_after(ruled_at) if ruled_at is not None else None
+    return DrillResult("poison", passed, code, expected_exit, expected_reason if failures else None,
+                       fatal[-1].get("culprit_ranks") if fatal else None, _since(started, ruled_at), verdict,
+                       f"log: {log_path}" + ("" if alive else "; the run did not stay up"),
+                       _since(ruled_at, served_at) if ruled_at else None)
 
 
 def main(args) -> int:
@@ -162,8 +328,9 @@ def main(args) -> int:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"supervise drill (TP={args.tp}, fault on rank {FAULT_RANK} at step {FAULT_STEP})")
-        for col in ("kind", "result", "exit", "bundle", "culprit", "detected after", "verdict"):
+        table = Table(title=f"supervise drill (TP={args.tp}, fault on rank {FAULT_RANK} at step {FAULT_STEP}, "
+                            "one restart)")
+        for col in ("kind", "result", "exit", "bundle", "culprit", "detected after", "serving again", "verdict"):
             table.add_column(col)
         for r in results:
             table.add_row(
@@ -173,6 +340,7 @@ def main(args) -> int:
                 r.bundle_reason or "-",
                 str(r.culprit_ranks) if r.culprit_ranks is not None else "-",
                 f"{r.detect_s:.1f} s" if r.detect_s is not None else "-",
+                f"{r.serving_again_s:.1f} s" if r.serving_again_s is not None else "-",
                 r.verdict or r.note,
             )
         Console(width=None if sys.stdout.isatty() else 200).print(table)
