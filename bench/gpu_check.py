@@ -44,6 +44,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file (bench/gpu_check.py): the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._docs import Stamp, add_common_args, replace_section  # noqa: E402
+
+HEADING = "## GPU check (`make gpu-check`, bench/gpu_check.py)"
+MODULE = "bench.gpu_check"
 SUPERVISE = [str(Path(sys.executable).with_name("supervise"))]
 SKIPPED = 77
 DEVICE = "cuda"  # --dry-run-cpu: "cpu", and every NVML figure is left out
@@ -358,13 +365,42 @@ def check_survivor(tmp: Path) -> Result:
         subprocess.run(["umount", str(freezer)], capture_output=True)
 
 
+def section(stamp: Stamp, results: list[Result], dry_run: bool) -> str:
+    if dry_run:
+        what = ("**No GPU on this machine**: this is `--dry-run-cpu`, the script's own plumbing on CPU (gloo, "
+                "no NVML): the CUDA, NCCL and NVML paths did not run. Record a run on a GPU host here with "
+                "`make gpu-check ARGS=--update-docs`.")
+    else:
+        what = "On a GPU host:"
+    lines = "\n".join(f"    {r.line()}" for r in results)
+    return f"""{HEADING}
+
+{stamp.text()}
+
+What only a GPU exercises, in one short script: the built-in engine with `--device cuda` (NCCL) under
+`supervise serve` (ready, a completion, `supervise_gpu_*` on /metrics, Ctrl-C -> 0, then NVML lists none of
+the ranks' pids and used memory is back at the baseline), a hang (`--inject hang_collective@1:3`: 81,
+culprit [1], memory released), a native abort while the peer sits in an NCCL all-reduce (80, memory
+released), and exit 85 with a frozen (cgroup-v1 freezer) rank holding 64 MiB of GPU memory. Each check
+prints `PASS|FAIL|SKIP name: figures`; exit 77 where no GPU exists.
+
+{what}
+
+{lines}
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, bundles)")
     ap.add_argument("--only", default="", help="comma-separated check names")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="run the serve/hang/abort checks on CPU (gloo) without NVML: proves the script's own plumbing on a host without a GPU")
+    add_common_args(ap, "only the cuda, nvml and serve checks")
     args = ap.parse_args(argv)
+    if args.quick and not args.only:
+        args.only = "cuda,nvml,serve"
+    stamp = Stamp.begin(MODULE, argv)
     only = set(filter(None, args.only.split(",")))
 
     try:
@@ -404,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scratch: {tmp}" if args.keep else "", end="\n" if args.keep else "")
     if not args.keep:
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.update_docs:
+        text = section(stamp, results, args.dry_run_cpu)
+        print(text)
+        replace_section(args.update_docs, HEADING, text)
     return 1 if any(r.status == "FAIL" for r in results) else 0
 
 
