@@ -203,7 +203,7 @@ def _wait_files(paths: list[Path], proc: subprocess.Popen, limit_s: float) -> bo
     return False
 
 
-def _last_reaped(pidfds: list[int], limit_s: float) -> float | None:
+def last_reaped(pidfds: list[int], limit_s: float) -> float | None:
     """Wall-clock instant the last of these processes was reaped by its parent (None: not within the limit).
 
     A pidfd turns readable when its process exits (a zombie); signal 0 through it fails only once the
@@ -252,7 +252,7 @@ def teardown_run(sc: Scenario, ranks: int, grace: float, work: Path) -> Teardown
         fds = [os.pidfd_open(int(p.read_text())) for p in pid_files]
         time.sleep(0.3)  # a few steps: the watchdog has seen progress
         (out / "go").touch()
-        reaped = _last_reaped(fds, RUN_LIMIT_S)
+        reaped = last_reaped(fds, RUN_LIMIT_S)
         code = proc.wait(timeout=RUN_LIMIT_S)
     finally:
         for fd in fds:
