@@ -41,6 +41,7 @@ PROM_DIR = ROOT / "docs" / "prometheus"
 FAKE_RANK = ROOT / "tests" / "fakes" / "rank.py"
 METRICS_PORT = 9180  # the default --metrics-addr, which the shipped prometheus.yml scrapes
 RUN_LIMIT_S = 120.0
+PORT_WAIT_S = 60.0
 # The ranks run this long before they stop: longer than one scrape interval, so Prometheus has scraped the
 # live run (the default linger after a fault waits for a scraper that exists: docs/metrics.md).
 RUN_BEFORE_FAULT_S = 6.0
@@ -103,7 +104,26 @@ def scrape_interval_s() -> float:
     raise SystemExit(f"cannot read the scrape interval {text!r} of docs/prometheus/prometheus.yml")
 
 
+def wait_port_free(port: int, limit_s: float) -> None:
+    """The default --metrics-addr is one fixed port: wait while another process on this host holds it."""
+    import socket
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"127.0.0.1:{port} stayed in use for {limit_s:.0f} s: another process holds "
+                                     "the default metrics port") from None
+        time.sleep(0.5)
+
+
 def one_run(work: Path, expr: str, extra: list[str]) -> dict:
+    wait_port_free(METRICS_PORT, PORT_WAIT_S)
     prom, base = start_prometheus(work)
     try:
         time.sleep(1.0)
@@ -114,6 +134,8 @@ def one_run(work: Path, expr: str, extra: list[str]) -> dict:
                "--delay", f"{RUN_BEFORE_FAULT_S:g}"]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_LIMIT_S, cwd=work)
         ended = time.time()
+        if run.returncode != 81:
+            print(f"supervise exited {run.returncode}:\n{run.stderr[-3000:]}", file=sys.stderr)
         hung = [json.loads(line) for line in run.stderr.splitlines()
                 if line.startswith("{") and '"event": "hang"' in line]
         fault_at = ended
