@@ -482,3 +482,36 @@ def test_inject_and_port_usage_errors(supervise):
     assert run.wait(timeout=60) == 64 and "triggered by a request" in run.stderr
     run = supervise(["--tp", "2", "--listen", "127.0.0.1:0"])
     assert run.wait(timeout=60) == 64 and "--listen" in run.stderr
+
+
+# -- --listen: a COMMAND's rank 0 gets the socket the systemd way --------------------------------------------------
+def test_listen_hands_the_port_to_a_commands_rank_0_the_systemd_way_across_a_restart(supervise):
+    port = free_port()
+    engine = [sys.executable, "-m", "tp_supervise.engine", "--port", "1"]  # --port is ignored: it was given a socket
+    run = supervise(["--nproc-per-node", "2", "--max-restarts", "1", "--listen", f"127.0.0.1:{port}"], engine)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        try:
+            if http_get(url + "/health", timeout=2)[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.2)
+    attempts: list = []
+    api = client(port, attempts)
+    assert one_request(api, 0, 0, "completion").ok
+    served = Served(run.proc, port, 0, run.dump_dir, Path("/dev/null"), supervise.mark)
+    rank0 = served.rank_pid(0)
+    env = Path(f"/proc/{rank0}/environ").read_bytes().split(b"\0")
+    assert f"LISTEN_PID={rank0}".encode() in env and b"LISTEN_FDS=1" in env
+    assert Path(f"/proc/{rank0}/cmdline").read_bytes().split(b"\0")[:3] == [sys.executable.encode(), b"-m",
+                                                                               b"tp_supervise.engine"]
+    os.kill(served.rank_pid(1), signal.SIGKILL)
+    time.sleep(0.5)  # the group is failing or restarting: the request waits in the backlog, then the new rank 0 answers
+    after = one_request(api, 0, 1, "chat")
+    api.close()
+    assert after.ok, after
+    assert [a for a in attempts if a[0] == "error"] == []
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == 0
+    assert len(run.events("rank exited")) == 1 and run.events("restarting the group")
