@@ -102,6 +102,24 @@ class Outcome:
     argv: list[str] = field(default_factory=list)
 
 
+_running: list[subprocess.Popen] = []
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _on_stop_signal(signum: int, _frame) -> None:
+    """SIGTERM / SIGINT: the benchmark in progress runs in its own session, so stop it first."""
+    for proc in list(_running):
+        _stop(proc)
+    raise SystemExit(128 + signum)
+
+
 def run_one(bench: Bench, quick: bool, docs: Path) -> Outcome:
     args, reason = bench.argv(quick, docs)
     if args is None:
@@ -111,15 +129,17 @@ def run_one(bench: Bench, quick: bool, docs: Path) -> Outcome:
     print(f"=== {bench.name}: {' '.join(['python', '-m', bench.module, *args])}", flush=True)
     limit = QUICK_LIMIT_S if quick else FULL_LIMIT_S
     t0 = time.monotonic()
-    # Its own session: a benchmark that overruns is stopped with everything it started.
+    # Its own session: a benchmark that overruns (or a stopped run_all) is stopped with everything it started.
     proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True)
+    _running.append(proc)
     try:
         code = proc.wait(timeout=limit)
         detail = "" if code == 0 else f"exit {code}"
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _stop(proc)
         code, detail = -1, f"ran past {limit} s"
+    finally:
+        _running.remove(proc)
     seconds = time.monotonic() - t0
     status = "ok" if code == 0 else "FAILED"
     print(f"--- {bench.name}: {status}{f' ({detail})' if detail else ''} in {seconds:.1f} s", flush=True)
@@ -143,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             reason = b.needs()
             print(f"{b.name}: {'runs here' if reason is None else reason}")
         return 0
+    signal.signal(signal.SIGTERM, _on_stop_signal)
+    signal.signal(signal.SIGINT, _on_stop_signal)
     t0 = time.monotonic()
     outcomes = [run_one(b, args.quick, args.docs) for b in benches]
     total = time.monotonic() - t0
