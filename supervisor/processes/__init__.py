@@ -5,8 +5,10 @@ parent-death signal, cgroup join), ``pidfds`` (every process held by a
 pidfd, run-marker scans, orphan reaping), ``cgroup`` (one per run),
 ``exit_monitor`` (the thread that sees every death), ``exits`` (what a wait
 status says), ``teardown`` (SIGTERM, one grace, SIGKILL, verified),
-``output_pump`` (the ranks' stdout/stderr) and ``attempt`` (the live state
-of one launch, published read-only to the other threads).  It decides
+``output_pump`` (the ranks' stdout/stderr), ``attempt`` (the live state
+of one launch, published read-only to the other threads) and
+``listen_socket`` (the serving port, bound once for the run and inherited
+by rank 0 of every attempt).  It decides
 nothing: it may import ``rank/``, the vocabulary (``events``, ``outcome``,
 ``spec``, ``signals``, ``logs``) and ``tp_supervise.dumps`` helpers, never the
 decider or another room.
