@@ -141,7 +141,7 @@ def read_in_flight(path: Path) -> InFlight | None:
 class FailedAttempt:
     incident_id: str
     attempt: int  # TORCHELASTIC_RESTART_COUNT of the attempt
-    rank0_pid: int | None
+    rank0_pid: int
     started_ns: dict[str, int] = field(default_factory=dict)  # fingerprint → first scheduled
     suspects: set[str] = field(default_factory=set)
     note: str | None = None  # why nothing was read (no file, a stale file, ...)
@@ -156,6 +156,8 @@ class RequestQuarantine:
         self.fresh_after_s = fresh_after_s
         self.on_quarantined = on_quarantined
         self.loop: list[FailedAttempt] = []  # failed attempts of the current crash loop
+        self.incident: str | None = None  # the incident that ended the current attempt
+        self.failed: FailedAttempt | None = None  # its requests, when rank 0 is on this node
         self.quarantined: dict[str, list[str]] = {}  # fingerprint → the incidents it was a suspect in
         self.decided: dict[str, list[str]] = {}  # incident id → fingerprints it quarantined
         self._evidence: dict[str, dict] = {}
@@ -166,19 +168,23 @@ class RequestQuarantine:
 
     def before_attempt(self) -> None:
         """The next attempt starts: its requests are not part of the last incident."""
+        self.incident = self.failed = None
         clear_incident(self.run_dir)
 
     def fault(self, incident_id: str, view: AttemptView, now: float | None = None) -> None:
         """A fault was ruled (before the teardown signals anything): the incident file, then the requests in flight,
         read while rank 0 may still be answering them, then the quarantine."""
         now = time.monotonic() if now is None else now
+        if self.incident is not None:
+            return  # the attempt already failed: its first incident is the one
+        self.incident = incident_id
         write_incident(self.run_dir, incident_id)
-        if self.loop and self.loop[-1].incident_id == incident_id:
-            return
         if view.started_at and now - view.started_at >= self.fresh_after_s:
             self.loop = []  # it stayed up: not a crash loop, what came before is no evidence against a request
         rank0 = next((r.pid for r in view.ranks.values() if r.rank == 0), None)
-        failed = FailedAttempt(incident_id, view.restarts, rank0)
+        if rank0 is None:
+            return  # rank 0 is on another node (or never started): its requests are that node's to read
+        failed = self.failed = FailedAttempt(incident_id, view.restarts, rank0)
         self.loop.append(failed)
         self._read_into(failed)
         self._decide(failed)
@@ -186,10 +192,9 @@ class RequestQuarantine:
     def attempt_ended(self) -> None:
         """After the teardown, before the next attempt: the file once more (its writer is gone: requests it
         recorded after the ruling count too), then the quarantine, written before the next attempt starts."""
-        if self.loop:
-            failed = self.loop[-1]
-            self._read_into(failed)
-            self._decide(failed)
+        if self.failed is not None:
+            self._read_into(self.failed)
+            self._decide(self.failed)
 
     def evidence(self, incident_id: str) -> dict:
         """The bundle's ``requests`` field for an incident ruled here ({} when none)."""
@@ -207,7 +212,7 @@ class RequestQuarantine:
             snap, note = None, f"unreadable: {str(exc)[:200]}"
         if snap is None:
             note = note or "no in-flight file (the engine does not write one, or rank 0 never served)"
-        elif snap.attempt != failed.attempt or (failed.rank0_pid is not None and snap.pid != failed.rank0_pid):
+        elif snap.attempt != failed.attempt or snap.pid != failed.rank0_pid:
             note = (f"the in-flight file is an earlier attempt's (attempt {snap.attempt}, pid {snap.pid}; "
                     f"this attempt {failed.attempt}, rank 0 pid {failed.rank0_pid})")
             snap = None

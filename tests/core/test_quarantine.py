@@ -1,0 +1,125 @@
+"""The supervisor's side of the run-dir files (supervisor/incidents/quarantine.py), against the engine's own writer.
+
+Real files: ``inflight-rank0`` written by ``engine.runfiles.InflightFile`` (the
+mmap rank 0 uses), ``quarantine.json`` read back by the engine's parser,
+``incident`` by its reader.  The attempts are ``AttemptView`` values as the
+main loop publishes them; rank 0 is this process (the file's writer pid).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import MappingProxyType
+
+import pytest
+
+from tp_supervise.engine import runfiles
+from tp_supervise.supervisor.incidents.quarantine import RequestQuarantine
+from tp_supervise.supervisor.processes.attempt import AttemptView, RankView
+
+STABLE_S = 300.0
+STEP_S = 0.03  # between two engine steps: a forward pass of the CPU engine
+POISON, B1, B2, B3 = "aa" * 16, "b1" * 16, "b2" * 16, "b3" * 16
+
+
+def view(restarts: int, started_at: float = 1.0, rank0: int | None = None) -> AttemptView:
+    """An attempt of two ranks on this node; rank 0's pid is this process (the in-flight file's writer)."""
+    ranks = {0: RankView(0, 0, os.getpid() if rank0 is None else rank0, started_at),
+             1: RankView(1, 1, 1, started_at)}
+    return AttemptView(started_at, MappingProxyType(ranks), None, restarts, finished=True, number=restarts + 1)
+
+
+def in_flight(run_dir, attempt: int, *steps: tuple[str, ...]) -> runfiles.InflightFile:
+    """The engine's writer: each tuple is one engine step's new requests, a step apart."""
+    f = runfiles.InflightFile(runfiles.inflight_path(run_dir, 0), nslots=8, attempt=attempt)
+    for i, step in enumerate(steps):
+        if i:
+            time.sleep(STEP_S)
+        for fp in step:
+            f.add(f"req-{fp}", fp)
+    return f
+
+
+@pytest.fixture
+def book(tmp_path):
+    counted: list[int] = []
+    q = RequestQuarantine(tmp_path, after=2, fresh_after_s=STABLE_S, on_quarantined=counted.append)
+    q.counted = counted
+    return q
+
+
+def test_only_the_request_the_failing_step_started_twice_is_quarantined(book, tmp_path):
+    book.before_attempt()
+    f = in_flight(tmp_path, 0, (B1, B2), (POISON,))  # bystanders decoding, the poison just started
+    book.fault("inc-1", view(0), now=2.0)
+    assert runfiles.read_incident(tmp_path) == "inc-1"
+    f.close()
+    book.attempt_ended()
+    assert not (tmp_path / runfiles.QUARANTINE_FILE).exists()
+    evidence = book.evidence("inc-1")["requests"]
+    assert evidence["suspects"] == [POISON] and evidence["in_flight"] == [B1, B2, POISON]
+    assert evidence["started_ms_before_newest"][POISON] == 0.0
+
+    book.before_attempt()
+    assert runfiles.read_incident(tmp_path) is None
+    # the clients retried all three: the next attempt's first step schedules them together
+    f = in_flight(tmp_path, 1, (B1, B2, POISON))
+    book.fault("inc-2", view(1), now=2.0)
+    f.close()
+    book.attempt_ended()
+    entries = runfiles.parse_quarantine((tmp_path / runfiles.QUARANTINE_FILE).read_bytes())
+    assert entries == {POISON: ("inc-1", "inc-2")}
+    assert book.counted == [1]
+    assert book.evidence("inc-2")["requests"]["quarantined"] == {POISON: ["inc-1", "inc-2"]}
+
+
+def test_an_earlier_attempts_file_is_no_evidence(book, tmp_path):
+    f = in_flight(tmp_path, 0, (POISON,))
+    f.close()
+    book.fault("inc-1", view(0), now=2.0)
+    book.before_attempt()
+    book.fault("inc-2", view(1), now=2.0)  # rank 0 of attempt 1 never wrote its file: attempt 0's is still there
+    book.attempt_ended()
+    evidence = book.evidence("inc-2")["requests"]
+    assert evidence["in_flight"] == [] and "earlier attempt" in evidence["note"]
+    assert not (tmp_path / runfiles.QUARANTINE_FILE).exists()
+    f = in_flight(tmp_path, 2, (POISON,))
+    book.before_attempt()
+    book.fault("inc-3", view(2, rank0=os.getpid() + 1), now=2.0)  # right attempt, another writer
+    f.close()
+    assert "earlier attempt" in book.evidence("inc-3")["requests"]["note"]
+
+
+def test_an_attempt_that_stayed_up_starts_a_new_crash_loop(book, tmp_path):
+    in_flight(tmp_path, 0, (POISON,)).close()
+    book.fault("inc-1", view(0, started_at=1.0), now=2.0)
+    book.before_attempt()
+    in_flight(tmp_path, 1, (POISON,)).close()
+    book.fault("inc-2", view(1, started_at=10.0), now=10.0 + STABLE_S)
+    assert not (tmp_path / runfiles.QUARANTINE_FILE).exists()
+    book.before_attempt()
+    in_flight(tmp_path, 2, (POISON,)).close()
+    book.fault("inc-3", view(2, started_at=1000.0), now=1001.0)
+    assert runfiles.parse_quarantine((tmp_path / runfiles.QUARANTINE_FILE).read_bytes()) == {POISON: ("inc-2", "inc-3")}
+
+
+def test_zero_never_quarantines_and_a_missing_file_is_said(tmp_path):
+    q = RequestQuarantine(tmp_path, after=0, fresh_after_s=STABLE_S, on_quarantined=lambda n: None)
+    for n in range(3):
+        q.before_attempt()
+        in_flight(tmp_path, n, (POISON,)).close()
+        q.fault(f"inc-{n}", view(n), now=2.0)
+    assert not (tmp_path / runfiles.QUARANTINE_FILE).exists()
+    os.unlink(runfiles.inflight_path(tmp_path, 0))
+    q.before_attempt()
+    q.fault("inc-9", view(9), now=2.0)
+    assert "no in-flight file" in q.evidence("inc-9")["requests"]["note"]
+
+
+def test_the_first_incident_of_an_attempt_stays_and_a_node_without_rank_0_reads_nothing(book, tmp_path):
+    node1 = AttemptView(1.0, MappingProxyType({1: RankView(1, 1, 1, 1.0)}), None, 0, finished=True, number=1)
+    book.fault("inc-1", node1, now=2.0)
+    book.fault("inc-2", view(0), now=2.0)
+    assert runfiles.read_incident(tmp_path) == "inc-1"
+    assert book.evidence("inc-1") == {} and book.evidence("inc-2") == {}
