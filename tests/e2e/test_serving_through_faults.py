@@ -14,6 +14,8 @@
   up and the other clients keep being served.
 * A rank that exits 1 with default flags and nothing scraping: the
   supervisor exits within --kill-grace + 1 s of the fault.
+* ``--listen``: a COMMAND's rank 0 (here the engine itself, started as a
+  command) gets the port the systemd way and keeps serving across a restart.
 
 The two engine runs are module-scoped and shared by their assertions.  Bounds
 are generous (a shared 2-core machine); the figures are in bench/ and
