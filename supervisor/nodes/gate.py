@@ -61,6 +61,7 @@ class Gate:
         self.node_lost_s = node_lost_s
         self._lock = threading.Lock()
         self._links: dict[int, Channel] = {}
+        self._heard: set[int] = set()  # nodes whose current link carried a frame
         self._done: set[int] = set()
         self._conns = 0
         self._max_conns = CONNECTIONS_PER_NODE * nnodes + 16
@@ -200,9 +201,13 @@ class Gate:
 
     def _serve_link(self, node: int, chan: Channel, peer: str) -> None:
         with self._lock:
-            duplicate = node in self._links
+            old = self._links.get(node)
+            # An earlier link of this node that never carried a frame was abandoned by its client (its hello
+            # timed out under load and it dialled again): the new one replaces it.
+            duplicate = old is not None and node in self._heard
             if not duplicate:
                 self._links[node] = chan
+                self._heard.discard(node)
         if duplicate:
             self._refusal("link", node, f"a second link for node {node} from {peer}: is --node-rank {node} "
                                         "given twice?")
@@ -224,6 +229,8 @@ class Gate:
                     why = f"node {node}'s supervisor ({peer}) closed its link without saying goodbye: it is gone"
                     break
                 last = time.monotonic()
+                with self._lock:
+                    self._heard.add(node)
                 if frame == b"ping":
                     chan.send(b"pong")
                 elif frame == b"ring":
@@ -236,10 +243,15 @@ class Gate:
             why = f"node {node}'s link ({peer}) broke: {exc}"[:300]
         finally:
             with self._lock:
-                self._links.pop(node, None)
+                current = self._links.get(node) is chan
+                if current:
+                    del self._links[node]
+                heard = current and node in self._heard
                 done = node in self._done
             chan.close()
-        if why and not done and not self._closing:
+        # A link that never carried a frame was never a node's life line (an abandoned dial): no loss.  A link
+        # replaced by a newer one of the same node is not its loss either.
+        if why and heard and not done and not self._closing:
             self.on_lost(node, why)
             self.lost(node, why)
 

@@ -245,7 +245,7 @@ class NodeLink:
                                for n in range(self.group.nnodes) if n != me})
             except Exception as exc:  # the store is unreachable (node 0 gone) or timed out
                 silent = time.monotonic() - self._store_ok_at
-                if silent >= self.node_lost_s and me != 0:
+                if silent >= self.node_lost_s:  # node 0 too: the store it hosts, on loopback, stopped serving it
                     self._store_lost(f"the store on node 0 ({self.group.store_addr}) did not answer for "
                                      f"{silent:.1f} s: {exc!r}")
             problem = self.transport.store_problem() if self.transport is not None else None

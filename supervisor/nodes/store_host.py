@@ -7,9 +7,12 @@ with it.  So node 0's supervisor runs the store in a child:
 - the child is given a socket already bound to ``127.0.0.1`` (``master_listen_fd``):
   the store is reachable from this host only, and from the other nodes only
   through the gate (``gate``);
-- once the store is up, its address space is capped (``RLIMIT_AS``: what it
-  uses then plus ``--store-memory``'s worth, default 512 MiB): a flood ends in
-  the child's death, never in the supervisor's;
+- once the store is up, its resident memory is capped: a watcher thread in the
+  child ends it (exit ``EXIT_MEMORY_CAP``) when it holds more than it did at
+  start plus 512 MiB, so a flood of values ends in the child's death, never in
+  the supervisor's (an address-space limit instead makes torch's server drop
+  the connection it cannot serve and go on at the cap, dropping the nodes'
+  connections too: a half-alive store);
 - it dies with the supervisor (parent-death signal, and the end of its stdin).
 
 A dead store is a lost store like any other: node 0's link sees it and the
@@ -26,10 +29,13 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 from ..processes.pidfds import OWN_HELPERS
 
 DEFAULT_MEMORY_BYTES = 512 << 20
+EXIT_MEMORY_CAP = 75
+WATCH_S = 0.05  # the watcher's period: a flood adds at most what the network carries in this long
 START_TIMEOUT_S = 60.0  # the child imports torch: seconds on a loaded host
 
 
@@ -70,7 +76,9 @@ class StoreHost:
             return "running"
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-            return f"killed by {name}"
+            return f"was killed by {name}"
+        if code == EXIT_MEMORY_CAP:
+            return "reached its memory cap (a flood of values?) and ended"
         return f"exited with {code}"
 
     def stop(self) -> None:
@@ -89,14 +97,22 @@ class StoreHost:
         OWN_HELPERS.discard(self.proc.pid)
 
 
-def _vm_bytes() -> int:
+def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _watch_memory(cap: int) -> None:
+    while True:
+        if _rss_bytes() > cap:
+            print(f"store host: resident memory over its cap of {cap >> 20} MiB: ending", file=sys.stderr, flush=True)
+            os._exit(EXIT_MEMORY_CAP)
+        time.sleep(WATCH_S)
 
 
 def main(argv: list[str]) -> int:
     import ctypes
-    import resource
+    import threading
     from datetime import timedelta
 
     fd, limit = int(argv[1]), int(argv[2])
@@ -109,8 +125,7 @@ def main(argv: list[str]) -> int:
     port = socket.socket(fileno=os.dup(fd)).getsockname()[1]
     store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False,
                      master_listen_fd=fd)
-    cap = _vm_bytes() + limit
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    threading.Thread(target=_watch_memory, args=(_rss_bytes() + limit,), name="store-memory-cap", daemon=True).start()
     print("ready", flush=True)
     while sys.stdin.buffer.read(4096):  # until the supervisor closes it, or dies
         pass

@@ -22,8 +22,8 @@ Without a token (the hello is enough; the operator was warned):
   h. a forged fault of rank 99 on node 7 of a 2-node group is dropped, nobody exits because of it;
   j. the issue's flood (256 values of 4 MiB) is bounded in the store child (its memory cap), never in
      node 0's supervisor (its RSS stays flat); more, smaller values until the full store fails the group:
-     both nodes exit 84 (the store is lost), none hangs.  That node 0 then names its own store, not node
-     1, is expected of the product and marked xfail (the store child survives its cap);
+     both nodes exit 84 (the store is lost), none hangs, and node 0 names its own store (the child ended at
+     its memory cap), not node 1;
   i. a forged run id ``..`` written before node 1 joins: refused (exit 64), no file outside the dirs;
   k. a stranger's refusal text with escape sequences reaches the terminal escaped (exit 64).
 
@@ -771,12 +771,6 @@ def test_j_a_flood_is_bounded_and_ends_in_84_on_both_nodes(open_group):
         assert group.runs[0].events("store_unauthenticated")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "store_host caps the child's address space expecting a flood to kill it, but torch's TCPStore server "
-    "survives the failed allocation: it drops that connection and stays up at its cap, dropping others; node "
-    "1 loses its store connection and exits 84 (store lost), while node 0 (NodeLink._run counts store errors "
-    "only when node_rank != 0; store_problem() sees only the child's death) never rules its store lost and "
-    "blames node 1 ('closed its link without saying goodbye')"))
 def test_j_node_0_rules_its_flooded_store_lost_not_node_1(open_group):
     out = open_group.flood
     if "report" not in out:
