@@ -177,7 +177,7 @@ def section(stamp: Stamp, defaults: list[dict], control: list[dict]) -> str:
 {stamp.text()}
 
 Each run starts a fresh real Prometheus loading `docs/prometheus/prometheus.yml` and `alerts.yml` unchanged
-(5 s scrapes of 127.0.0.1:9180, 5 s evaluations), then `supervise serve --hard-timeout 3` with the default
+({scrape_interval_s():g} s scrapes of 127.0.0.1:{METRICS_PORT}), then `supervise serve --hard-timeout 3` with the default
 metrics flags and two fake ranks that run {RUN_BEFORE_FAULT_S:g} s (longer than one scrape interval of
 {scrape_interval_s():g} s: the default linger after a fault waits for a scraper that exists) and then stop
 inside a step; the supervisor exits 81. A run counts when

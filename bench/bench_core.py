@@ -41,6 +41,7 @@ from datetime import datetime
 from pathlib import Path
 
 from bench._docs import ROOT, Stamp, add_common_args, replace_section
+from bench.teardown_rank import STEP_S
 from tp_supervise.supervisor.processes import pidfds as procs
 from tp_supervise.supervisor.processes import spawn as launch
 from tp_supervise.supervisor.processes.exit_monitor import ExitMonitor
@@ -405,7 +406,8 @@ session, parent-death signal, death pipe), watched by the exit monitor (pidfds);
 just before `kill(SIGKILL)` here -> the monotonic time stamped on the monitor's event.
 
 Teardown from the fault, end to end: `supervise serve --nproc-per-node {args.ranks} --kill-grace {args.grace:g}`
-around `bench/teardown_rank.py` (stdlib ranks running instrumented 5 ms steps), {args.rounds} run(s) per row.
+around `bench/teardown_rank.py` (stdlib ranks running instrumented {STEP_S * 1e3:g} ms steps), {args.rounds} run(s) per
+row.
 Fault: the wall-clock stamp rank 1 writes just before it SIGKILLs itself, or, for a hang (rank 1 SIGSTOPs
 itself inside a step; `--hard-timeout {HARD_TIMEOUT_S:g}`), the time of the supervisor's `hang` log line. End:
 the last rank process reaped by the supervisor, seen from the benchmark (a pidfd per rank; signal 0

@@ -47,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench._docs import Stamp, add_common_args, replace_section
 from tp_supervise.supervisor.drill import wait_engine_health
+from tp_supervise.supervisor.observers.watchdog_thread import TICK_S
 from tp_supervise.supervisor.rank.net import free_port
 from tp_supervise.watchdogs.adaptive import AdaptiveParams
 
@@ -342,14 +343,14 @@ def reading(results: list[RunResult]) -> str:
     text = [
         f"Reading: the p99 step is {p99 * 1000:.0f} ms and the learner's own p99 (its basis) is "
         f"{basis * 1000:.0f} ms: its samples are the ranks' own step durations and collective intervals "
-        f"(rank clocks, not the 0.1 s watchdog tick) and the stalls that ended in progress. "
+        f"(rank clocks, not the {TICK_S:g} s watchdog tick) and the stalls that ended in progress. "
         f"{params.hard_multiplier:.0f} x basis (the hard multiplier) is {params.hard_multiplier * basis:.2f} s"
     ]
     if floor_bound:
         text.append(
             f" and the hard **floor** of {params.hard_floor:.1f} s (`watchdogs/adaptive.py`, "
             f"`AdaptiveParams.hard_floor`) set the hard threshold in every run: fault -> hard verdict is the floor "
-            f"plus the watchdog's 0.1 s tick granularity (median {hard:.2f} s, at most "
+            f"plus the watchdog's {TICK_S:g} s tick granularity (median {hard:.2f} s, at most "
             f"{max(r.hard_latency_s for r in valid) - params.hard_floor:.2f} s over the floor)."
         )
     else:

@@ -57,6 +57,7 @@ KILL_GRACE_S = 2.0
 DUMP_TIMEOUT_S = 3.0
 RUN_LIMIT_S = 120.0
 KINDS = ("hang", "rank_exit", "wedged_nvml")
+HANG_ARGS = ["--soft-timeout", "2", "--hard-timeout", "4"]
 
 # fanotify(7)
 FAN_CLOEXEC = 0x01
@@ -258,7 +259,7 @@ def run_one(kind: str, work: Path) -> Run:
         args = ["--nproc-per-node", "3"]
         command = [sys.executable, str(FAKE_RANK), "--all", "sleep", "--on", "1=sigkill", "--delay", "2"]
     else:
-        args = ["--nproc-per-node", "2", "--soft-timeout", "2", "--hard-timeout", "4"]
+        args = ["--nproc-per-node", "2", *HANG_ARGS]
         command = [sys.executable, str(GLOO), "--iters", "100000", "--fault", "stop", "--fault-at", "30"]
     head = [sys.executable, str(entry)] if entry is not None else [sys.executable, "-m", "tp_supervise.supervisor.cli"]
     argv = [*head, "serve", "--log-format", "json", "--metrics-addr", "127.0.0.1:0", "--metrics-linger", "0",
@@ -356,7 +357,7 @@ def section(stamp: Stamp, runs: list[Run]) -> str:
 
 End to end with real processes, `supervise serve --kill-grace {KILL_GRACE_S:g} --dump-timeout {DUMP_TIMEOUT_S:g}`, the
 dump directory blocking every write from the moment the supervisor registered (the kinds: `hang`, gloo
-ranks, rank 1 SIGSTOPped, `--soft-timeout 2 --hard-timeout 4`; `rank_exit`, three fake ranks, rank 1
+ranks, rank 1 SIGSTOPped, `{' '.join(HANG_ARGS)}`; `rank_exit`, three fake ranks, rank 1
 SIGKILLed; `wedged_nvml`, the hang with a writable dump directory and a stand-in `pynvml` whose device
 calls never return). Times from the supervisor's log line that names the fault (`hang`, `rank_exited`).
 

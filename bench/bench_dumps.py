@@ -42,7 +42,7 @@ from dumps_fakes import FakeRankSet  # noqa: E402
 
 from bench._docs import Stamp, add_common_args, replace_section  # noqa: E402
 from tp_supervise.dumps.bundle import BundleWriter  # noqa: E402
-from tp_supervise.dumps.capture import ENV_PYSPY, find_pyspy  # noqa: E402
+from tp_supervise.dumps.capture import ENV_PYSPY, MIN_CPU_WINDOW_S, find_pyspy  # noqa: E402
 from tp_supervise.dumps.incident import capture_incident, write_captured, write_incident  # noqa: E402
 from tp_supervise.supervisor.processes.spawn import HOOK_DIR  # noqa: E402
 from tp_supervise.supervisor.rank import flight as rank_flight  # noqa: E402
@@ -167,7 +167,7 @@ atomic bundle write) of real torch ranks (`bench/dump_rank.py`: gloo, the zero-c
 recorder, `OMP_NUM_THREADS=1` as `supervise serve` gives; threads per rank, counted in /proc:
 {_ranks_text(counts, nthreads)}). Rank 1 is stuck in a Python function, the others block inside a gloo
 all_reduce waiting for it; every dump names rank 1. No previous CPU sample is passed, so each dump also
-spends the minimum 0.1 s CPU-measurement window. Dumps per row: {repeat}; figures are
+spends the minimum {MIN_CPU_WINDOW_S:g} s CPU-measurement window. Dumps per row: {repeat}; figures are
 `IncidentResult.duration_s`; every bundle held every rank's flight-recorder trace.{skipped}
 
 {out}

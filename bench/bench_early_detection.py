@@ -41,6 +41,7 @@ import psutil
 
 from bench._docs import Stamp, add_common_args, replace_section
 from bench.bench_detection import parse_log
+from tp_supervise.supervisor.observers.watchdog_thread import TICK_S
 from tp_supervise.watchdogs.adaptive import AdaptiveParams
 
 HEADING = "## Early hang detection (adaptive warm-up)"
@@ -171,7 +172,7 @@ def reading(results: list[RunResult], baseline: list[dict] | None) -> str:
             f"{_f(max(r.hard_s for r in learned))} s after it (the {params.hard_floor:.0f} s hard floor plus at most "
             f"a tick or two) and the supervisor has exited {_f(max(r.exit_s for r in learned))} s after it at most; "
             f"the learner's basis is the loop's own interval ({_f(min(basis), 3)}-{_f(max(basis), 3)} s), "
-            "not the 0.1 s tick."
+            f"not the {TICK_S:g} s tick."
         )
     if warm:
         text.append(
