@@ -60,6 +60,15 @@ class _Parser(argparse.ArgumentParser):
 _SAID = "%(default).0s"
 
 
+def _share_or_off(text: str) -> float | None:
+    if text.strip().lower() == "off":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share of the step (e.g. 0.1) or 'off'") from None
+
+
 def _seconds(text: str) -> float:
     try:
         return float(text)
@@ -115,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--metrics-linger", type=_seconds, default=None, metavar="SECONDS", help=f"keep /metrics up this long after the run ends so the final counts get scraped (default: {specs.DEFAULT_FAULT_LINGER_S:g} s after a fault, two scrapes of the documented 5 s config; 0 after a clean run; a second Ctrl-C cuts it short)")
     o.add_argument("--metrics-textfile", type=Path, metavar="PATH", help="also write the metrics to PATH (node_exporter's textfile collector) on every incident and at exit, atomically: the final state survives the process")
     o.add_argument("--consensus", default="observe", choices=specs.CONSENSUS_MODES, help="compare the ranks' per-step decisions: observe (bundle + metric) or enforce (also stop the group, exit 82)")
+    w.add_argument("--straggler-threshold", type=_share_or_off, default=specs.DEFAULT_STRAGGLER_THRESHOLD, metavar="F|off", help="name a rank the group waits for when its peers spend this share of their time waiting for it, more than usual ('off': statistics only)")
+    w.add_argument("--straggler-window", type=_seconds, default=specs.DEFAULT_STRAGGLER_WINDOW_S, metavar="SECONDS", help="a straggler is named once it held the group back this long (busy time)")
+    w.add_argument("--on-straggler", default="dump", choices=specs.STRAGGLER_ACTIONS, help="dump: a bundle, the run goes on; restart: also end the attempt (restarted with --max-restarts); kill: end the run (exit 80)")
     o.add_argument("--consensus-inband", type=int, default=0, metavar="N", help="also compare digests in band (MIN/MAX all_reduce) every N steps; for benchmarks")
     o.add_argument("--log-format", default="console", choices=("console", "json"), help="console lines for people, one JSON object per line for machines")
     o.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="the supervisor's own log level")
@@ -220,6 +232,9 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         fingerprint_env=tuple(k.strip() for k in args.fingerprint_env.split(",") if k.strip()),
         consensus=args.consensus,
         consensus_inband=args.consensus_inband,
+        straggler_threshold=args.straggler_threshold,
+        straggler_window=args.straggler_window,
+        on_straggler=args.on_straggler,
         max_restarts=args.max_restarts,
         quarantine_after=args.quarantine_after,
         listen=specs.parse_hostport(args.listen, "--listen") if args.listen else None,

@@ -62,6 +62,7 @@ from .multinode import NodeGroupRules
 from .nodes import handshake, link, messages
 from .nodes.transport import NodeTransport
 from .observers.services import Services
+from .observers.straggler_thread import StragglerThread
 from .observers.watchdog_thread import WatchdogThread
 from .outcome import (
     EXIT_DIVERGENCE,
@@ -96,7 +97,7 @@ from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from .state import EngineState, Event, next_state
 
 # Events produced for one attempt (they carry its number): acted on only in that attempt.
-ATTEMPT_EVENTS = (events.ConsequenceChecked, events.ConsequenceWindowOver, ProcessExited, EarlyExitCheck, WatchdogVerdict, AllRanksReady, RankClaimed, HangQueryUnanswered, DivergenceFound,
+ATTEMPT_EVENTS = (events.StragglerNamed, events.StragglerCleared, events.ConsequenceChecked, events.ConsequenceWindowOver, ProcessExited, EarlyExitCheck, WatchdogVerdict, AllRanksReady, RankClaimed, HangQueryUnanswered, DivergenceFound,
                   ConsensusAgreed)
 
 log = structlog.get_logger("supervise")
@@ -158,6 +159,8 @@ class Supervisor(NodeGroupRules):
             EarlyExitCheck: self._on_early_exit_check,
             WatchdogVerdict: self._on_watchdog,
             AllRanksReady: self._on_all_ready,
+            events.StragglerNamed: self._on_straggler,
+            events.StragglerCleared: self._on_straggler_cleared,
             RankClaimed: self._on_claimed,
             DivergenceFound: self._on_divergence,
             ConsensusAgreed: self._on_agreed,
@@ -266,6 +269,9 @@ class Supervisor(NodeGroupRules):
             self.sources.append(self.node_link)
             self.services.compare_across_nodes(self.nodes[1])
             self.desk.link_nodes(self.nodes[1])
+        if self.spec.straggler_threshold is not None:
+            self.sources.append(StragglerThread(self.spec.straggler_config(), self.heartbeat, self.attempt_view,
+                                                self.post, self.services.on_straggler_report))
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
             source.start()
@@ -660,6 +666,25 @@ class Supervisor(NodeGroupRules):
 
 
 
+
+    # -- stragglers: the group waits for a rank that is slow, not stopped (docs/watchdogs.md)
+    def _on_straggler(self, ev: events.StragglerNamed) -> None:
+        if self.attempt.outcome is not None:
+            return
+        rank = ev.event.rank
+        verdict = ev.event.sentence()
+        if ev.evidence.get("explanation"):
+            verdict += f"; {ev.evidence['explanation']}"
+        log.warning("straggler: " + verdict, event_name="straggler_named", rank=rank, action=self.spec.on_straggler,
+                    wait_share=round(ev.event.lag.wait_share, 4), late_lag_s=round(ev.event.lag.late_lag_s, 6))
+        self.desk.straggler(ev, self.attempt.view, verdict)
+        if self.spec.on_straggler != "dump":
+            self.transition(Event.RANK_EXIT)
+            self._announce_fault("straggler", rank, "straggler: " + verdict)
+            self._finish(Outcome(EXIT_RANK, "straggler", culprit=rank, final=self.spec.on_straggler == "kill"))
+
+    def _on_straggler_cleared(self, ev: events.StragglerCleared) -> None:
+        log.info("straggler cleared: " + ev.event.sentence(), event_name="straggler_cleared", rank=ev.event.rank)
 
     def _on_divergence(self, ev: DivergenceFound) -> None:
         if self.attempt.outcome is not None:

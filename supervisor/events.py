@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tp_supervise.consensus.verdict import DivergenceVerdict
 from tp_supervise.watchdogs.policy import Verdict, VerdictKind
+from tp_supervise.watchdogs.straggler import StragglerEvent, StragglerReport
 
 from .nodes.messages import Fault, HangQuery
 from .processes.exits import ExitStatus
@@ -174,4 +175,25 @@ class ConsequenceWindowOver:
     """Event (multi-node): no peer node's fault or loss arrived while a suspected consequence waited."""
 
     slot: int
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class StragglerNamed:
+    """Event: a rank started holding the group back (a straggler episode; ``watchdogs.straggler``).
+
+    ``evidence``: its and one peer's /proc counters over the window (``dumps.slowness``) and the sentence
+    fragment they support ("its CPU was throttled by its cgroup for 38 % of the window")."""
+
+    event: StragglerEvent
+    report: StragglerReport
+    evidence: dict
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class StragglerCleared:
+    """Event: the straggler episode of ``event.rank`` ended."""
+
+    event: StragglerEvent
     attempt: int = 0

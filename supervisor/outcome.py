@@ -40,10 +40,11 @@ class Outcome:
     code: int
     reason: str  # bundle reason, or "clean" / "shutdown"
     culprit: int | None = None
+    final: bool = False  # the run ends whatever --max-restarts says (--on-straggler kill)
 
     @property
     def restartable(self) -> bool:
-        return self.code in (EXIT_RANK, EXIT_HANG, EXIT_DIVERGENCE, EXIT_STARTUP)
+        return not self.final and self.code in (EXIT_RANK, EXIT_HANG, EXIT_DIVERGENCE, EXIT_STARTUP)
 
 
 RUN_ID_PATTERN = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,47}")

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tp_supervise.watchdogs.straggler import StragglerConfig
+
 from .outcome import valid_run_id
 
 CONSENSUS_MODES = ("off", "observe", "enforce")
@@ -28,6 +30,9 @@ DEFAULT_DUMP_TIMEOUT_S = 10.0  # a fatal dump never delays the teardown longer t
 # margin, so the final counts (a hang, a death, a divergence) reach Prometheus with default flags.
 DEFAULT_FAULT_LINGER_S = 11.0
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0  # multi-node: every node must have registered by then (exit 83)
+DEFAULT_STRAGGLER_THRESHOLD = 0.10
+DEFAULT_STRAGGLER_WINDOW_S = 20.0
+STRAGGLER_ACTIONS = ("dump", "restart", "kill")
 DEFAULT_NODE_TIMEOUT_S = 4.0  # multi-node: no FIN (host down, partition, frozen): lost after this
 DEFAULT_METRICS_ADDR = "127.0.0.1:9180"
 DEFAULT_ENGINE_PORT = 8000
@@ -255,6 +260,9 @@ class LaunchSpec:
     metrics_textfile: Path | None = None  # node_exporter textfile collector: written on every incident and at exit
     consensus: str = "observe"
     consensus_inband: int = 0
+    straggler_threshold: float | None = DEFAULT_STRAGGLER_THRESHOLD  # share of the group's time; None: off
+    straggler_window: float = DEFAULT_STRAGGLER_WINDOW_S  # sustained this long (busy time) before it is named
+    on_straggler: str = "dump"
     max_restarts: int = 0
     # A request scheduled by the failing step of this many failed attempts is refused for the run (0: never);
     # supervisor/incidents/quarantine.py.
@@ -320,6 +328,13 @@ class LaunchSpec:
             )
         if self.consensus not in CONSENSUS_MODES:
             raise UsageError(f"--consensus {self.consensus!r}: choose one of {', '.join(CONSENSUS_MODES)}")
+        if self.straggler_threshold is not None and not 0 < self.straggler_threshold < 1:
+            raise UsageError(f"--straggler-threshold {self.straggler_threshold}: a share of the step between 0 and 1 "
+                             "(e.g. 0.1), or 'off'")
+        if not 1.0 <= self.straggler_window < math.inf:
+            raise UsageError(f"--straggler-window {self.straggler_window}: must be >= 1 second")
+        if self.on_straggler not in STRAGGLER_ACTIONS:
+            raise UsageError(f"--on-straggler {self.on_straggler!r}: choose one of {', '.join(STRAGGLER_ACTIONS)}")
         if self.consensus_inband < 0:
             raise UsageError("--consensus-inband N: N must be >= 0 (0 disables the in-band check)")
         if self.stack_method not in STACK_METHODS:
@@ -361,6 +376,13 @@ class LaunchSpec:
                 raise UsageError(
                     f"--inject {inj}: rank {inj.rank} does not exist in a world of {self.world_size} ranks"
                 )
+
+    def straggler_config(self) -> StragglerConfig:
+        """The detector's parameters (docs/watchdogs.md, "Stragglers"): the window of statistics covers the
+        sustain time and 10 s more."""
+        return StragglerConfig(threshold=self.straggler_threshold, sustain_s=self.straggler_window,
+                               window_s=max(30.0, self.straggler_window + 10.0),
+                               clear_s=max(1.0, self.straggler_window / 2))
 
     def adaptive_params(self):
         """watchdogs.adaptive.AdaptiveParams with the floors/ceilings given (validated there)."""

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from tp_supervise.dumps.evidence import CpuSamples
     from tp_supervise.watchdogs.gpu import GpuSampler
 
-    from ..events import DivergenceFound, WatchdogVerdict
+    from ..events import DivergenceFound, StragglerNamed, WatchdogVerdict
     from ..nodes.handshake import NodeGroup
     from ..processes.attempt import AttemptView, RankView
     from ..rank.heartbeat import SlotSnapshot
@@ -554,6 +554,16 @@ class IncidentDesk:
             self._fatal("divergence", attempt, HANG_CAPTURE_S, extra, files, detected_at=ev.at, freeze=True)
         else:
             self._async("divergence", attempt, HANG_CAPTURE_S, extra, files=files, detected_at=ev.at)
+
+    def straggler(self, ev: StragglerNamed, attempt: AttemptView, verdict: str) -> None:
+        """A straggler episode started: one bundle (reason ``straggler``), every rank's stacks (the slow one's
+        and its peers', who wait for it), the detector's window and the /proc evidence; nothing stops."""
+        extra = {
+            "culprit_ranks": [ev.event.rank],
+            "verdict": verdict,
+            "straggler": {"event": ev.event.to_dict(), "report": ev.report.to_dict(), "evidence": ev.evidence},
+        }
+        self._async("straggler", attempt, HANG_CAPTURE_S, extra, detected_at=ev.event.at)
 
     def on_demand(self, reply: queue.SimpleQueue, attempt: AttemptView) -> None:
         self._async("on_demand", attempt, HANG_CAPTURE_S, {}, reply)

@@ -37,6 +37,8 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
+from tp_supervise.watchdogs.straggler import StragglerReport
+
 from ..outcome import TEARDOWN_EXIT
 from ..processes import exits
 from ..rank.heartbeat import SlotSnapshot
@@ -191,6 +193,12 @@ class SupervisorMetrics:
             registry=reg,
         )
         self.rank_step = Gauge(name("rank_step"), "Engine steps the rank completed.", ["rank"], registry=reg)
+        self.rank_arrival_lag = Gauge(
+            name("rank_arrival_lag_seconds"),
+            "How late the rank enters its collectives: its arrival minus the median arrival of its peers, over the "
+            "straggler window (quantile 0.5, 0.9, 0.99).", ["rank", "quantile"], registry=reg)
+        self.straggler = Gauge(name("straggler"), "1 while the rank is named a straggler (the group waits for it).",
+                               ["rank"], registry=reg)
         self.rank_collective_seq = Gauge(
             name("rank_collective_seq"), "Collectives the rank entered.", ["rank"], registry=reg
         )
@@ -418,6 +426,13 @@ class SupervisorMetrics:
     def record_rank_exit(self, reason: str) -> None:
         """Count one rank exit (``supervisor.processes.exits`` reasons, or ``TEARDOWN_EXIT``)."""
         self.rank_exits.labels(reason=self._bounded(reason, RANK_EXIT_REASONS, "rank exit reason")).inc()
+
+    def observe_stragglers(self, report: StragglerReport) -> None:
+        """From the straggler thread: the window's lag quantiles per rank, and who is named."""
+        for rank, lag in report.ranks.items():
+            for q, value in (("0.5", lag.lag_p50_s), ("0.9", lag.lag_p90_s), ("0.99", lag.lag_p99_s)):
+                self.rank_arrival_lag.labels(rank=str(rank), quantile=q).set(value)
+            self.straggler.labels(rank=str(rank)).set(1 if rank in report.named else 0)
 
     def set_nodes(self, peers_up: Mapping[int, bool]) -> None:
         """Multi-node: which other nodes' supervisors are alive (from the node-link thread; gauges are thread safe)."""

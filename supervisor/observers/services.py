@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from tp_supervise.watchdogs.gpu import GpuSampler, holding_memory
+from tp_supervise.watchdogs.straggler import StragglerReport
 
 from .. import state as engine_state
 from ..events import ControlRequest, LoopTick
@@ -236,6 +237,10 @@ class Services:
             print(f"ready: {example}", flush=True)
         else:
             log.info("every rank is ready", ranks=ranks, metrics=self.metrics_url)
+
+    def on_straggler_report(self, report: StragglerReport) -> None:
+        """Runs on the straggler thread."""
+        self.metrics.observe_stragglers(report)
 
     def on_tick(self, snaps: Sequence[SlotSnapshot], verdict, now: float, alive: Mapping[int, bool]) -> None:
         """Runs on the watchdog thread; ``alive``: slot → whether its process is alive."""

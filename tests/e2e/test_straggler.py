@@ -1,0 +1,48 @@
+"""Fail-slow (issue 20): the rank the group waits for is named, from the arrival stamps the zero-code hook
+writes, and nothing is killed; a role that is uneven by design is not named.  Real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+LOOP = str(Path(__file__).resolve().parents[1] / "fakes" / "step_loop.py")
+SLOW_FROM_S = 24.0  # after the detector's warm-up (10 s) and baseline (10 s)
+WINDOW_S = 8
+
+
+def _serve(supervise, tmp_path, name, tp, loop_args):
+    args = ["--nproc-per-node", str(tp), "--straggler-window", str(WINDOW_S), "--kill-grace", "2"]
+    return supervise(args, [sys.executable, LOOP, *loop_args], dump_dir=tmp_path / name)
+
+
+def test_a_rank_slowed_by_20_percent_is_named_and_nothing_is_killed_while_an_uneven_role_is_not(supervise,
+                                                                                                 tmp_path):
+    seconds = str(SLOW_FROM_S + 30)
+    slow = _serve(supervise, tmp_path, "slow", 2,
+                  ["--seconds", seconds, "--slow-rank", "1", "--slow-from", str(SLOW_FROM_S), "--slow-share", "0.2"])
+    uneven = _serve(supervise, tmp_path, "uneven", 2,
+                    ["--seconds", seconds, "--uneven-rank", "0", "--uneven-share", "0.3"])
+    started = time.monotonic()
+    assert slow.wait(180) == 0, slow.stderr[-4000:]
+    assert uneven.wait(180) == 0, uneven.stderr[-4000:]
+    named = slow.events("straggler_named")
+    assert named and named[0]["rank"] == 1, slow.stderr[-3000:]
+    summary = slow.summary("straggler")
+    assert summary["culprit_ranks"] == [1] and "rank 1 arrives" in summary["verdict"]
+    assert summary["straggler"]["evidence"]["ranks"], summary["straggler"]
+    # the rank's "slow from" stamp and the detector's decision are both CLOCK_MONOTONIC of this host
+    slow_from = next(float(line["message"].split()[-1]) for line in slow.lines
+                     if line.get("event") == "rank_output" and "slow from" in line.get("message", ""))
+    took = summary["straggler"]["event"]["at"] - slow_from
+    print(f"named {took:.1f} s after the slowdown")
+    assert 0 < took < 30, took
+    assert time.monotonic() - started < 180
+    assert not uneven.events("straggler_named"), uneven.stderr[-3000:]
+    assert not [b for b in uneven.bundles() if "straggler" in b.name]

@@ -1,0 +1,55 @@
+"""A plain gloo TP-style loop with steps of a fixed length (no supervisor code in it).
+
+    python step_loop.py --seconds D [--step S] [--colls N] [--slow-rank R --slow-from T --slow-share F]
+                        [--uneven-rank R --uneven-share F]
+
+Each step: N all_reduces of a small tensor, with compute (sleep) between them,
+``--step`` seconds in all.  From ``--slow-from`` seconds on, ``--slow-rank``
+sleeps ``--slow-share`` of the step before the step's first collective (its
+peers wait for it there).  ``--uneven-rank`` does ``--uneven-share`` of the
+step as extra work *after* the step's last collective, from the start (a role
+that is uneven by design: rank 0 detokenising).  Runs ``--seconds`` and exits 0.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, required=True)
+    ap.add_argument("--step", type=float, default=0.05)
+    ap.add_argument("--colls", type=int, default=8)
+    ap.add_argument("--slow-rank", type=int, default=-1)
+    ap.add_argument("--slow-from", type=float, default=0.0)
+    ap.add_argument("--slow-share", type=float, default=0.2)
+    ap.add_argument("--uneven-rank", type=int, default=-1)
+    ap.add_argument("--uneven-share", type=float, default=0.2)
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(64)
+    start = time.monotonic()
+    slow_announced = False
+    compute = a.step / (a.colls + 1)
+    while time.monotonic() - start < a.seconds:
+        if rank == a.slow_rank and time.monotonic() - start >= a.slow_from:
+            if not slow_announced:
+                print(f"slow from {time.monotonic()}", flush=True)
+                slow_announced = True
+            time.sleep(a.slow_share * a.step)
+        for _ in range(a.colls):
+            dist.all_reduce(t)
+            time.sleep(compute)
+        if rank == a.uneven_rank:
+            time.sleep(a.uneven_share * a.step)
+    dist.barrier()
+    os._exit(0)  # torch's gloo teardown at interpreter exit is not what this program is about
+
+
+if __name__ == "__main__":
+    main()
