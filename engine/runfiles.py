@@ -10,7 +10,8 @@ file                   writer    what
 ``inflight-rank<r>``   engine    fingerprints of the requests rank ``r`` has in
                                  flight (today only the rank that serves HTTP,
                                  rank 0, writes one); survives the rank's death
-``quarantine.json``    supervisor  fingerprints the frontend refuses (400)
+``quarantine.json``    supervisor  fingerprints the frontend refuses (400),
+                                 and the suspects it prefills alone
 ``incident``           supervisor  the id of the incident that ended the
                                  attempt; named in the 503s of the requests
                                  that were in flight
@@ -37,12 +38,17 @@ the same request has the same fingerprint), never the text.  ``stream`` and
     32      32    reserved (zero)
     64 + 32*i     slot i:
             1     state: 0 free, 1 in flight
-            7     reserved
+            3     reserved
+            4     step: index of the engine step that first scheduled it (1-based; 0: not recorded)
             8     since: CLOCK_MONOTONIC ns when the request was first scheduled
             16    fingerprint (raw bytes)
 
+``step`` sits in bytes that version 1 first left reserved (zero): a reader
+that finds 0 there (an engine that does not record it) falls back to
+``since``; a reader that ignores it still reads the rest.
+
 Ordering rules (one writer thread, the engine loop): adding a request writes
-``since`` and the fingerprint first and the state byte last; removing
+``step``, ``since`` and the fingerprint first and the state byte last; removing
 clears the state byte first.  A slot whose state byte is 1 therefore holds a
 complete fingerprint, even when the process died in the middle of a change:
 a reader after the rank's death reads a consistent set (the requests added
@@ -58,12 +64,18 @@ engine shut down cleanly (the file is then emptied); a request still waiting
 for a batch slot has not run and is not listed.
 
 ``quarantine.json``: ``{"version": 1, "fingerprints": {"<32 hex>":
-["<incident id>", ...]}}``, written by the supervisor atomically (temporary
-file + rename).  The frontend reads it at start and again whenever its
-inode, size or mtime changed (one ``stat`` per request); a file that does
-not parse keeps the previous list (logged once).  A request whose
-fingerprint is listed is answered 400 (code ``request_quarantined``) naming
-the incident ids, before it is scheduled.
+["<incident id>", ...]}, "suspects": ["<32 hex>", ...]}``, written by the
+supervisor atomically (temporary file + rename).  The frontend reads it at
+start and again whenever its inode, size or mtime changed (one ``stat`` per
+request); a file that does not parse keeps the previous list (logged once).
+A request whose fingerprint is listed under ``fingerprints`` is answered 400
+(code ``request_quarantined``) naming the incident ids, before it is
+scheduled.  A request listed under ``suspects`` (the supervisor suspects it
+after one failure, not yet quarantined) is marked ``isolate``: the scheduler
+prefills it alone in its step (engine/scheduler.py), so if it fails the group
+again the failing step started nothing else.  Readers ignore keys they do
+not know; ``suspects`` is optional (absent: none), and one that is not a list
+of fingerprints is ignored (the quarantine still applies).
 
 ``incident``: UTF-8 text, the incident id on its first line (at most
 ``MAX_INCIDENT_CHARS`` printable characters).  The supervisor writes it
@@ -97,7 +109,8 @@ MAX_INCIDENT_CHARS = 128
 MAGIC = b"TPSINFLT"
 LAYOUT_VERSION = 1
 HEADER = struct.Struct("<8sIIIIQ32x")  # magic, version, nslots, pid, attempt, generation
-SLOT = struct.Struct("<B7xQ16s")  # state, since_ns, fingerprint
+SLOT = struct.Struct("<B3xIQ16s")  # state, step, since_ns, fingerprint
+SLOT_STEP_OFFSET = 4  # step, since and fingerprint: written before the state byte
 GENERATION_OFFSET = 24
 SLOT_FREE, SLOT_IN_FLIGHT = 0, 1
 READ_RETRIES = 100
@@ -151,7 +164,8 @@ class InflightFile:
         self._generation += 1
         struct.pack_into("<Q", self._map, GENERATION_OFFSET, self._generation)
 
-    def add(self, request_id: str, fp_hex: str) -> None:
+    def add(self, request_id: str, fp_hex: str, step: int = 0) -> None:
+        """Record a request the engine step ``step`` (its plan's index) first schedules."""
         if request_id in self._slots:
             return
         if not self._free:
@@ -161,7 +175,8 @@ class InflightFile:
         slot = self._free.pop()
         offset = HEADER.size + SLOT.size * slot
         self._bump()
-        struct.pack_into("<Q16s", self._map, offset + 8, time.monotonic_ns(), bytes.fromhex(fp_hex))
+        struct.pack_into("<IQ16s", self._map, offset + SLOT_STEP_OFFSET, step & 0xFFFFFFFF, time.monotonic_ns(),
+                         bytes.fromhex(fp_hex))
         self._map[offset] = SLOT_IN_FLIGHT  # last: the slot is complete
         self._bump()
         self._slots[request_id] = slot
@@ -208,7 +223,7 @@ class InflightRequests:
             if item.is_prefill:
                 fp = self._pending.pop(item.seq_id, None)
                 if fp is not None:
-                    self._file.add(item.seq_id, fp)
+                    self._file.add(item.seq_id, fp, plan.index)
 
     def done(self, request_ids) -> None:
         if self._file is None:
@@ -251,7 +266,7 @@ def _parse_inflight(data: bytes) -> InflightSnapshot:
         raise InflightFormatError(f"{len(data)} bytes for {nslots} slots")
     live = []
     for i in range(nslots):
-        state, since, fp = SLOT.unpack_from(data, HEADER.size + SLOT.size * i)
+        state, _step, since, fp = SLOT.unpack_from(data, HEADER.size + SLOT.size * i)
         if state == SLOT_IN_FLIGHT:
             live.append((since, fp.hex()))
     live.sort()
@@ -278,6 +293,7 @@ class Quarantine:
         self.path = Path(run_dir) / QUARANTINE_FILE if run_dir else None
         self._stamp: tuple[int, int, int] | None = None
         self._entries: dict[str, tuple[str, ...]] = {}
+        self._suspects: frozenset[str] = frozenset()
 
     def lookup(self, fp_hex: str) -> tuple[str, ...] | None:
         """The incident ids that quarantined this fingerprint, or None."""
@@ -285,6 +301,10 @@ class Quarantine:
             return None
         self.refresh()
         return self._entries.get(fp_hex)
+
+    def suspected(self, fp_hex: str) -> bool:
+        """Whether the supervisor suspects this fingerprint (prefill it alone), as of the last ``lookup``."""
+        return fp_hex in self._suspects
 
     def refresh(self) -> None:
         """Re-read the file if it changed (inode, size, mtime); cheap when it did not."""
@@ -295,7 +315,7 @@ class Quarantine:
             st = os.stat(path)
         except FileNotFoundError:
             if self._stamp is not None:
-                self._stamp, self._entries = None, {}
+                self._stamp, self._entries, self._suspects = None, {}, frozenset()
             return
         except OSError:
             return
@@ -304,14 +324,21 @@ class Quarantine:
             return
         self._stamp = stamp
         try:
-            self._entries = parse_quarantine(path.read_bytes())
+            self._entries, self._suspects = parse_quarantine_file(path.read_bytes())
         except (OSError, ValueError) as exc:
             log.warning("quarantine list unreadable", path=str(path), error=str(exc)[:200], kept=len(self._entries))
             return
-        log.info("quarantine list loaded", path=str(path), fingerprints=len(self._entries))
+        log.info("quarantine list loaded", path=str(path), fingerprints=len(self._entries),
+                 suspects=len(self._suspects))
 
 
 def parse_quarantine(raw: bytes) -> dict[str, tuple[str, ...]]:
+    """The quarantined fingerprints of a ``quarantine.json`` (fingerprint -> incident ids)."""
+    return parse_quarantine_file(raw)[0]
+
+
+def parse_quarantine_file(raw: bytes) -> tuple[dict[str, tuple[str, ...]], frozenset[str]]:
+    """``quarantine.json``: the quarantined fingerprints and the suspects (raises ValueError for a bad file)."""
     data = json.loads(raw.decode("utf-8"))
     if not isinstance(data, dict) or data.get("version") != QUARANTINE_VERSION:
         raise ValueError(f"expected a JSON object with \"version\": {QUARANTINE_VERSION}")
@@ -323,14 +350,19 @@ def parse_quarantine(raw: bytes) -> dict[str, tuple[str, ...]]:
         if not isinstance(incidents, list) or not all(isinstance(i, str) for i in incidents):
             raise ValueError(f"fingerprint {fp[:40]!r}: the value must be a list of incident ids")
         entries[fp.lower()] = tuple(incidents)
-    return entries
+    listed = data.get("suspects", [])
+    suspects: frozenset[str] = frozenset()
+    if isinstance(listed, list) and all(isinstance(fp, str) for fp in listed):
+        suspects = frozenset(fp.lower() for fp in listed) - entries.keys()
+    return entries, suspects
 
 
-def write_quarantine(run_dir: str | os.PathLike, entries: dict[str, list[str]]) -> Path:
+def write_quarantine(run_dir: str | os.PathLike, entries: dict[str, list[str]], suspects=()) -> Path:
     """Write ``quarantine.json`` atomically (the supervisor's side of the contract; tests use it too)."""
     path = Path(run_dir) / QUARANTINE_FILE
     tmp = path.with_name(f".{QUARANTINE_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"version": QUARANTINE_VERSION, "fingerprints": entries}))
+    tmp.write_text(json.dumps({"version": QUARANTINE_VERSION, "fingerprints": entries,
+                               "suspects": sorted(suspects)}))
     os.replace(tmp, path)
     return path
 

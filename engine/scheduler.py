@@ -11,6 +11,16 @@ split keeps the scheduler a pure function of its inputs, which is what the
 replicated control plane relies on (every rank must decide the same batch
 from the same inputs) and lets a diverging rank run a modified plan.
 
+A request marked ``isolate`` (a suspect of a failed attempt: the supervisor
+lists its fingerprint under ``suspects`` in ``quarantine.json``; docs/engine.md,
+"Serving through faults") is prefilled alone: its step holds no other item,
+neither another prefill nor the running sequences' decodes (they resume the
+step after, one step late).  A suspect that is not first in line ends the
+step's prefills, so it heads the next one and waiting order holds.  If that
+step fails the group, the supervisor sees it as the only request the failing
+step started, so a request that merely arrived with the poison is never
+blamed with it.
+
 Stop rules, checked after each sampled token: the sampler failed for this
 sequence -> "error"; EOS (unless ``ignore_eos``) -> "stop"; ``max_tokens``
 generated -> "length"; the context is full -> "length".
@@ -45,6 +55,7 @@ class Request:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     fingerprint: str = ""  # engine/runfiles.py: hex digest of model + prompt + sampling parameters, never the text
+    isolate: bool = False  # a suspect of a failed attempt: prefilled alone in its step
 
 
 @dataclass(frozen=True)
@@ -179,6 +190,10 @@ class Scheduler:
             if len(items) >= self.config.max_batch:
                 break
             n = len(seq.request.prompt_ids)
+            if seq.request.isolate:
+                if not prefills:  # its own step: no other prefill, no decode
+                    items = [BatchItem(seq.request.request_id, 0, seq.request.prompt_ids, seq.request.params)]
+                break
             if n > budget and prefills:
                 break
             items.append(BatchItem(seq.request.request_id, 0, seq.request.prompt_ids, seq.request.params))

@@ -386,7 +386,8 @@ class Frontend:
         seed = gen.seed if gen.seed is not None else self._seeds.getrandbits(SEED_BITS)
         params = SamplingParams(max_tokens=gen.max_tokens, temperature=gen.temperature, top_p=gen.top_p,
                                 seed=seed, ignore_eos=gen.ignore_eos)
-        req = Request(f"{shape.prefix}-{uuid.uuid4().hex}", tuple(ids), params, fingerprint=fp)
+        req = Request(f"{shape.prefix}-{uuid.uuid4().hex}", tuple(ids), params, fingerprint=fp,
+                      isolate=self._quarantine.suspected(fp))  # a suspect of a failed attempt: prefilled alone
         try:
             queue = self.bridge.submit(req, asyncio.get_running_loop())
         except RuntimeError as exc:

@@ -15,8 +15,9 @@ from tp_supervise.engine.tokenizer import ByteTokenizer, IncrementalDecoder
 EOS = 99
 
 
-def req(rid: str, n_prompt: int = 3, max_tokens: int = 4, ignore_eos: bool = False) -> Request:
-    return Request(rid, tuple(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+def req(rid: str, n_prompt: int = 3, max_tokens: int = 4, ignore_eos: bool = False, isolate: bool = False) -> Request:
+    return Request(rid, tuple(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                   isolate=isolate)
 
 
 def sched(max_batch=4, max_batch_tokens=100, max_context=64) -> Scheduler:
@@ -82,6 +83,30 @@ def test_oversized_prompt_still_runs_alone():
     s.add(req("big", n_prompt=10))
     plan, _ = run_step(s)
     assert plan.describe() == [["big", 0, 10]]
+
+
+def test_a_suspect_is_prefilled_alone_and_the_others_resume_after_it():
+    """A suspect of a failed attempt gets a step of its own: no other prefill, no decode (docs/engine.md)."""
+    s = sched(max_batch=8)
+    s.add(req("running", max_tokens=10))
+    run_step(s)
+    for rid, isolate in (("b1", False), ("p", True), ("b2", True), ("b3", False)):
+        s.add(req(rid, isolate=isolate, max_tokens=10))
+    plans = [run_step(s)[0].describe() for _ in range(4)]
+    assert plans == [
+        [["running", 3, 1], ["b1", 0, 3]],  # b1 is first in line; the suspect behind it waits for the next step
+        [["p", 0, 3]],  # alone: the running sequences skip this step
+        [["b2", 0, 3]],
+        [["running", 4, 1], ["b1", 3, 1], ["p", 3, 1], ["b2", 3, 1], ["b3", 0, 3]],  # decodes resume one step late
+    ]
+    assert s.num_waiting == 0 and s.num_running == 5
+
+
+def test_a_suspect_waits_for_a_free_slot_like_any_request():
+    s = sched(max_batch=1)
+    s.add(req("a", max_tokens=2))
+    s.add(req("p", isolate=True))
+    assert [run_step(s)[0].describe() for _ in range(3)] == [[["a", 0, 3]], [["a", 3, 1]], [["p", 0, 3]]]
 
 
 def test_eos_stops_unless_ignored():

@@ -23,6 +23,7 @@ from tp_supervise.engine.openai_api import ApiError
 from tp_supervise.engine.runfiles import (
     HEADER,
     SLOT,
+    SLOT_STEP_OFFSET,
     InflightFile,
     Quarantine,
     fingerprint,
@@ -112,6 +113,38 @@ def test_quarantine_is_reread_when_the_file_changes(tmp_path):
     (tmp_path / "quarantine.json").unlink()
     assert q.lookup(fp()) is None
     assert Quarantine(None).lookup(fp()) is None
+
+
+def test_suspects_are_read_and_the_reader_is_forward_compatible(tmp_path):
+    q = Quarantine(tmp_path)
+    write_quarantine(tmp_path, {fp(): ["inc-1", "inc-2"]}, suspects=[fp(seed=1), fp(seed=2)])
+    assert q.lookup(fp(seed=1)) is None and q.suspected(fp(seed=1)) and q.suspected(fp(seed=2))
+    assert not q.suspected(fp(seed=3)) and not q.suspected(fp())  # quarantined is not "suspected": it never runs
+    # a file of the first layout (no "suspects"), and keys this engine does not know: still read
+    (tmp_path / "quarantine.json").write_text(json.dumps({"version": 1, "fingerprints": {fp(seed=3): ["inc-3"]},
+                                                          "later": {"x": 1}}))
+    assert q.lookup(fp(seed=3)) == ("inc-3",) and not q.suspected(fp(seed=1))
+    # suspects that are not a list of fingerprints are ignored, the quarantine still applies
+    (tmp_path / "quarantine.json").write_text(json.dumps({"version": 1, "fingerprints": {fp(): ["inc-1"]},
+                                                          "suspects": {"x": 1}}))
+    assert q.lookup(fp()) == ("inc-1",) and not q.suspected(fp(seed=1))
+    (tmp_path / "quarantine.json").unlink()
+    write_quarantine(tmp_path, {}, suspects=[fp(seed=1)])
+    assert q.lookup(fp(seed=1)) is None and q.suspected(fp(seed=1))
+    (tmp_path / "quarantine.json").unlink()
+    assert q.lookup(fp(seed=1)) is None and not q.suspected(fp(seed=1))
+
+
+def test_inflight_slot_records_the_step_that_first_scheduled_it(tmp_path):
+    path = tmp_path / "inflight-rank0"
+    f = InflightFile(path, nslots=2, attempt=0)
+    f.add("r1", fp(seed=1), step=7)
+    f.add("r2", fp(seed=2))  # a writer that records no step: 0
+    f.close()
+    raw = path.read_bytes()
+    steps = [struct.unpack_from("<I", raw, HEADER.size + SLOT.size * i + SLOT_STEP_OFFSET)[0] for i in range(2)]
+    assert steps == [7, 0] and SLOT.size == 32
+    assert read_inflight(path).fingerprints == (fp(seed=1), fp(seed=2))
 
 
 def test_incident_id_is_the_first_printable_line(tmp_path):
