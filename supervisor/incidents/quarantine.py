@@ -10,7 +10,8 @@ The engine and the supervisor share three files in ``$SUPERVISE_RUN_DIR``
     inflight-rank0    written by rank 0: fingerprints of the requests it has in flight,
                       each with the time it was first scheduled; read here at the ruling
                       and again after the teardown (the writer is dead by then)
-    quarantine.json   written here: fingerprints the engine answers 400 for the rest of the run
+    quarantine.json   written here: fingerprints the engine answers 400 for the rest of the run,
+                      and the suspects of the current crash loop, which it prefills alone
 
 **Which requests are blamed.**  Every request running when the group fails
 was "in flight", but most of them are bystanders: the client retries them
@@ -19,21 +20,31 @@ and the poison request are scheduled together in the first step of the new
 attempt.  Counting every in-flight fingerprint would quarantine the
 bystanders with the poison.  What sets a request that kills the group apart
 is that it was *started by the step that failed*: the suspects of a failure
-are the in-flight requests first scheduled within ``SAME_STEP_S`` of the
-newest one (one engine step schedules its new requests back to back, a step
-later is at least one forward pass later).  A fingerprint that was a suspect
-in ``--quarantine-after`` failed attempts of one crash loop is quarantined
-for the run: ``request_quarantined`` in the log, the counter
-``supervise_quarantined_requests_total``, ``quarantine.json`` rewritten before
-the next attempt.  An attempt that stayed up ``fresh_after_s`` before failing
-starts a new crash loop: older suspicions are forgotten.
+are the in-flight requests first scheduled by the newest engine step the
+file records (each slot holds the index of the step that first scheduled
+it; an engine that records none: those first scheduled within
+``SAME_STEP_S`` of the newest, as one step schedules its new requests back
+to back and a step later is at least one forward pass later).
+
+**Co-arrivals.**  Requests that arrived with the poison one are scheduled in
+the same step and are suspects of the first failure as well.  So the
+suspects of the current crash loop go to ``quarantine.json`` (``suspects``)
+before the next attempt starts, and the engine prefills each of them alone
+in its step: when the poison request kills the group again, the failing step
+started nothing else, and only it is a suspect twice.  A fingerprint that
+was a suspect in ``--quarantine-after`` failed attempts of one crash loop is
+quarantined for the run: ``request_quarantined`` in the log, the counter
+``supervise_quarantined_requests_total``, ``quarantine.json`` rewritten
+before the next attempt.  An attempt that stayed up ``fresh_after_s`` before
+failing starts a new crash loop: older suspicions are forgotten (and leave
+the file at the next failure).
 
 Limits: a request that fails the group later in its life than its first
 step (a crash at its 50th token) is never a suspect, so it is not
-quarantined (the restarts are bounded by ``--max-restarts`` as before); a
-bystander scheduled in the very same step as the poison request, in each of
-the failures, is quarantined with it (nothing outside the engine tells them
-apart).
+quarantined (the restarts are bounded by ``--max-restarts`` as before).  An
+engine that reads no ``suspects`` schedules co-arrivals together again, and
+a bystander scheduled in the very same step as the poison request, in each
+of the failures, is then quarantined with it.
 
 Main thread only (the ruling, the end of an attempt, the next launch); the
 desk's dump threads read ``evidence()``'s frozen dicts.
@@ -58,8 +69,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("supervise")
 
-# New requests of one engine step are recorded back to back (microseconds apart); the step before ran a
-# forward pass in between (milliseconds).  Requests first scheduled within this of the newest are the suspects.
+# An engine that records no step index: new requests of one engine step are recorded back to back (microseconds
+# apart); the step before ran a forward pass in between (milliseconds).  Requests first scheduled within this of
+# the newest are the suspects.
 SAME_STEP_S = 0.002
 
 
@@ -91,21 +103,31 @@ def clear_incident(run_dir: Path) -> None:
 # -- inflight-rank0 with each request's start time --------------------------------------------------------------
 @dataclass(frozen=True)
 class InFlight:
-    """One read of an in-flight file: the writer, its attempt, and fingerprint → first scheduled (monotonic ns)."""
+    """One read of an in-flight file: the writer, its attempt, fingerprint → first scheduled (monotonic ns) and
+    fingerprint → the engine step that first scheduled it (0: not recorded)."""
 
     pid: int
     attempt: int
     started_ns: dict[str, int]
+    step: dict[str, int] = field(default_factory=dict)
 
     def suspects(self) -> set[str]:
-        """The requests the last step started: first scheduled within SAME_STEP_S of the newest."""
-        if not self.started_ns:
-            return set()
-        newest = max(self.started_ns.values())
-        return {fp for fp, ns in self.started_ns.items() if newest - ns <= SAME_STEP_S * 1e9}
+        """The requests the last step started: those of the newest recorded step, or, when a request has no step,
+        those first scheduled within SAME_STEP_S of the newest."""
+        return suspects_of(self.started_ns, self.step)
 
     def oldest_first(self) -> list[str]:
         return sorted(self.started_ns, key=lambda fp: (self.started_ns[fp], fp))
+
+
+def suspects_of(started_ns: dict[str, int], step: dict[str, int]) -> set[str]:
+    if not started_ns:
+        return set()
+    if all(step.get(fp, 0) > 0 for fp in started_ns):
+        last = max(step[fp] for fp in started_ns)
+        return {fp for fp in started_ns if step[fp] == last}
+    newest = max(started_ns.values())
+    return {fp for fp, ns in started_ns.items() if newest - ns <= SAME_STEP_S * 1e9}
 
 
 def read_in_flight(path: Path) -> InFlight | None:
@@ -124,16 +146,18 @@ def read_in_flight(path: Path) -> InFlight | None:
         if len(data) != runfiles.HEADER.size + runfiles.SLOT.size * nslots:
             raise runfiles.InflightFormatError(f"{len(data)} bytes for {nslots} slots")
         started: dict[str, int] = {}
+        steps: dict[str, int] = {}
         for i in range(nslots):
-            state, since, fp = runfiles.SLOT.unpack_from(data, runfiles.HEADER.size + runfiles.SLOT.size * i)
+            state, step, since, fp = runfiles.SLOT.unpack_from(data, runfiles.HEADER.size + runfiles.SLOT.size * i)
             if state == runfiles.SLOT_IN_FLIGHT:
                 started[fp.hex()] = since
+                steps[fp.hex()] = step
         with open(path, "rb") as f:
             f.seek(runfiles.GENERATION_OFFSET)
             (after,) = struct.unpack("<Q", f.read(8))
         if generation % 2 == 0 and after == generation:
             break
-    return InFlight(pid, attempt, started)  # a dead writer may have stopped mid-change: the state bytes hold
+    return InFlight(pid, attempt, started, steps)  # a dead writer may have stopped mid-change: the state bytes hold
 
 
 # -- the quarantine ---------------------------------------------------------------------------------------------
@@ -143,6 +167,7 @@ class FailedAttempt:
     attempt: int  # TORCHELASTIC_RESTART_COUNT of the attempt
     rank0_pid: int
     started_ns: dict[str, int] = field(default_factory=dict)  # fingerprint → first scheduled
+    step: dict[str, int] = field(default_factory=dict)  # fingerprint → the engine step that first scheduled it
     suspects: set[str] = field(default_factory=set)
     note: str | None = None  # why nothing was read (no file, a stale file, ...)
 
@@ -160,6 +185,7 @@ class RequestQuarantine:
         self.failed: FailedAttempt | None = None  # its requests, when rank 0 is on this node
         self.quarantined: dict[str, list[str]] = {}  # fingerprint → the incidents it was a suspect in
         self.decided: dict[str, list[str]] = {}  # incident id → fingerprints it quarantined
+        self._written: tuple[dict[str, list[str]], list[str]] | None = None  # quarantine.json as last written
         self._evidence: dict[str, dict] = {}
 
     @property
@@ -218,7 +244,8 @@ class RequestQuarantine:
             snap = None
         if snap is not None:
             failed.started_ns.update(snap.started_ns)
-            failed.suspects = InFlight(snap.pid, snap.attempt, failed.started_ns).suspects()
+            failed.step.update(snap.step)
+            failed.suspects = suspects_of(failed.started_ns, failed.step)
             failed.note = None
         elif not failed.started_ns:  # a failed second read takes nothing away from the first
             failed.note = note
@@ -238,16 +265,29 @@ class RequestQuarantine:
                 log.warning("request quarantined: it was scheduled in the failing step of every one of these failed "
                             "attempts; the engine answers it 400 for the rest of the run",
                             event_name="request_quarantined", fingerprint=fp, incident_ids=incidents)
+        self._write()
         if not new:
             return
         self.decided.setdefault(failed.incident_id, []).extend(new)
+        self.on_quarantined(len(new))
+        self._evidence[failed.incident_id] = self._describe(failed)
+
+    def suspects(self) -> list[str]:
+        """The current crash loop's suspects not quarantined: the engine prefills each alone in its step."""
+        return sorted({fp for f in self.loop for fp in f.suspects} - self.quarantined.keys())
+
+    def _write(self) -> None:
+        """``quarantine.json`` when what it would say changed: before the next attempt starts."""
+        content = ({fp: list(ids) for fp, ids in self.quarantined.items()}, self.suspects())
+        if content == self._written:
+            return
         try:
-            runfiles.write_quarantine(self.run_dir, {fp: list(ids) for fp, ids in self.quarantined.items()})
+            runfiles.write_quarantine(self.run_dir, *content)
         except OSError as exc:
             log.warning("run file not written: quarantined requests may run again", event_name="run_file_write_failed",
                         file=str(self.run_dir / runfiles.QUARANTINE_FILE), error=repr(exc))
-        self.on_quarantined(len(new))
-        self._evidence[failed.incident_id] = self._describe(failed)
+            return
+        self._written = content
 
     def _describe(self, failed: FailedAttempt) -> dict:
         started = failed.started_ns

@@ -30,15 +30,22 @@ def view(restarts: int, started_at: float = 1.0, rank0: int | None = None) -> At
     return AttemptView(started_at, MappingProxyType(ranks), None, restarts, finished=True, number=restarts + 1)
 
 
-def in_flight(run_dir, attempt: int, *steps: tuple[str, ...]) -> runfiles.InflightFile:
-    """The engine's writer: each tuple is one engine step's new requests, a step apart."""
+def in_flight(run_dir, attempt: int, *steps: tuple[str, ...], record_steps: bool = True) -> runfiles.InflightFile:
+    """The engine's writer: each tuple is one engine step's new requests, a step apart (with the step's index, or,
+    ``record_steps`` False, as an engine that records none)."""
     f = runfiles.InflightFile(runfiles.inflight_path(run_dir, 0), nslots=8, attempt=attempt)
     for i, step in enumerate(steps):
         if i:
             time.sleep(STEP_S)
         for fp in step:
-            f.add(f"req-{fp}", fp)
+            f.add(f"req-{fp}", fp, step=i + 1 if record_steps else 0)
     return f
+
+
+def listed(run_dir) -> tuple[dict, list[str]]:
+    """``quarantine.json`` as the engine reads it: the quarantined fingerprints and the suspects."""
+    entries, suspects = runfiles.parse_quarantine_file((run_dir / runfiles.QUARANTINE_FILE).read_bytes())
+    return entries, sorted(suspects)
 
 
 @pytest.fixture
@@ -49,14 +56,15 @@ def book(tmp_path):
     return q
 
 
-def test_only_the_request_the_failing_step_started_twice_is_quarantined(book, tmp_path):
+@pytest.mark.parametrize("record_steps", [True, False], ids=["step-index", "start-time"])
+def test_only_the_request_the_failing_step_started_twice_is_quarantined(book, tmp_path, record_steps):
     book.before_attempt()
-    f = in_flight(tmp_path, 0, (B1, B2), (POISON,))  # bystanders decoding, the poison just started
+    f = in_flight(tmp_path, 0, (B1, B2), (POISON,), record_steps=record_steps)  # bystanders decoding, the poison new
     book.fault("inc-1", view(0), now=2.0)
     assert runfiles.read_incident(tmp_path) == "inc-1"
     f.close()
     book.attempt_ended()
-    assert not (tmp_path / runfiles.QUARANTINE_FILE).exists()
+    assert listed(tmp_path) == ({}, [POISON])  # suspected, not yet quarantined: the engine prefills it alone
     evidence = book.evidence("inc-1")["requests"]
     assert evidence["suspects"] == [POISON] and evidence["in_flight"] == [B1, B2, POISON]
     assert evidence["started_ms_before_newest"][POISON] == 0.0
@@ -64,14 +72,39 @@ def test_only_the_request_the_failing_step_started_twice_is_quarantined(book, tm
     book.before_attempt()
     assert runfiles.read_incident(tmp_path) is None
     # the clients retried all three: the next attempt's first step schedules them together
-    f = in_flight(tmp_path, 1, (B1, B2, POISON))
+    f = in_flight(tmp_path, 1, (B1, B2, POISON), record_steps=record_steps)
     book.fault("inc-2", view(1), now=2.0)
     f.close()
     book.attempt_ended()
-    entries = runfiles.parse_quarantine((tmp_path / runfiles.QUARANTINE_FILE).read_bytes())
-    assert entries == {POISON: ("inc-1", "inc-2")}
+    assert listed(tmp_path) == ({POISON: ("inc-1", "inc-2")}, [B1, B2])  # suspects of inc-2 only: not quarantined
     assert book.counted == [1]
     assert book.evidence("inc-2")["requests"]["quarantined"] == {POISON: ["inc-1", "inc-2"]}
+
+
+def test_co_arrivals_are_suspects_once_and_only_the_poison_request_fails_alone_again(book, tmp_path):
+    """The bystanders that arrived with the poison request share its step in the first failure; the engine then
+    prefills each suspect alone, so the second failing step started only the poison request."""
+    in_flight(tmp_path, 0, (B3,), (B1, B2, POISON)).close()
+    book.fault("inc-1", view(0), now=2.0)
+    book.attempt_ended()
+    assert listed(tmp_path) == ({}, sorted([B1, B2, POISON]))
+    book.before_attempt()
+    in_flight(tmp_path, 1, (B3,), (B1,), (POISON,)).close()  # B1 ran alone and decodes; the poison fails alone
+    book.fault("inc-2", view(1), now=2.0)
+    book.attempt_ended()
+    assert book.evidence("inc-2")["requests"]["suspects"] == [POISON]
+    assert listed(tmp_path) == ({POISON: ("inc-1", "inc-2")}, sorted([B1, B2]))  # still suspected: still alone
+    assert book.counted == [1]
+
+
+def test_co_arrivals_scheduled_together_again_are_quarantined_with_it(book, tmp_path):
+    """The limit the suspects list removes: an engine that ignores it schedules the retried co-arrivals together."""
+    for n in range(2):
+        book.before_attempt()
+        in_flight(tmp_path, n, (B1, POISON)).close()
+        book.fault(f"inc-{n}", view(n), now=2.0)
+        book.attempt_ended()
+    assert listed(tmp_path) == ({B1: ("inc-0", "inc-1"), POISON: ("inc-0", "inc-1")}, [])
 
 
 def test_an_earlier_attempts_file_is_no_evidence(book, tmp_path):
@@ -83,7 +116,7 @@ def test_an_earlier_attempts_file_is_no_evidence(book, tmp_path):
     book.attempt_ended()
     evidence = book.evidence("inc-2")["requests"]
     assert evidence["in_flight"] == [] and "earlier attempt" in evidence["note"]
-    assert not (tmp_path / runfiles.QUARANTINE_FILE).exists()
+    assert listed(tmp_path) == ({}, [POISON])  # the suspect of inc-1 only
     f = in_flight(tmp_path, 2, (POISON,))
     book.before_attempt()
     book.fault("inc-3", view(2, rank0=os.getpid() + 1), now=2.0)  # right attempt, another writer
@@ -97,11 +130,11 @@ def test_an_attempt_that_stayed_up_starts_a_new_crash_loop(book, tmp_path):
     book.before_attempt()
     in_flight(tmp_path, 1, (POISON,)).close()
     book.fault("inc-2", view(1, started_at=10.0), now=10.0 + STABLE_S)
-    assert not (tmp_path / runfiles.QUARANTINE_FILE).exists()
+    assert listed(tmp_path) == ({}, [POISON])  # suspected again in a new loop, not quarantined
     book.before_attempt()
     in_flight(tmp_path, 2, (POISON,)).close()
     book.fault("inc-3", view(2, started_at=1000.0), now=1001.0)
-    assert runfiles.parse_quarantine((tmp_path / runfiles.QUARANTINE_FILE).read_bytes()) == {POISON: ("inc-2", "inc-3")}
+    assert listed(tmp_path) == ({POISON: ("inc-2", "inc-3")}, [])
 
 
 def test_zero_never_quarantines_and_a_missing_file_is_said(tmp_path):
