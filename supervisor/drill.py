@@ -11,7 +11,7 @@ second fault's::
     crash/exit/segfault/abort   80  rank_exit  [1]
     stop/hang_collective/hang_scheduler  81  hang  [1]
     diverge_token/diverge_batch (replicated, enforce)  82  divergence  [1]
-    slow              0 after SIGTERM, no bundle (slow is not a hang)
+    slow              0 after SIGTERM, no fatal bundle (slow is not a hang), a straggler bundle naming the rank
     poison (poison@1, --max-restarts 3)  0 after SIGTERM  rank_exit  [1]: a request carrying
                       TPS_POISON, resent until it gets 400 request_quarantined, after at
                       most two group failures, while the other requests are served
@@ -47,7 +47,7 @@ from .rank.net import free_port
 FAULT_RANK = 1
 FAULT_STEP = 20
 DRILL_LIMIT_S = 120.0
-SLOW_OBSERVE_S = 15.0
+SLOW_OBSERVE_S = 60.0  # the straggler detector's warm-up and baseline (20 s), then its window (20 s)
 READY_TIMEOUT_S = 90.0
 LOAD_THREADS = 4
 REQUEST_TIMEOUT_S = 30.0
@@ -190,9 +190,16 @@ def _fatal_bundles(dump_dir: Path) -> list[dict]:
         return []
     out = []
     for path in sorted(p for p in dump_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if "hang_suspected" not in path.name and (path / "summary.json").is_file():
+        if not any(soft in path.name for soft in ("hang_suspected", "straggler")) and (path / "summary.json").is_file():
             out.append(json.loads((path / "summary.json").read_text()))
     return out
+
+
+def _straggler_bundles(dump_dir: Path) -> list[dict]:
+    if not dump_dir.is_dir():
+        return []
+    return [json.loads((p / "summary.json").read_text()) for p in sorted(dump_dir.iterdir())
+            if p.is_dir() and "straggler" in p.name and (p / "summary.json").is_file()]
 
 
 def _argv(port: int, tp: int, dump_dir: Path, plane: str, *extra: str) -> list[str]:
@@ -248,6 +255,12 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
     reason = summary.get("reason")
     culprits = summary.get("culprit_ranks")
     passed = code == expected_exit and reason == expected_reason
+    if kind == "slow":  # not a hang and nothing killed, but the slow rank is named (a straggler bundle)
+        named = _straggler_bundles(dump_dir)
+        passed = passed and bool(named) and named[0].get("culprit_ranks") == [FAULT_RANK]
+        if named:
+            return DrillResult(kind, passed, code, expected_exit, "straggler", named[0].get("culprit_ranks"),
+                               _since(started, None), named[0].get("verdict", ""), f"log: {log_path}", None)
     ruled_at = first_ruling(log_path) if expected_reason else None
     served_at = traffic.served_after(ruled_at) if ruled_at is not None else None
     if expected_reason is not None:

@@ -78,6 +78,10 @@ class StragglerConfig:
     """What counts as a straggler (defaults documented in docs/watchdogs.md, "Stragglers")."""
 
     threshold: float | None = 0.10  # share of the group's time; None: off (statistics only)
+    # A rank its peers wait for this share of the time (and a threshold more than they wait for each other) is
+    # named even without a learned baseline: no role uneven by design costs the group half its time, and a
+    # rank slow from its first steps would otherwise learn its slowness as its baseline.
+    gross_share: float = 0.5
     window_s: float = 30.0  # statistics reported (lag distribution, late fraction, share)
     sustain_s: float = 20.0
     clear_s: float = 10.0
@@ -112,6 +116,8 @@ class StragglerConfig:
                 or not (math.isfinite(value) and value >= 0)
             ):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        if not 0.0 < self.gross_share <= 1.0:
+            raise ValueError(f"gross_share must be in (0, 1], got {self.gross_share}")
         if not 0.0 < self.clear_ratio <= 1.0:
             raise ValueError(f"clear_ratio must be in (0, 1], got {self.clear_ratio}")
         if self.bucket_s > self.sustain_s or self.bucket_s > self.window_s:
@@ -519,13 +525,17 @@ class StragglerDetector:
             rs = self._ranks[r]
             ex = rs.excess = excess.get(r)
             peers = [e for p, e in excess.items() if p != r]
-            if ex is None or not peers or f is None:  # learning, or off
+            peer_shares = [s for p, s in shares.items() if p != r]
+            gross = (f is not None and bool(peer_shares) and share >= cfg.gross_share
+                     and share - _median(peer_shares) >= f)
+            if (ex is None or not peers or f is None) and not gross:  # learning, or off
                 if not rs.named:
                     rs.baseline.append(share)
                 continue
-            peer_ex = _median(peers)
-            over = ex >= f and ex - peer_ex >= f
-            still = ex >= f * cfg.clear_ratio and ex - peer_ex >= f * cfg.clear_ratio
+            assert f is not None
+            peer_ex = _median(peers) if peers and ex is not None else 0.0
+            over = gross or (ex is not None and ex >= f and ex - peer_ex >= f)
+            still = gross or (ex is not None and ex >= f * cfg.clear_ratio and ex - peer_ex >= f * cfg.clear_ratio)
             if rs.named:
                 rs.under_s = 0.0 if still else rs.under_s + contribution
                 if rs.under_s >= cfg.clear_s:

@@ -154,6 +154,16 @@ def test_an_uneven_role_on_rank_0_is_not_named(n):
     assert run.reports[-1].state == "ok"
 
 
+def test_a_rank_slow_from_its_first_steps_is_named_when_the_group_waits_half_its_time_for_it():
+    """No baseline can be learned for a rank that is slow from the start (the engine's slow@1:20): above the
+    gross share its peers' waiting names it anyway; an uneven role of a third of the step does not reach it."""
+    run = watch(group(2, 90, extra=slow(1, 2.0 * STEP, start=0)))
+    assert run.kinds() == [(NAMED, 1)]
+    assert run.events[0].lag.wait_share > 0.5
+    calm = watch(group(2, 90, extra=slow(0, 0.33 * STEP, start=0)))
+    assert calm.events == []
+
+
 def test_an_uneven_role_that_stops_does_not_name_its_peer():
     run = watch(group(2, 120, extra=slow(0, 0.15 * STEP, start=0, end=60)))
     assert run.events == []
