@@ -97,7 +97,7 @@ from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from .state import EngineState, Event, next_state
 
 # Events produced for one attempt (they carry its number): acted on only in that attempt.
-ATTEMPT_EVENTS = (events.StragglerNamed, events.StragglerCleared, events.ConsequenceChecked, events.ConsequenceWindowOver, ProcessExited, EarlyExitCheck, WatchdogVerdict, AllRanksReady, RankClaimed, HangQueryUnanswered, DivergenceFound,
+ATTEMPT_EVENTS = (events.StragglerAcrossNodes, events.StragglerNamed, events.StragglerCleared, events.ConsequenceChecked, events.ConsequenceWindowOver, ProcessExited, EarlyExitCheck, WatchdogVerdict, AllRanksReady, RankClaimed, HangQueryUnanswered, DivergenceFound,
                   ConsensusAgreed)
 
 log = structlog.get_logger("supervise")
@@ -161,6 +161,7 @@ class Supervisor(NodeGroupRules):
             AllRanksReady: self._on_all_ready,
             events.StragglerNamed: self._on_straggler,
             events.StragglerCleared: self._on_straggler_cleared,
+            events.StragglerAcrossNodes: self._on_straggler_across_nodes,
             RankClaimed: self._on_claimed,
             DivergenceFound: self._on_divergence,
             ConsensusAgreed: self._on_agreed,
@@ -271,7 +272,8 @@ class Supervisor(NodeGroupRules):
             self.desk.link_nodes(self.nodes[1])
         if self.spec.straggler_threshold is not None:
             self.sources.append(StragglerThread(self.spec.straggler_config(), self.heartbeat, self.attempt_view,
-                                                self.post, self.services.on_straggler_report))
+                                                self.post, self.services.on_straggler_report,
+                                                nodes=self._node_stragglers()))
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
             source.start()
@@ -682,6 +684,11 @@ class Supervisor(NodeGroupRules):
             self.transition(Event.RANK_EXIT)
             self._announce_fault("straggler", rank, "straggler: " + verdict)
             self._finish(Outcome(EXIT_RANK, "straggler", culprit=rank, final=self.spec.on_straggler == "kill"))
+
+    def _on_straggler_across_nodes(self, ev: events.StragglerAcrossNodes) -> None:
+        for text in ev.sentences:
+            log.warning("straggler across nodes: " + text, event_name="straggler_across_nodes", ranks=list(ev.ranks),
+                        nodes=list(ev.nodes))
 
     def _on_straggler_cleared(self, ev: events.StragglerCleared) -> None:
         log.info("straggler cleared: " + ev.event.sentence(), event_name="straggler_cleared", rank=ev.event.rank)

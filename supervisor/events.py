@@ -197,3 +197,14 @@ class StragglerCleared:
 
     event: StragglerEvent
     attempt: int = 0
+
+
+@dataclass(frozen=True)
+class StragglerAcrossNodes:
+    """Event (multi-node): merged node summaries name a rank (by global rank and node) or a whole node that
+    the group waits for; ``sentences`` are new since the last one posted in this attempt."""
+
+    sentences: tuple[str, ...]
+    ranks: tuple[int, ...]
+    nodes: tuple[int, ...]
+    attempt: int = 0

@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     from .events import SignalReceived
     from .incidents.desk import IncidentDesk
     from .incidents.quarantine import RequestQuarantine
+    from .nodes.handshake import NodeGroup
     from .nodes.link import NodeLink
+    from .nodes.transport import NodeTransport
     from .observers.watchdog_thread import WatchdogThread
     from .processes.attempt import Attempt
     from .processes.exits import ExitInfo
@@ -65,6 +67,7 @@ class NodeGroupRules:
         deferred_hang: WatchdogVerdict | None
         suspect: tuple[RankHandle, ExitInfo, float, str | None] | None
         post: Callable[[object], None]
+        nodes: tuple[NodeTransport, NodeGroup] | None
 
         @property
         def desk(self) -> IncidentDesk: ...
@@ -282,3 +285,26 @@ class NodeGroupRules:
         self.suspect = None
         log.info("no other node failed: the rank's death is ruled as this node's own", rank=handle.rank)
         self._rule_rank_failure(handle, info)
+
+    # -- stragglers across nodes: the straggler thread's view of the link
+    def _node_stragglers(self) -> NodeStragglerLink | None:
+        if self.node_link is None or self.nodes is None:
+            return None
+        return NodeStragglerLink(self.node_link, self.nodes[0], self.spec.node_rank)
+
+
+class NodeStragglerLink:
+    """``observers.straggler_thread.NodeStragglers`` over the node link (summaries through the store) and the
+    transport (node 0's clock offset from the link's pings)."""
+
+    def __init__(self, link: NodeLink, transport: NodeTransport, node_rank: int):
+        self.link, self.transport, self.node_rank = link, transport, node_rank
+
+    def publish(self, summary: bytes) -> None:
+        self.link.publish_straggler(summary)
+
+    def peers(self) -> dict[int, bytes]:
+        return self.link.peer_stragglers()
+
+    def clock_offset(self) -> tuple[float, float] | None:
+        return self.transport.clock_offset()

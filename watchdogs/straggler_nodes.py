@@ -112,13 +112,23 @@ class LateNode:
     median_lag_s: float
     late: int  # reference collectives at which it was the last node, by more than the floor
     compared: int
+    share: float = 0.0  # of the other nodes' time spent waiting for it
 
     def sentence(self) -> str:
-        ranks = ", ".join(str(r) for r in self.ranks)
+        ranks = ", ".join(str(r) for r in self.ranks) or "?"
         return (
-            f"node {self.node} (ranks {ranks}) arrives {_ms(self.median_lag_s)} late at {self.late} of "
-            f"{self.compared} reference collectives"
+            f"node {self.node} (ranks {ranks}) arrives late at {self.late} of {self.compared} reference "
+            f"collectives (median {_ms(self.median_lag_s)}; the other nodes wait {self.share * 100:.0f} % of "
+            f"their time for it)"
         )
+
+
+def _rate(refs: Mapping[int, Sequence[tuple[int, float]]]) -> float:
+    """Collectives per second, from a node's references (numbers and their median arrivals)."""
+    points = sorted((seq, _median([t for _r, t in pairs])) for seq, pairs in refs.items() if pairs)
+    if len(points) < 2 or points[-1][1] <= points[0][1]:
+        return 0.0
+    return (points[-1][0] - points[0][0]) / (points[-1][1] - points[0][1])
 
 
 @dataclass(frozen=True)
@@ -142,7 +152,8 @@ def best_offset(samples: Iterable[tuple[float, float]]) -> tuple[float, float] |
 
 
 def merge_nodes(
-    summaries: Sequence[NodeSummary], min_node_lag_s: float = 0.001, late_share: float = 0.8, min_compared: int = 3
+    summaries: Sequence[NodeSummary], min_node_lag_s: float = 0.001, late_share: float = 0.8, min_compared: int = 3,
+    share_threshold: float = 0.1,
 ) -> CrossNodeJudgement:
     """One judgement over every node's summary (each node runs it on what it received and its own).
 
@@ -172,6 +183,13 @@ def merge_nodes(
             continue
         late = sum(1 for lag, floor in zip(lags, floors, strict=True) if lag >= floor)
         median_lag = _median(lags)
-        if late >= late_share * len(lags) and median_lag >= _median(floors):
-            late_nodes.append(LateNode(node, tuple(r.rank for r in s.ranks), median_lag, late, len(lags)))
+        # The share of the others' time spent waiting for this node: the references are a sample of the
+        # collectives, so the mean lag beyond the clocks' uncertainty per reference, times the collective
+        # rate, is the waiting per second (a node late at one collective of each step has a small median lag
+        # but a large share).
+        waited = sum(lag for lag, floor in zip(lags, floors, strict=True) if lag >= floor) / len(lags)
+        share = waited * _rate(by_node[node][0])
+        if (late >= late_share * len(lags) and median_lag >= _median(floors)) or share >= share_threshold:
+            ranks = tuple(r.rank for r in s.ranks) or tuple(sorted({r for _seq, pairs in s.references for r, _t in pairs}))
+            late_nodes.append(LateNode(node, ranks, median_lag, late, len(lags), share))
     return CrossNodeJudgement(named, tuple(late_nodes))

@@ -232,7 +232,7 @@ class Gate:
                 with self._lock:
                     self._heard.add(node)
                 if frame == b"ping":
-                    chan.send(b"pong")
+                    chan.send(b"pong %.9f" % time.monotonic())  # node 0's clock: the others' offset to it
                 elif frame == b"ring":
                     self.on_ring()
                     self._broadcast(b"ring", skip=node)

@@ -61,6 +61,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("supervise.nodes")
 
 BAD_VALUE_LOG_EVERY_S = 10.0
+STRAGGLER_READ_S = 2.0  # the other nodes' straggler summaries: one multi_get this often
+MAX_SUMMARY = 64 * 1024
 # ... once it has beaten: a node that passed the handshake may take longer to start its link on a loaded
 # host (its imports, its ranks' spawn), so its first beat gets this long before it counts as lost.
 FIRST_BEAT_S = 15.0
@@ -87,6 +89,8 @@ class NodeLink:
         self.world_size = world_size
         self.node_lost_s = node_lost_s
         self._wake = threading.Event()
+        self._peer_stragglers: dict[int, bytes] = {}
+        self._next_straggler_read = 0.0
         self._lost_lock = threading.Lock()
         self._bad_logged: dict[str, float] = {}
         self.on_peers = on_peers or (lambda _up: None)  # the metrics (supervise_peer_node_up)
@@ -175,6 +179,14 @@ class NodeLink:
         """Post ``StoreKeySeen(key, value)`` once ``until(value)`` holds (missing keys read as b"")."""
         self._hand_over("watch", (key, until))
 
+    def publish_straggler(self, summary: bytes) -> None:
+        """This node's straggler summary (``watchdogs.straggler_nodes``), for the others (never blocks)."""
+        self._hand_over("set", (f"straggler/{self.group.node_rank}", summary))
+
+    def peer_stragglers(self) -> dict[int, bytes]:
+        """The other nodes' latest straggler summaries, as read (at most every STRAGGLER_READ_S)."""
+        return dict(self._peer_stragglers)
+
     def finished(self) -> None:
         """This node ends cleanly: its silence from now on is not a loss."""
         self._hand_over("done", None)
@@ -191,6 +203,8 @@ class NodeLink:
         for node in range(self.group.nnodes):
             self.store.add(f"beat/{node}", 0)
         self.store.first_writer("stop", b"")
+        for node in range(self.group.nnodes):
+            self.store.first_writer(f"straggler/{node}", b"")
         self._create_attempt_keys()
         self._keys_ready = True
 
@@ -240,6 +254,7 @@ class NodeLink:
                 self._watch_fault(seen)
                 self._watch_beats(seen)
                 self._check_watches()
+                self._read_stragglers()
                 self._store_ok_at = time.monotonic()
                 self.on_peers({n: n not in self._reported and n not in self._done
                                for n in range(self.group.nnodes) if n != me})
@@ -252,6 +267,15 @@ class NodeLink:
             if problem:  # node 0: its store process died (a flood over its memory cap, a kill)
                 self._store_lost(problem)
             self._wake.wait(BEAT_S)
+
+    def _read_stragglers(self) -> None:
+        now = time.monotonic()
+        if now < self._next_straggler_read or self.group.nnodes < 2:
+            return
+        self._next_straggler_read = now + STRAGGLER_READ_S
+        others = [n for n in range(self.group.nnodes) if n != self.group.node_rank]
+        values = self.store.get_many([f"straggler/{n}" for n in others])
+        self._peer_stragglers = {n: v for n, v in zip(others, values, strict=True) if v and len(v) <= MAX_SUMMARY}
 
     def _store_lost(self, detail: str) -> None:
         with self._lost_lock:

@@ -100,6 +100,12 @@ class NodeTransport:
         elif self.link is not None:
             self.link.bye()
 
+    def clock_offset(self) -> tuple[float, float] | None:
+        """(offset, error) of node 0's monotonic clock against this host's; node 0: (0, 0)."""
+        if self.gate is not None:
+            return 0.0, 0.0
+        return self.link.clock_offset() if self.link is not None else None
+
     def store_problem(self) -> str | None:
         """Node 0: its store process died (its memory cap, a kill)."""
         if self.host is not None and not self.host.alive():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import structlog
@@ -29,6 +30,7 @@ from .wire import Channel, ChannelError, Refused, client_hello
 log = structlog.get_logger("supervise.nodes")
 
 CONNECT_TIMEOUT_S = 3.0
+OFFSET_SAMPLES = 64
 
 
 def open_channel(gate: tuple[str, int], kind: str, node: int, token: str | None,
@@ -129,6 +131,7 @@ class LinkClient:
         self.on_lost, self.on_ring = on_lost, on_ring
         self._chan: Channel | None = None
         self._closing = False
+        self._offsets: deque[tuple[float, float]] = deque(maxlen=OFFSET_SAMPLES)  # (offset, error) per round trip
         self._node0_done = False
         self._thread = threading.Thread(target=self._run, name="node-link-conn", daemon=True)
 
@@ -140,6 +143,11 @@ class LinkClient:
 
     def ring(self) -> None:
         self._send(b"ring")
+
+    def clock_offset(self) -> tuple[float, float] | None:
+        """(offset, error): node 0's monotonic clock = this host's + offset, within +- error (the round trip
+        of the best of the recent pings: NTP's minimum-delay filter); None before the first pong."""
+        return min(self._offsets, key=lambda s: s[1], default=None)
 
     def bye(self) -> None:
         """This node ends cleanly (its link closing is then no loss)."""
@@ -162,13 +170,14 @@ class LinkClient:
     def _run(self) -> None:
         chan = self._chan
         assert chan is not None
-        last_heard = next_ping = time.monotonic()
+        last_heard = next_ping = sent = time.monotonic()
         why = ""
         try:
             while not self._closing:
                 now = time.monotonic()
                 if now >= next_ping:
                     chan.send(b"ping")
+                    sent = time.monotonic()
                     next_ping = now + BEAT_S
                 try:
                     frame = chan.recv()
@@ -183,7 +192,13 @@ class LinkClient:
                     why = "the link to node 0 closed: its supervisor, and the store it hosts, are gone"
                     break
                 last_heard = time.monotonic()
-                if frame == b"ring":
+                if frame.startswith(b"pong "):
+                    try:
+                        remote = float(frame[5:])
+                        self._offsets.append((remote - (sent + last_heard) / 2, (last_heard - sent) / 2))
+                    except ValueError:
+                        pass
+                elif frame == b"ring":
                     self.on_ring()
                 elif frame == b"bye":
                     self._node0_done = True

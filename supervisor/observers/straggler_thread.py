@@ -10,23 +10,34 @@ cgroup throttling: ``dumps.slowness``), so a named straggler comes with what
 its counters did over the window in which it held the group back.  It never
 acts: the main loop decides (a bundle, and with ``--on-straggler`` a restart
 or a stop).
+
+Across nodes (``nodes`` given): every ``PUBLISH_EVERY_S`` it publishes this
+node's summary (``watchdogs.straggler_nodes.summarize``: per rank its lag and
+share, and its ranks' arrivals at reference collectives, numbers that are
+multiples of 64, moved to node 0's clock by the offset the link's pings
+measured) and merges the other nodes' (``merge_nodes``); a rank named by its
+node, or a whole node behind the others, is posted as ``StragglerAcrossNodes``
+on every node, by global rank and node.  Arrivals on two clocks are compared
+only beyond three times the offsets' uncertainty.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from statistics import median
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 from tp_supervise.dumps.slowness import SlownessSample, explain, read_slowness, slowness_delta
 from tp_supervise.watchdogs.straggler import NAMED, StragglerConfig, StragglerDetector, StragglerReport
+from tp_supervise.watchdogs.straggler_nodes import NodeSummary, merge_nodes, summarize
 
-from ..events import StragglerCleared, StragglerNamed
+from ..events import StragglerAcrossNodes, StragglerCleared, StragglerNamed
 
 if TYPE_CHECKING:
     from ..processes.attempt import AttemptView
@@ -38,17 +49,41 @@ TICK_S = 0.05  # the ring keeps each rank's last 256 arrivals: read well before 
 SLOWNESS_EVERY_S = 2.0
 STEP_EVERY_S = 1.0
 THREAD_JOIN_S = 2.0
+PUBLISH_EVERY_S = 2.0
+# Reference collectives for the cross-node comparison: one in REF_STRIDE, picked by a hash of its number (the
+# same on every node), so they fall at every position of a step, not always at the same one.
+REF_STRIDE = 64
+REF_KEEP = 128
+
+
+def is_reference(seq: int) -> bool:
+    return ((seq * 2654435761) & 0xFFFFFFFF) % REF_STRIDE == 0
+
+
+class NodeStragglers(Protocol):
+    """What the thread needs of the node link (multi-node)."""
+
+    node_rank: int
+
+    def publish(self, summary: bytes) -> None: ...
+    def peers(self) -> dict[int, bytes]: ...
+    def clock_offset(self) -> tuple[float, float] | None: ...
 ERROR_BACKOFF_S = 0.5
 
 
 class StragglerThread:
     def __init__(self, config: StragglerConfig, heartbeat: HeartbeatSegment, attempt: Callable[[], AttemptView],
-                 post: Callable[[object], None], on_report: Callable[[StragglerReport], None]):
+                 post: Callable[[object], None], on_report: Callable[[StragglerReport], None],
+                 nodes: NodeStragglers | None = None):
         self.config = config
         self.heartbeat = heartbeat
         self.attempt = attempt
         self.post = post
         self.on_report = on_report
+        self.nodes = nodes
+        self._next_publish = 0.0
+        self._refs: dict[int, dict[int, float]] = {}  # reference collective -> rank -> arrival (local clock)
+        self._said: set[str] = set()  # cross-node findings already posted this attempt
         self.detector = StragglerDetector(config)
         self.watching: float | None = None  # started_at of the attempt watched
         self.step_s: float | None = None
@@ -82,6 +117,8 @@ class StragglerThread:
             self.watching = attempt.started_at
             self.detector = StragglerDetector(self.config)
             self._samples.clear()
+            self._refs.clear()
+            self._said.clear()
         live = {slot: r for slot, r in attempt.ranks.items() if r.alive and r.rank >= 0}
         windows = [self.heartbeat.arrivals(slot, since=self.detector.since(r.rank)) for slot, r in live.items()]
         if now >= self._next_step:
@@ -91,8 +128,13 @@ class StragglerThread:
         if now >= self._next_sample:
             self._next_sample = now + SLOWNESS_EVERY_S
             self._sample({r.rank: r.pid for r in live.values()}, now)
+        if self.nodes is not None:
+            self._keep_references(windows)
         report = self.detector.observe(windows, now, self.step_s)
         self.on_report(report)
+        if self.nodes is not None and now >= self._next_publish:
+            self._next_publish = now + PUBLISH_EVERY_S
+            self._across_nodes(report, attempt.number)
         for ev in report.events:
             if ev.kind == NAMED:
                 pids = {r.rank: r.pid for r in live.values()}
@@ -121,3 +163,42 @@ class StragglerThread:
             if r == rank:
                 out["explanation"] = explain(delta)
         return out
+
+    # -- across nodes ----------------------------------------------------------------------------
+    def _keep_references(self, windows: list) -> None:
+        """Each rank's arrival at the reference collectives its window holds (also with one rank per node,
+        where the detector has nobody to compare within the node)."""
+        for w in windows:
+            if w is None:
+                continue
+            for i, arrival in enumerate(w.arrivals):
+                seq = w.first_seq + i
+                if is_reference(seq):
+                    self._refs.setdefault(seq, {})[w.rank] = arrival
+        for seq in sorted(self._refs)[:-REF_KEEP]:
+            del self._refs[seq]
+
+    def _across_nodes(self, report: StragglerReport, attempt: int) -> None:
+        assert self.nodes is not None
+        offset = self.nodes.clock_offset()
+        if offset is None:
+            return
+        refs = {seq: tuple(sorted(by_rank.items())) for seq, by_rank in self._refs.items()}
+        mine = summarize(report, refs, self.nodes.node_rank, offset[0], offset[1])
+
+        self.nodes.publish(json.dumps(mine.to_dict()).encode())
+        summaries = [mine]
+        for node, raw in self.nodes.peers().items():
+            try:
+                summary = NodeSummary.from_dict(json.loads(raw))
+            except ValueError:
+                continue  # not a summary (a stranger's value, an older format): ignored
+            if summary.node == node:
+                summaries.append(summary)
+        judgement = merge_nodes(summaries, share_threshold=self.config.threshold or 1.0)
+        fresh = [s for s in judgement.sentences() if s not in self._said]
+        if fresh:
+            self._said.update(fresh)
+            ranks = sorted({r for _n, r, _s in judgement.named} | {r for n in judgement.late_nodes for r in n.ranks})
+            nodes = sorted({n for n, _r, _s in judgement.named} | {n.node for n in judgement.late_nodes})
+            self.post(StragglerAcrossNodes(tuple(fresh), tuple(ranks), tuple(nodes), attempt))

@@ -46,3 +46,21 @@ def test_a_rank_slowed_by_20_percent_is_named_and_nothing_is_killed_while_an_une
     assert time.monotonic() - started < 180
     assert not uneven.events("straggler_named"), uneven.stderr[-3000:]
     assert not [b for b in uneven.bundles() if "straggler" in b.name]
+
+
+def test_a_slow_rank_on_node_1_is_named_by_global_rank_and_node_on_both_nodes(supervise, tmp_path):
+    from tp_supervise.supervisor.rank.net import free_port
+
+    port, store_port = free_port(), free_port()
+    runs = []
+    for node in range(2):
+        args = ["--nnodes", "2", "--node-rank", str(node), "--master-port", str(port), "--store-port", str(store_port),
+                "--nproc-per-node", "1", "--kill-grace", "2", "--straggler-window", str(WINDOW_S)]
+        loop = [sys.executable, LOOP, "--seconds", "40", "--slow-rank", "1", "--slow-from", "12", "--slow-share", "0.3"]
+        runs.append(supervise(args, loop, dump_dir=tmp_path / f"dumps-{node}"))
+    for run in runs:
+        assert run.wait(180) == 0, run.stderr[-4000:]
+    for run in runs:
+        said = run.events("straggler_across_nodes")
+        assert said and 1 in said[0]["ranks"] and 1 in said[0]["nodes"], run.stderr[-3000:]
+        assert "node 1" in said[0]["message"]

@@ -8,7 +8,7 @@ Each step: N all_reduces of a small tensor, with compute (sleep) between them,
 sleeps ``--slow-share`` of the step before the step's first collective (its
 peers wait for it there).  ``--uneven-rank`` does ``--uneven-share`` of the
 step as extra work *after* the step's last collective, from the start (a role
-that is uneven by design: rank 0 detokenising).  Runs ``--seconds`` and exits 0.
+that is uneven by design: rank 0 detokenising).  Runs ``--seconds`` (rank 0's clock, agreed every step) and exits 0.
 """
 
 import argparse
@@ -36,7 +36,13 @@ def main() -> None:
     start = time.monotonic()
     slow_announced = False
     compute = a.step / (a.colls + 1)
-    while time.monotonic() - start < a.seconds:
+    go = torch.ones(1)
+    while True:
+        # rank 0's clock decides when every rank stops (the same number of collectives on all of them)
+        go.fill_(1.0 if rank != 0 or time.monotonic() - start < a.seconds else 0.0)
+        dist.all_reduce(go, op=dist.ReduceOp.MIN)
+        if go.item() == 0.0:
+            break
         if rank == a.slow_rank and time.monotonic() - start >= a.slow_from:
             if not slow_announced:
                 print(f"slow from {time.monotonic()}", flush=True)

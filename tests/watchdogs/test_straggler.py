@@ -336,7 +336,7 @@ def test_a_late_node_is_named_and_a_clock_offset_alone_is_not():
     judgement = merge_nodes([s0, s1])
     assert [(n.node, n.ranks) for n in judgement.late_nodes] == [(1, (2, 3))]
     assert judgement.late_nodes[0].median_lag_s == pytest.approx(0.003, abs=0.0005)
-    assert judgement.sentences()[0].startswith("node 1 (ranks 2, 3) arrives 3.0 ms late at")
+    assert judgement.sentences()[0].startswith("node 1 (ranks 2, 3) arrives late at 10 of 10 reference collectives (median 3.0 ms")
 
     on_time = group(4, 40)  # the same clocks, nobody late: the offset corrects the 5 s
     det0, rep0 = _node_run(on_time[:2], [0, 1])
