@@ -1,4 +1,4 @@
-"""``supervise``: serve, dump, analyze, drill.
+"""``supervise``: serve, dump, status, analyze, drill.
 
 Usage errors exit 64 (EX_USAGE) before anything is started.
 """
@@ -152,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     dump = sub.add_parser("dump", help="on-demand soft dump of a running supervised job")
     dump.add_argument("--run-id", help="which job (default: the only one running on this host)")
     dump.add_argument("--timeout", type=_seconds, default=30.0)
+
+    status = sub.add_parser("status", help="every rank of a running supervised job, now (or live with --watch)")
+    status.add_argument("--run-id", help="which job (default: the only one running on this host)")
+    status.add_argument("--json", action="store_true", help="print the status reply as JSON (once)")
+    status.add_argument("--watch", action="store_true", help="a live table, refreshed every --interval, until Ctrl-C")
+    status.add_argument("--interval", type=_seconds, default=1.0, help="--watch: seconds between refreshes")
+    status.add_argument("--timeout", type=_seconds, default=5.0, help="how long to wait for the job's answer")
 
     analyze = sub.add_parser("analyze", help="render an incident bundle")
     analyze.add_argument("bundle", type=Path, nargs="+", help="a bundle, or several nodes' bundles of one incident")
@@ -413,6 +420,12 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from .observers import status_view
+
+    return status_view.main(args)
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     from tp_supervise.dumps import analyze
 
@@ -432,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     global _json_errors
     _json_errors = _wants_json_logs(argv)
     args = parser.parse_args(argv)
-    handler = {"serve": cmd_serve, "dump": cmd_dump, "analyze": cmd_analyze, "drill": cmd_drill}[args.cmd]
+    handler = {"serve": cmd_serve, "dump": cmd_dump, "status": cmd_status, "analyze": cmd_analyze,
+               "drill": cmd_drill}[args.cmd]
     return handler(args)
 
 

@@ -11,8 +11,12 @@ object per line, versioned::
     → {"v": 1, "cmd": "dump"}
     ← {"v": 1, "ok": true, "bundle": "/path/to/bundle"}
 
-Requests are handed to the supervisor's main loop; the listener thread never
-does the work itself and every socket operation has a timeout.
+    → {"v": 1, "cmd": "status"}
+    ← {"v": 1, "ok": true, "status": {...}}     (observers.status; docs/supervisor.md)
+
+``dump`` is handed to the supervisor's main loop; ``status`` is answered on
+the client's own thread from read-only sources (``observers.status``), so it
+answers while the main loop is busy.  Every socket operation has a timeout.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from ..events import ControlRequest, LoopTick
 from ..rank.heartbeat import SlotSnapshot
 from .http_server import HealthCell, HealthServer, HealthStatus, Liveness
 from .metrics import SupervisorMetrics
+from .status import StatusBoard
 
 if TYPE_CHECKING:
     from tp_supervise.consensus.monitor import ConsensusMonitor
@@ -91,6 +92,8 @@ class Services:
         if spec.consensus != "off":
             self._init_consensus()
         self.control: ControlServer | None = None
+        # `supervise status`: answered on the control socket's thread from what the other threads publish
+        self.status = StatusBoard(self.run_id, spec.node_rank, run_dir / "heartbeat", attempt, self.gpu)
         self.metrics.set_engine_state(engine_state.EngineState.STARTING)
 
     def _init_consensus(self) -> None:
@@ -157,6 +160,7 @@ class Services:
             self.node_consensus.stop()
         if self.control is not None:
             self.control.close()
+        self.status.close()
         if self.http is not None:
             self.http.stop()
         if self.health_http is not None:
@@ -193,6 +197,7 @@ class Services:
 
     # ------------------------------------------------------------ events
     def on_state(self, state: engine_state.EngineState) -> None:
+        self.status.set_state(state)
         self.metrics.set_engine_state(state)
         self.metrics.set_incident_open(engine_state.is_fault(state) or state is engine_state.EngineState.SUSPECT)
         self.health.set(HealthStatus.for_state(state, detail=state.value))
@@ -240,6 +245,7 @@ class Services:
 
     def on_straggler_report(self, report: StragglerReport) -> None:
         """Runs on the straggler thread."""
+        self.status.set_straggler_report(report)
         self.metrics.observe_stragglers(report)
 
     def on_tick(self, snaps: Sequence[SlotSnapshot], verdict, now: float, alive: Mapping[int, bool]) -> None:
@@ -330,7 +336,10 @@ class Services:
 
     # ------------------------------------------------------------ control
     def _control_request(self, request: dict) -> dict:
-        """Runs on a control-socket thread: hand to the main loop, wait for its reply."""
+        """Runs on a control-socket thread: ``status`` is answered here (read-only sources, so it answers
+        while the main loop is busy); anything else is handed to the main loop, whose reply it waits for."""
+        if request.get("cmd") == "status":
+            return {"ok": True, "status": self.status.snapshot()}
         box: queue.SimpleQueue = queue.SimpleQueue()
         self.post(ControlRequest(request, box))
         try:

@@ -1,0 +1,197 @@
+"""``supervise status [--watch] [--json]``: the client side of ``observers.status``.
+
+Finds the job in the registry (like ``supervise dump``), asks its control
+socket for ``{"cmd": "status"}`` and prints the reply: JSON for scripts, a rich
+table once, or a live table refreshed every ``--interval`` until Ctrl-C (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from . import control_socket as control
+
+# A table printed to a pipe or a file is not wrapped at 80 columns.
+PLAIN_WIDTH = 200
+
+
+def _fmt_s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 0:
+        return "-" + _fmt_s(-value)
+    if value < 1e-3:
+        return f"{value * 1e6:.0f}µs"
+    if value < 1.0:
+        return f"{value * 1e3:.1f}ms"
+    return f"{value:.1f}s"
+
+
+def _fmt_bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    return f"{size:.1f}GiB"
+
+
+def _lag(rank: dict) -> str:
+    lag = rank.get("lag")
+    if not lag:
+        return "-"
+    return f"{_fmt_s(lag['p50_seconds'])}/{_fmt_s(lag['p99_seconds'])} {lag['wait_share'] * 100:.0f}%"
+
+
+def _collective(rank: dict) -> str:
+    coll = rank.get("collective")
+    if not coll:
+        return "-"
+    return f"{coll['op'] or '?'} #{coll['seq']} {_fmt_s(coll['for_seconds'])}"
+
+
+def _gpu(rank: dict) -> str:
+    gpu = rank.get("gpu")
+    if not gpu:
+        return "-"
+    util = "-" if gpu["utilization_pct"] is None else f"{gpu['utilization_pct']:.0f}%"
+    mem = f"{_fmt_bytes(gpu['memory_used_bytes'])}/{_fmt_bytes(gpu['memory_total_bytes'])}"
+    power = "" if gpu.get("power_w") is None else f" {gpu['power_w']:.0f}W"
+    return f"{gpu['index']}: {util} {mem}{power}"
+
+
+def render(status: dict) -> Group:
+    """The status reply as a header line, a per-rank table and the straggler's sentence."""
+    state = status.get("engine_state", "?")
+    incident = status.get("incident_open")
+    header = Text()
+    header.append(f"run {status.get('run_id')}", style="bold")
+    header.append(f"  node {status.get('node')}  attempt {status.get('attempt')}  restarts {status.get('restarts')}  ")
+    header.append(f"engine {state}", style="bold red" if incident else "bold green" if state == "ready" else "bold")
+    if incident:
+        header.append("  INCIDENT OPEN", style="bold white on red")
+    straggler = status.get("straggler") or {}
+    named = set(straggler.get("named") or ())
+    if straggler:
+        header.append(f"  stragglers: {straggler.get('state')}")
+        if straggler.get("step_seconds"):
+            header.append(f" (step {_fmt_s(straggler['step_seconds'])})")
+    table = Table(show_edge=False, pad_edge=False)
+    right = {"rank", "pid", "step", "heartbeat", "cpu", "rss"}
+    for name in (
+        "rank",
+        "pid",
+        "state",
+        "step",
+        "collective in flight",
+        "lag p50/p99 wait",
+        "heartbeat",
+        "cpu",
+        "rss",
+        "gpu util mem",
+    ):
+        table.add_column(name, justify="right" if name in right else "left", no_wrap=True)
+    for rank in status.get("ranks", []):
+        style = None
+        label = str(rank["rank"])
+        if rank.get("straggler") or rank["rank"] in named:
+            style, label = "bold yellow", f"{label} STRAGGLER"
+        if not rank.get("alive", True) or rank.get("state") in ("stopped", "zombie", "gone"):
+            style = "bold red"
+        cpu = rank.get("cpu_percent")
+        table.add_row(
+            label,
+            str(rank.get("pid")),
+            str(rank.get("state")),
+            "-" if rank.get("step") is None else str(rank["step"]),
+            _collective(rank),
+            _lag(rank),
+            _fmt_s(rank.get("heartbeat_age_seconds")),
+            "-" if cpu is None else f"{cpu:.0f}%",
+            _fmt_bytes(rank.get("rss_bytes")),
+            _gpu(rank),
+            style=style,
+        )
+    parts: list = [header, table]
+    for _rank, sentence in sorted((straggler.get("sentences") or {}).items()):
+        parts.append(Text(f"straggler: {sentence}", style="bold yellow"))
+    gpu = status.get("gpu")
+    if gpu is not None and not gpu.get("available"):
+        parts.append(Text(f"gpu: no NVML reading ({gpu.get('reason')})", style="dim"))
+    return Group(*parts)
+
+
+def _pick_job(run_id: str | None) -> tuple[control.JobEntry | None, str]:
+    try:
+        jobs = control.list_jobs()
+    except control.RegistryError as exc:
+        return None, str(exc)
+    if run_id:
+        jobs = [j for j in jobs if j.run_id == run_id]
+        if not jobs:
+            return None, f"no running job with run id {run_id!r}"
+    elif not jobs:
+        return None, "no supervised job is running on this host"
+    elif len(jobs) > 1:
+        ids = ", ".join(j.run_id for j in jobs)
+        return None, f"{len(jobs)} jobs are running ({ids}); choose one with --run-id"
+    return jobs[0], ""
+
+
+def fetch(job: control.JobEntry, timeout_s: float) -> dict:
+    reply = control.request(job.socket, {"cmd": "status"}, timeout_s=timeout_s)
+    if not reply.get("ok"):
+        raise RuntimeError(reply.get("error", "failed"))
+    return reply["status"]
+
+
+def main(args: argparse.Namespace) -> int:
+    job, why = _pick_job(args.run_id)
+    if job is None:
+        print(f"supervise status: {why}", file=sys.stderr)
+        return 2
+    if args.watch and not args.json:
+        return _watch(job, args)
+    try:
+        status = fetch(job, args.timeout)
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"supervise status: cannot get the status of job {job.run_id} (pid {job.pid}): {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    console = Console() if sys.stdout.isatty() else Console(width=PLAIN_WIDTH)
+    console.print(render(status))
+    return 0
+
+
+def _watch(job: control.JobEntry, args: argparse.Namespace) -> int:
+    """Live table until Ctrl-C (exit 0); a job that ends says so and exits 0 too."""
+    console = Console()
+    try:
+        with Live(Text(f"asking job {job.run_id}..."), console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                began = time.monotonic()
+                view: Group | Text
+                try:
+                    view = render(fetch(job, args.timeout))
+                except (OSError, ValueError, RuntimeError) as exc:
+                    if not job.alive():
+                        live.update(Text(f"job {job.run_id} has ended"), refresh=True)
+                        return 0
+                    view = Text(f"job {job.run_id}: no status ({exc}); retrying", style="bold red")
+                live.update(view, refresh=True)
+                time.sleep(max(0.0, args.interval - (time.monotonic() - began)))
+    except KeyboardInterrupt:
+        pass
+    return 0
