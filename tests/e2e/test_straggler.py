@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import MARK_VAR
+
 pytestmark = pytest.mark.e2e
 
 LOOP = str(Path(__file__).resolve().parents[1] / "fakes" / "step_loop.py")
@@ -46,6 +48,40 @@ def test_a_rank_slowed_by_20_percent_is_named_and_nothing_is_killed_while_an_une
     assert time.monotonic() - started < 180
     assert not uneven.events("straggler_named"), uneven.stderr[-3000:]
     assert not [b for b in uneven.bundles() if "straggler" in b.name]
+
+
+def test_a_rank_throttled_by_its_cgroup_is_named_and_the_verdict_says_so(supervise, tmp_path):
+    """The slowdown made by the operating system: rank 1 moved into a cgroup v1 cpu controller with a CFS quota
+    of 15 % of a CPU while its steps need the CPU."""
+    from tests.dumps.test_slowness import cpu_cgroup_v1
+    from tests.live import wait_for
+
+    with cpu_cgroup_v1(quota_us=15_000) as cgroup:
+        run = _serve(supervise, tmp_path, "throttled", 2, ["--seconds", "60", "--busy", "--step", "0.05"])
+        pid_lines: dict[int, int] = {}
+
+        def rank1_pid() -> bool:
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        env = (entry / "environ").read_bytes()
+                        cmd = (entry / "cmdline").read_bytes()
+                    except OSError:
+                        continue
+                    if b"step_loop.py" in cmd and f"{MARK_VAR}={supervise.mark}".encode() in env \
+                            and b"\0RANK=1\0" in b"\0" + env:
+                        pid_lines[1] = int(entry.name)
+                        return True
+            return False
+
+        wait_for(rank1_pid, 60, "rank 1 running")
+        time.sleep(SLOW_FROM_S)  # its baseline is learned unthrottled
+        for tid in (Path("/proc") / str(pid_lines[1]) / "task").iterdir():
+            (cgroup / "tasks").write_text(tid.name)
+        assert run.wait(180) == 0, run.stderr[-4000:]
+    summary = run.summary("straggler")
+    assert summary["culprit_ranks"] == [1], summary["verdict"]
+    assert "throttled" in summary["verdict"] or "contention" in summary["verdict"], summary["verdict"]
 
 
 def test_a_slow_rank_on_node_1_is_named_by_global_rank_and_node_on_both_nodes(supervise, tmp_path):

@@ -29,9 +29,11 @@ def main() -> None:
     ap.add_argument("--slow-share", type=float, default=0.2)
     ap.add_argument("--uneven-rank", type=int, default=-1)
     ap.add_argument("--uneven-share", type=float, default=0.2)
+    ap.add_argument("--busy", action="store_true", help="compute by spinning the CPU instead of sleeping")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    print(f"pid {os.getpid()} rank {rank}", flush=True)
     t = torch.ones(64)
     start = time.monotonic()
     slow_announced = False
@@ -50,7 +52,12 @@ def main() -> None:
             time.sleep(a.slow_share * a.step)
         for _ in range(a.colls):
             dist.all_reduce(t)
-            time.sleep(compute)
+            if a.busy:
+                until = time.thread_time() + compute  # CPU time: a throttled or contended rank takes longer
+                while time.thread_time() < until:
+                    pass
+            else:
+                time.sleep(compute)
         if rank == a.uneven_rank:
             time.sleep(a.uneven_share * a.step)
     dist.barrier()
