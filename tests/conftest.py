@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,8 +142,8 @@ def open_fds() -> dict[int, str]:
     return out
 
 
-@pytest.fixture
-def supervise(tmp_path):
+@contextmanager
+def supervisor_runs(tmp_path: Path):
     """Start `supervise serve` with test-friendly defaults; checks for leaks after
     (processes of the runs, and descriptors the test process gained)."""
     mark = uuid.uuid4().hex
@@ -181,6 +182,7 @@ def supervise(tmp_path):
         return run
 
     start.mark = mark
+    start.tmp = tmp_path
     yield start
     for run in runs:
         if run.proc.poll() is None:
@@ -200,6 +202,21 @@ def supervise(tmp_path):
     gc.collect()  # descriptors of objects the test dropped are closed by their finalizers
     gained = {fd: target for fd, target in open_fds().items() if fds_before.get(fd) != target}
     assert not gained, f"the test process gained descriptors over the supervised runs: {gained}"
+
+
+@pytest.fixture
+def supervise(tmp_path):
+    """`supervise serve` runs of one test (see supervisor_runs)."""
+    with supervisor_runs(tmp_path) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def supervise_module(tmp_path_factory):
+    """`supervise serve` runs shared by the tests of one module: one scenario run once, asserted by several
+    tests (each checks its own behaviour of the same run).  ``start.tmp`` is the run's directory."""
+    with supervisor_runs(tmp_path_factory.mktemp("module")) as start:
+        yield start
 
 
 def fake_rank(*args: str) -> list[str]:

@@ -1,5 +1,7 @@
 """Issue 13: PyTorch's own analyzer reads the hang bundle of a zero-code gloo program.
 
+(The bundle test itself runs in test_hang_gloo.py on its stopped-rank run; here: the analyzer is there.)
+
 A plain torch.distributed gloo loop (no supervisor code), rank 1 SIGSTOPs
 itself, the hard watchdog fires (exit 81).  The stopped rank's worker server
 cannot answer, so the bundle's ``fr/`` holds rank 0's trace only and
@@ -18,7 +20,6 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-GLOO = str(Path(__file__).resolve().parents[1] / "fakes" / "gloo_loop.py")
 FRTRACE_MODULE = "torch.distributed.flight_recorder.fr_trace"
 FRTRACE_TIMEOUT_S = 120
 
@@ -30,29 +31,8 @@ def frtrace(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=FRTRACE_TIMEOUT_S)
 
 
-def test_torchfrtrace_reads_the_hang_bundle_of_a_zero_code_gloo_program(supervise):
-    run = supervise(
-        ["--nproc-per-node", "2", "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "2"],
-        [sys.executable, GLOO, "--iters", "100000", "--fault", "stop", "--fault-at", "30"],
-    )
-    assert run.wait(timeout=90) == 81, run.stderr[-4000:]
-    bundle = [b for b in run.bundles() if b.name.endswith("-hang") or "-hang-" in b.name][-1]
-    summary = run.summary("-hang")
-    assert summary["flight_recorder"]["collected"] == [0], summary["flight_recorder"]
-    assert "stopped" in summary["flight_recorder"]["errors"]["1"]
-
-    fr = bundle / "fr"
-    assert sorted(p.name for p in fr.iterdir()) == ["rank-0"]
-    assert (bundle / "fr-json" / "rank-0.json").is_file()
-
-    done = frtrace("--allow-incomplete-ranks", str(fr))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    # It knows the group has two ranks (the bundle completes gloo's group table) and says whose file is missing.
-    assert "missed FR dumps from ranks ({1})" in done.stdout + done.stderr
-
-    strict = frtrace(str(fr))
-    assert strict.returncode != 0
-    assert "Missing dump files from ranks {1}" in strict.stderr
+# The hang bundle test runs on test_hang_gloo.py's stopped-rank run (the same gloo hang, run once):
+# test_hang_gloo.py::test_torchfrtrace_reads_the_hang_bundle_of_a_zero_code_gloo_program.
 
 
 def test_console_script_or_module_is_there():

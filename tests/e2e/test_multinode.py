@@ -44,11 +44,19 @@ def summary(run, reason):
     return run.summary(reason)
 
 
-def test_a_rank_exit_on_node_1_takes_node_0_down_with_84(supervise, tmp_path):
-    node0, node1 = two_nodes(supervise, tmp_path, lambda i: [],
+@pytest.fixture(scope="module")
+def rank_exit_on_node_1(supervise_module):
+    """Rank 1 (on node 1) exits 3 two seconds in: run once, asserted by the tests below and by
+    test_multinode_evidence's (node 1 exits 80, node 0 follows with 84)."""
+    node0, node1 = two_nodes(supervise_module, supervise_module.tmp, lambda i: [],
                              lambda i: ("--all", "loop", "--on", "1=exit:3", "--delay", "2"))
-    assert node1.wait(EXIT_TIMEOUT_S) == 80, node1.stderr[-3000:]
-    assert node0.wait(EXIT_TIMEOUT_S) == 84, node0.stderr[-3000:]
+    code1 = node1.wait(EXIT_TIMEOUT_S)  # node 1 first: node 0's end is then timed from node 1's
+    return node0, node1, (node0.wait(EXIT_TIMEOUT_S), code1)
+
+
+def test_a_rank_exit_on_node_1_takes_node_0_down_with_84(rank_exit_on_node_1):
+    node0, node1, codes = rank_exit_on_node_1
+    assert codes == (84, 80), node1.stderr[-3000:] + node0.stderr[-3000:]
     # one run id on both nodes
     assert node0.run_id() == node1.run_id()
     lost = node0.events("peer node failed")
@@ -127,14 +135,13 @@ def test_a_missing_node_is_exit_83_naming_it(supervise, tmp_path):
     assert waiting and waiting[0]["missing_node_ranks"] == [1]
 
 
-def test_both_nodes_bundles_share_the_incident_id_and_analyze_renders_them_as_one(supervise, tmp_path):
+def test_both_nodes_bundles_share_the_incident_id_and_analyze_renders_them_as_one(rank_exit_on_node_1):
     import json
     import subprocess
     import sys
 
-    node0, node1 = two_nodes(supervise, tmp_path, lambda i: [],
-                             lambda i: ("--all", "loop", "--on", "1=exit:3", "--delay", "2"))
-    assert node1.wait(EXIT_TIMEOUT_S) == 80 and node0.wait(EXIT_TIMEOUT_S) == 84
+    node0, node1, codes = rank_exit_on_node_1
+    assert codes == (84, 80)
     origin = [b for b in node1.bundles() if "rank_exit" in b.name][0]
     peer = [b for b in node0.bundles() if "peer_failed" in b.name][0]
     ids = {json.loads((b / "summary.json").read_text())["incident_id"] for b in (origin, peer)}
@@ -149,3 +156,24 @@ def test_both_nodes_bundles_share_the_incident_id_and_analyze_renders_them_as_on
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "2 node bundles" in shown.stdout
     assert shown.stdout.index("(node 1)") < shown.stdout.index("(node 0)")  # where it began comes first
+
+
+def test_a_rank_exit_on_node_1_names_it_and_where_node_0_was(rank_exit_on_node_1):
+    """Issue 12's evidence exchange on the shared run: the origin merges every node's summary."""
+    import json
+
+    node0, node1, codes = rank_exit_on_node_1
+    assert codes == (84, 80), node1.stderr[-3000:] + node0.stderr[-3000:]
+    origin_path = [b for b in node1.bundles() if "rank_exit" in b.name][-1]
+    peer_path = [b for b in node0.bundles() if "peer_failed" in b.name][-1]
+    origin, peer = (json.loads((p / "summary.json").read_text()) for p in (origin_path, peer_path))
+    exchange = [f"{line.get('event')}: {line.get('error') or line.get('verdict') or ''}"
+                for run in (node1, node0) for line in run.lines if str(line.get("event", "")).startswith("incident_")]
+    assert set(origin.get("nodes") or {}) == {"0", "1"}, exchange
+    assert origin["nodes"]["1"]["ranks"]["1"]["exit"] == "exited with code 3"
+    verdict = origin["verdict"]
+    assert verdict.startswith("rank 1 on node 1 exited with code 3; rank 0 on node 0 "), verdict
+    assert "Node 1's own verdict: rank 1 (pid" in verdict, verdict
+    assert peer["peer_bundles"]["1"]["bundle"] == str(origin_path.resolve())
+    # the whole node summary fits the store record's bound
+    assert len(json.dumps(origin["nodes"]["0"])) < 16 * 1024
