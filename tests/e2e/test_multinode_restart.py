@@ -11,7 +11,8 @@ import time
 import pytest
 
 from tp_supervise.supervisor.rank.net import free_port
-from tests.conftest import fake_rank
+from tests.conftest import fake_rank, marked_pids
+from tests.live import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -82,6 +83,22 @@ def _sh_nodes(supervise, tmp_path, restarts: int):
     return runs
 
 
+def _ranks_of_attempt(mark: str, restart_count: int) -> int:
+    """How many ranks of this test run ``exec sleep 1000`` with TORCHELASTIC_RESTART_COUNT=restart_count."""
+    want = f"TORCHELASTIC_RESTART_COUNT={restart_count}".encode()
+    found = 0
+    for pid in marked_pids(mark):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        found += argv[0] == b"sleep" and want in env
+    return found
+
+
 def _wait_bundle(path, pattern, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not list(path.glob(pattern)):
@@ -92,7 +109,8 @@ def _wait_bundle(path, pattern, timeout=60.0):
 def test_a_node_lost_after_a_group_restart_is_still_seen(supervise, tmp_path):
     node0, node1 = _sh_nodes(supervise, tmp_path, 2)
     _wait_bundle(tmp_path / "dumps-0", "*peer_failed*")
-    time.sleep(6.0)  # backoff (1 s) and the barrier: attempt 2 runs on both nodes
+    # backoff (1 s) and the barrier: attempt 2 runs on both nodes (each node's rank is attempt 2's `sleep`)
+    wait_for(lambda: _ranks_of_attempt(supervise.mark, 1) == 2, 60, "attempt 2's rank on both nodes")
     os.kill(node1.proc.pid, signal.SIGKILL)
     node1.proc.wait(timeout=10)
     assert node0.wait(EXIT_TIMEOUT_S) == 84, node0.stderr[-3000:]
