@@ -7,7 +7,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
-PYTEST_ARGS ?=
+# two pytest-xdist workers, each taking whole files (module-scoped runs stay one run); PYTEST_ARGS= runs serially
+PYTEST_ARGS ?= -n 2 --dist loadfile
 
 .PHONY: serve test lint bench gpu-check clean
 
