@@ -322,7 +322,7 @@ class StragglerDetector:
         self._next = 1  # the next collective number to judge
         self._open: dict[int, _Bucket] = {}
         self._closed: deque[_Bucket] = deque(maxlen=max(1, math.ceil(self.config.window_s / self.config.bucket_s)))
-        self._prev: tuple | None = None  # (number, first arrival, wait, last rank, bucket) of the last judged
+        self._prev: tuple | None = None  # (number, first arrival, wait, last rank, bucket, last arrival) of the last judged
         self._latest_first = -math.inf
         self._stats: dict[int, RankLag] = {}
         self._refs: dict[int, deque] = {stride: deque(maxlen=REF_KEEP) for stride in REF_STRIDES}
@@ -426,12 +426,15 @@ class StragglerDetector:
         b = self._bucket(first)
         prev = self._prev
         if prev is not None and prev[0] == seq - 1:
-            _pseq, pfirst, pwait, plast, pb = prev
+            _pseq, pfirst, pwait, plast, pb, plast_at = prev
             interval = first - pfirst
-            if 0.0 <= interval and interval - pwait <= cfg.idle_gap_s:
+            # Peers waited for the last rank only if nobody entered this collective before it entered the
+            # previous one: ranks that do not meet in their collectives (not one group, or work issued ahead
+            # of its wait) are not judged by their waits.
+            if 0.0 <= interval and interval - pwait <= cfg.idle_gap_s and first >= plast_at:
                 pb.span += interval
                 pb.wait[plast] = pb.wait.get(plast, 0.0) + pwait
-        self._prev = (seq, first, wait, last_rank, b)
+        self._prev = (seq, first, wait, last_rank, b, v[-1])
         if first > self._latest_first:
             self._latest_first = first
         b.colls += 1
