@@ -257,10 +257,10 @@ def patch(dist_module) -> None:
     for module in targets:
         init = getattr(module, "init_process_group", None)
         if init is not None and not getattr(init, "__tp_supervise_wrapped__", False):
-            setattr(module, "init_process_group", _wrap_init(init))
+            module.init_process_group = _wrap_init(init)
         destroy = getattr(module, "destroy_process_group", None)
         if destroy is not None and not getattr(destroy, "__tp_supervise_wrapped__", False):
-            setattr(module, "destroy_process_group", _wrap_destroy(destroy))
+            module.destroy_process_group = _wrap_destroy(destroy)
     # One wrapper per function, set in both modules: torch compares them by
     # identity (``P2POp`` checks ``op in (isend, irecv)``, the coalescing
     # manager ``op is all_reduce``).

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 ENV_MODE = "SUPERVISE_CONSENSUS"
 ENV_RING = "SUPERVISE_CONSENSUS_RING"
@@ -51,7 +51,7 @@ class ConsensusMode(str, enum.Enum):
     ENFORCE = "enforce"  # also tear the group down, exit 82
 
     @classmethod
-    def parse(cls, text: str) -> "ConsensusMode":
+    def parse(cls, text: str) -> ConsensusMode:
         try:
             return cls(text.strip().lower())
         except ValueError:
@@ -122,7 +122,7 @@ class RankConsensusSpec:
         return env
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> "RankConsensusSpec":
+    def from_env(cls, environ: Mapping[str, str]) -> RankConsensusSpec:
         """Parse the rank's environment; a missing mode means off."""
         mode = ConsensusMode.parse(environ.get(ENV_MODE, "") or ConsensusMode.OFF.value)
         ring = Path(environ[ENV_RING]) if environ.get(ENV_RING) else None

@@ -36,8 +36,9 @@ import inspect
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from . import encoding
 from .channel import RankConsensusSpec

@@ -9,7 +9,7 @@ socket path is computed the same way on both sides by ``socket_path``;
 ``rank_env`` is what the supervisor adds to each rank's environment,
 including where torch writes its own flight-recorder dump when a NCCL
 collective times out (``TORCH_FR_DUMP_TEMP_FILE``, see ``dump_prefix``).  The
-supervisor-side collection is ``tp_supervise.dumps.flight``.
+supervisor-side collection is ``tp_supervise.dumps.flight_capture``.
 """
 
 from __future__ import annotations

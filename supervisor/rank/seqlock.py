@@ -30,7 +30,8 @@ first update.
 from __future__ import annotations
 
 import struct
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 SEQ = struct.Struct("<Q")
 READ_RETRIES = 64
