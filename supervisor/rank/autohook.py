@@ -52,6 +52,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 from . import runtime, works
 from .collectives import COALESCING_MANAGER, COLLECTIVES, cached_describe
@@ -123,7 +124,7 @@ def _wrap_collective(name: str, fn):
             works.issued(result, name, args, kwargs, cache)
         return result
 
-    wrapper.__tp_supervise_wrapped__ = True
+    _mark_wrapped(wrapper)
     return wrapper
 
 
@@ -168,7 +169,7 @@ def _wrap_coalescing(fn):
         nested = (ln is not None and ln.depth) or _thread.depth  # batch_isend_irecv uses one itself
         return inner if nested else _Coalescing(inner)
 
-    wrapper.__tp_supervise_wrapped__ = True
+    _mark_wrapped(wrapper)
     return wrapper
 
 
@@ -195,7 +196,7 @@ def _wrap_init(fn):
             print(f"supervise: flight-recorder server not started: {exc!r}", file=sys.stderr)
         return result
 
-    wrapper.__tp_supervise_wrapped__ = True
+    _mark_wrapped(wrapper)
     return wrapper
 
 
@@ -209,7 +210,7 @@ def _wrap_destroy(fn):
             runtime.finished()
         return result
 
-    wrapper.__tp_supervise_wrapped__ = True
+    _mark_wrapped(wrapper)
     return wrapper
 
 
@@ -250,10 +251,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def _mark_wrapped(fn: Any) -> None:
+    """Ours: never wrapped twice (a function object takes attributes; typed Any for that)."""
+    fn.__tp_supervise_wrapped__ = True
+
+
 def patch(dist_module) -> None:
     """Wrap init, the collectives and the work objects of ``torch.distributed`` (idempotent)."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    targets = [m for m in (dist_module, c10d) if m is not None]
+    targets: list[Any] = [m for m in (dist_module, c10d) if m is not None]
     for module in targets:
         init = getattr(module, "init_process_group", None)
         if init is not None and not getattr(init, "__tp_supervise_wrapped__", False):
@@ -313,7 +319,7 @@ def _wrap_funcol_issue(name: str, fn):
         finally:
             runtime.end_collective()
 
-    wrapper.__tp_supervise_wrapped__ = True
+    _mark_wrapped(wrapper)
     return wrapper
 
 
@@ -334,7 +340,7 @@ def _wrap_funcol_wait(fn):
         finally:
             runtime.end_collective()
 
-    wrapper.__tp_supervise_wrapped__ = True
+    _mark_wrapped(wrapper)
     return wrapper
 
 

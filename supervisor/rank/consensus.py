@@ -38,11 +38,14 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import encoding
 from .channel import RankConsensusSpec
 from .ring import RingWriter
+
+if TYPE_CHECKING:
+    from .inband import InbandChecker
 
 # A step's stored log may use at most this share of the ring's log area, so
 # one huge step cannot evict every earlier step's log (the digest still
@@ -77,7 +80,7 @@ class Recorder:
         self._truncated = False
         self.steps = 0
         self.last: PublishedStep | None = None
-        self._inband = None
+        self._inband: InbandChecker | None = None
         self._inband_failed = False
         self.inband_checks = 0
         self.inband_mismatches = 0
@@ -185,7 +188,7 @@ def configure(environ: Mapping[str, str] | None = None) -> Recorder | None:
     if not spec.records:
         return None
     writer = None
-    if spec.publishes:
+    if spec.publishes and spec.ring is not None:
         try:
             rank = int(env.get("RANK", "") or spec.slot)
             writer = RingWriter(spec.ring, slot=spec.slot, rank=rank, depth=spec.depth, log_bytes=spec.log_bytes)

@@ -265,7 +265,7 @@ class RingReader:
         """Published count and the open step, consistently; None if it stayed torn."""
         mm = self._map
         fields, ok = read_consistent(mm, OFF_STATE_SEQ, lambda: _STATE.unpack_from(mm, OFF_STATE))
-        return RingState(*fields) if ok else None
+        return RingState(*fields) if ok and fields is not None else None
 
     def lapped(self, index: int) -> bool:
         """True when entry ``index`` was overwritten by a newer one (lost for good)."""
@@ -284,7 +284,7 @@ class RingReader:
         off = HEADER_SIZE + (index % depth) * ENTRY_SIZE
         mm = self._map
         fields, ok = read_consistent(mm, off, lambda: _ENTRY.unpack_from(mm, off))
-        if not ok:
+        if not ok or fields is None:
             return None
         _seq, idx, step, dig, count, flags, pos, size, ts = fields
         if idx != index:

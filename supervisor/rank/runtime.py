@@ -44,6 +44,7 @@ import select
 import sys
 import threading
 import time
+from typing import TextIO
 
 from . import heartbeat as hb
 from .slot_writer import Lane, SlotWriter
@@ -75,7 +76,7 @@ class _Runtime:
         self.lock = threading.Lock()
         self.writer: SlotWriter | None = None
         self.pid = os.getpid()
-        self.stack_file = None
+        self.stack_file: TextIO | None = None
         self.death_watch_started = False
         self.forked = False
 
@@ -115,13 +116,13 @@ class _Runtime:
         try:
             path = stack_file_path(run_dir, slot, os.getpid())
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.stack_file = open(path, "w", buffering=1)
-            faulthandler.register(signum, file=self.stack_file, all_threads=True, chain=False)
+            stack_file = self.stack_file = open(path, "w", buffering=1)
+            faulthandler.register(signum, file=stack_file, all_threads=True, chain=False)
             if not faulthandler.is_enabled():
                 # Stacks at death too (SIGSEGV, SIGABRT from a C++ abort such as gloo's std::terminate):
                 # a rank that dies before any dump can read it leaves its last stacks here.  A program that
                 # enabled faulthandler itself keeps its own choice.
-                faulthandler.enable(file=self.stack_file, all_threads=True)
+                faulthandler.enable(file=stack_file, all_threads=True)
         except (OSError, ValueError, RuntimeError):
             return 0
         return signum
@@ -213,7 +214,7 @@ def _watch_death(fds: list[int]) -> None:
             events = poller.poll()
         except InterruptedError:
             continue
-        for fd, _ev in events:
+        for _fd, _ev in events:
             # The supervisor never writes the death pipe: readable means EOF.
             # A pidfd becomes readable when the supervisor exits.
             _supervisor_gone()
@@ -307,6 +308,8 @@ def joined_group(rank: int) -> None:
     if not claim(rank):
         return
     w = _rt.writer
+    if w is None:  # claim() succeeded: it holds a writer
+        return
     now = time.monotonic()
     w.set_phase("", now)
     if not w.flags & hb.INSTRUMENTED:

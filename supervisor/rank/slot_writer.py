@@ -347,7 +347,7 @@ class SlotWriter:
             return False
         if desc is None:
             try:
-                desc = describe(args, kwargs or {})
+                desc = describe(args if isinstance(args, tuple) else (), kwargs or {})
             except Exception:
                 desc = ""
         with self._lock:

@@ -54,9 +54,14 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from . import runtime
 from .collectives import cached_describe, describe
+
+if TYPE_CHECKING:
+    from .slot_writer import SlotWriter
 
 SWEEP_INTERVAL_S = 0.1
 PARK_AFTER_IDLE = 10  # idle passes before the monitor parks (1 s)
@@ -86,7 +91,7 @@ class _Types:
         self.illegal: type | None = None
         self.tensor: type | None = None
         self.patched: set[type] = set()
-        self.is_completed: dict[type, object] = {}  # work type -> torch's own is_completed for it
+        self.is_completed: dict[type, Callable[[object], object]] = {}  # work type -> torch's own is_completed for it
 
 
 _types = _Types()
@@ -228,7 +233,9 @@ def _patch_type(cls: type) -> None:
         except (TypeError, AttributeError):
             continue
     fn = getattr(cls, "is_completed", None)
-    _types.is_completed[cls] = getattr(fn, _ORIGINAL, fn)
+    original = getattr(fn, _ORIGINAL, fn)
+    if original is not None:
+        _types.is_completed[cls] = original
     _types.patched.add(cls)
 
 
@@ -248,7 +255,7 @@ def install(c10d, torch_c) -> None:
         todo.extend(cls.__subclasses__())
     future = getattr(torch_c, "Future", None)
     wait = getattr(future, "wait", None) if future is not None else None
-    if wait is not None and not getattr(wait, _WRAPPED, False):
+    if future is not None and wait is not None and not getattr(wait, _WRAPPED, False):
         future.wait = _mark(_future_waiter(wait), wait, "wait", "Future")
 
 
@@ -341,7 +348,7 @@ class Monitor:
         self.thread: threading.Thread | None = None
         self.awake = False
         self.event = threading.Event()
-        self.holding = None  # the slot writer we hold IN_COLLECTIVE on for works in flight
+        self.holding: SlotWriter | None = None  # the slot writer we hold IN_COLLECTIVE on for works in flight
         self.seen = -1  # the lanes' activity at the previous pass
 
     def wake(self) -> None:
@@ -409,7 +416,7 @@ def _after_fork_in_child() -> None:
     """The child has a slot writer of its own (or none) and no monitor thread."""
     _pending.clear()
     _futures.clear()
-    monitor.__init__()
+    monitor.__init__()  # type: ignore[misc]  # the same class: a fresh monitor in place (others hold it)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
