@@ -153,7 +153,8 @@ def test_both_nodes_bundles_share_the_incident_id_and_analyze_renders_them_as_on
     assert whole["incident_id"] == ids.pop() and whole["reason"] == "rank_exit" and whole["culprit_ranks"] == [1]
     assert set(whole["nodes"]) == {"0", "1"}
     shown = subprocess.run([sys.executable, "-m", "tp_supervise.dumps.analyze", str(peer), str(origin)],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "400"})  # a long tmp path must not wrap "(node 0)"
     assert shown.returncode == 0 and "2 node bundles" in shown.stdout
     assert shown.stdout.index("(node 1)") < shown.stdout.index("(node 0)")  # where it began comes first
 
