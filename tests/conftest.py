@@ -7,6 +7,7 @@ them by /proc scan whatever their parent is.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import os
@@ -25,6 +26,27 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_RANK = ROOT / "tests" / "fakes" / "rank.py"
 MARK_VAR = "TP_SUPERVISE_TEST_MARK"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: under pytest-xdist, no other worker runs a test meanwhile (tests whose "
+                                       "seconds-long node timeouts a second busy test on 2 cores can break)")
+
+
+@pytest.fixture(autouse=True)
+def _alone_under_xdist(request, tmp_path_factory):
+    """Under pytest-xdist (make test), every test holds a shared lock on one file of the run and a test marked
+    ``alone`` an exclusive one: it waits for the other worker's test in progress, which then waits for it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    path = tmp_path_factory.getbasetemp().parent / "alone.lock"  # the workers' common root
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def marked_pids(mark: str) -> list[int]:

@@ -14,7 +14,7 @@ from tp_supervise.supervisor.rank.net import free_port
 from tests.conftest import fake_rank, marked_pids
 from tests.live import wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]  # node timeouts of seconds: no second busy test meanwhile
 
 EXIT_TIMEOUT_S = 120
 
