@@ -80,6 +80,7 @@ DEFAULT_SIZES = (2, 8, 24, 64)
 ROUNDS = {2: 20, 8: 3, 24: 2}  # fresh groups per size (one fault each); any other size: 1
 LOSS_ROUNDS = 3  # per victim (node 1, node 0) at 2 nodes
 PARTITION_ROUNDS = 3
+FEWER_RANKS_FROM = 24  # a first group of this size that falls apart is tried again with a quarter of the ranks
 TOGETHER_NODES, TOGETHER_ROUNDS = 8, 3  # every supervisor started at once (no wait for node 0's gate)
 NODE_TIMEOUT_S = 4.0  # docs/multinode.md, both trees' default
 JOIN_LIMIT_S = 900.0
@@ -684,16 +685,28 @@ def run_tree(tree: Tree, sizes: list[int], ranks: int, workdir: Path, quick: boo
     for size in sizes:
         rounds = 1 if quick else rounds_override or ROUNDS.get(size, 1)
         k, note = ranks_that_fit(size, ranks, per_sup, per_rank)
-        runs = []
+        runs, fell = [], []
         for r in range(rounds):
-            launch = Launch(tree, workdir, uuid.uuid4().hex, k)
-            runs.append(propagation_round(launch, size, f"{tree.name}-prop{size}-{r}", measure=r == 0 and not quick,
-                                          ranks=k, settle_s=QUICK_SETTLE_S if quick else SETTLE_S))
-            print(json.dumps({"tree": tree.name, **runs[-1]}), flush=True)
+            while True:
+                launch = Launch(tree, workdir, uuid.uuid4().hex, k)
+                run = propagation_round(launch, size, f"{tree.name}-prop{size}-{r}-k{k}",
+                                        measure=r == 0 and not quick, ranks=k,
+                                        settle_s=QUICK_SETTLE_S if quick else SETTLE_S)
+                print(json.dumps({"tree": tree.name, **run}), flush=True)
+                if "failed" in run and r == 0 and k > 1 and size >= FEWER_RANKS_FROM:
+                    fell.append(run)  # this host cannot hold size x k through the start: fewer ranks, say so
+                    k = max(1, k // 4)
+                    continue
+                break
+            runs.append(run)
         first = runs[0]
         if "pss_other_median" in first and not math.isnan(first["pss_other_median"]):
             per_sup = max(first["pss_other_median"], first["pss_node0"] / 2) * 2**20
             per_rank = max(first["pss_rank_median"], 1.0) * 2**20
+        if fell:
+            note = "; ".join(filter(None, [note] + [
+                f"with {f['ranks']} per node the group fell apart before the fault ({f.get('first_loss') or f['failed']})"[:400]
+                for f in fell]))
         res["sizes"][size] = {"runs": runs, "ranks_note": note}
     if quick:
         return res
@@ -816,7 +829,9 @@ def ms(v: float | None) -> str:
         return "never"
     if v < 0.01:
         return f"{v * 1e3:.1f} ms"
-    return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.2f} s"
+    if v < 1:
+        return f"{v * 1e3:.0f} ms"
+    return f"{v:.2f} s" if v < 10 else f"{v:.1f} s"
 
 
 def p50_p99(values: list[float]) -> str:
