@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from tp_supervise.dumps.slowness import (
 
 CPU_V1 = Path("/sys/fs/cgroup/cpu")
 BUSY = [sys.executable, "-c", "while True: pass"]
-WINDOW_S = 1.0
+WINDOW_S = 1.0  # at least; longer until the process has done enough to judge (a loaded host runs it less)
+DEADLINE_S = 30.0
 
 
 @contextmanager
@@ -38,12 +40,17 @@ def busy(cpu: int | None = None):
         proc.wait()
 
 
-def measure(pid: int) -> SlownessDelta:
+def measure(pid: int, enough: Callable[[SlownessDelta], bool]) -> SlownessDelta:
+    """The delta over a window of at least WINDOW_S that ``enough`` accepts (what it saw at the deadline)."""
     before = read_slowness(pid)
     time.sleep(WINDOW_S)
-    delta = slowness_delta(before, read_slowness(pid))
-    assert delta is not None
-    return delta
+    end = time.monotonic() + DEADLINE_S
+    while True:
+        delta = slowness_delta(before, read_slowness(pid))
+        assert delta is not None
+        if enough(delta) or time.monotonic() > end:
+            return delta
+        time.sleep(0.25)
 
 
 @contextmanager
@@ -74,26 +81,30 @@ def cpu_cgroup_v1(quota_us: int, period_us: int = 100_000):
 
 
 def test_a_cgroup_cpu_quota_shows_as_throttling():
-    with cpu_cgroup_v1(quota_us=20_000) as cgroup, busy() as proc:  # 20 % of one CPU for a process that wants 100 %
+    # 5 % of one CPU for a process that wants 100 %: it reaches its quota early in each period even on a
+    # loaded host (where it waits for a CPU too), then is throttled for the rest of the period.
+    with cpu_cgroup_v1(quota_us=5_000) as cgroup, busy() as proc:
         (cgroup / "cgroup.procs").write_text(str(proc.pid))
         time.sleep(0.2)  # the first periods in the cgroup
         cg = read_cgroup_cpu(proc.pid)
         assert cg is not None and cg.version == 1 and cg.path == str(cgroup)
-        delta = measure(proc.pid)
+        delta = measure(proc.pid, lambda d: (d.nr_periods or 0) >= 5)
     assert delta.cgroup_path == str(cgroup)
-    assert delta.throttled_share is not None and delta.throttled_share > 0.5, delta
-    assert delta.nr_throttled and delta.nr_periods and delta.nr_throttled >= 0.8 * delta.nr_periods
-    assert delta.cpu_share is not None and delta.cpu_share < 0.35, "the quota held it near 20 % of a CPU"
+    assert delta.throttled_share is not None and delta.throttled_share > 0.3, delta
+    assert delta.nr_throttled and delta.nr_periods and delta.nr_throttled >= 0.5 * delta.nr_periods, delta
+    assert delta.cpu_share is not None and delta.cpu_share < 0.1, "the quota held it near 5 % of a CPU"
     text = explain(delta)
     assert text.startswith("its CPU was throttled by its cgroup for ") and "% of the window (cpu.stat: " in text
-    assert "contention" not in text, "a throttled thread's run-queue wait is the throttling, not contention"
+    # A throttled thread waits on the run queue too: that part is the throttling, not contention.
+    assert delta.runq_share is not None and delta.contention_share is not None
+    assert delta.contention_share <= delta.runq_share - delta.throttled_share + 0.01
 
 
 def test_a_competitor_on_the_same_core_shows_as_run_queue_delay():
     cpu = max(os.sched_getaffinity(0))
     with busy(cpu) as proc, busy(cpu):
         time.sleep(0.2)
-        delta = measure(proc.pid)
+        delta = measure(proc.pid, lambda d: (d.cpu_s or 0.0) >= 0.2)
     assert delta.runq_share is not None and delta.runq_share > 0.3, delta  # about half of it, more on a loaded host
     assert delta.involuntary is not None and delta.involuntary > 0, "it was preempted by its competitor"
     text = explain(delta)
@@ -103,8 +114,8 @@ def test_a_competitor_on_the_same_core_shows_as_run_queue_delay():
 
 def test_a_process_alone_says_nothing_notable_about_throttling():
     with busy() as proc:
-        delta = measure(proc.pid)
-    assert delta.cpu_s is not None and delta.cpu_s > 0.1
+        delta = measure(proc.pid, lambda d: (d.cpu_s or 0.0) >= 0.2)
+    assert delta.cpu_s is not None and delta.cpu_s >= 0.2
     assert "throttled" not in explain(delta)
 
 
