@@ -120,12 +120,14 @@ def test_the_reader_sees_which_rank_arrives_late_at_the_same_collective(tmp_path
 
 def test_the_detector_names_the_rank_that_turned_slow(tmp_path):
     """Real ranks, the supervisor's read loop, the pure detector on a short clock."""
-    config = StragglerConfig(bucket_s=0.25, warmup_s=0.5, baseline_min_s=1.0, sustain_s=2.0, clear_s=1.0, window_s=4.0)
+    # A short clock, and a threshold well above what scheduling noise on a loaded host makes of a 4 ms loop.
+    config = StragglerConfig(threshold=0.25, bucket_s=0.25, warmup_s=0.5, baseline_min_s=1.0, sustain_s=2.0,
+                             clear_s=1.0, window_s=4.0)
     det = StragglerDetector(config)
     seg = hb.HeartbeatSegment(tmp_path / "hb", 2, uuid.uuid4().hex, time.monotonic())
     events, slowdown = [], None
     try:
-        procs = start_pair(seg, "hook", seconds=10.0, slow_after=4.0, lag=0.005)
+        procs = start_pair(seg, "hook", seconds=10.0, slow_after=4.0, lag=0.01)
         started = time.monotonic()
         while any(p.poll() is None for p in procs) and time.monotonic() - started < 60:
             now = time.monotonic()
@@ -139,7 +141,7 @@ def test_the_detector_names_the_rank_that_turned_slow(tmp_path):
     assert [(e.kind, e.rank) for e in events][:1] == [(NAMED, 1)], [e.to_dict() for e in events]
     named = events[0]
     assert named.at > slowdown, "not before it turned slow (its normal pace was learned first)"
-    assert named.lag.late_lag_s > 0.003 and "rank 1 arrives" in named.sentence()
+    assert named.lag.late_lag_s > 0.007 and "rank 1 arrives" in named.sentence()
 
 
 STYLES = textwrap.dedent(
