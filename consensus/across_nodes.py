@@ -65,8 +65,13 @@ def decode_batch(raw: bytes) -> list[tuple[int, bytes]]:
         raise ValueError("a digest batch is a JSON list")
     out = []
     for item in data:
-        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], int)
-                or isinstance(item[0], bool) or not isinstance(item[1], str)):
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], int)
+            or isinstance(item[0], bool)
+            or not isinstance(item[1], str)
+        ):
             raise ValueError(f"bad digest batch entry {item!r:.80}")
         out.append((item[0], bytes.fromhex(item[1])))
     return out
@@ -86,9 +91,18 @@ def ranks_of(node: int, nproc_per_node: int) -> tuple[int, ...]:
 class NodeDigests:
     """One node's side of the cross-node comparison."""
 
-    def __init__(self, store: DigestStore, node_rank: int, nnodes: int, nproc_per_node: int,
-                 publish_every_s: float = PUBLISH_EVERY_S, reads_per_s: float = READS_PER_S,
-                 wait_s: float = WAIT_S, max_pending: int = 1024, attempt: int = 1):
+    def __init__(
+        self,
+        store: DigestStore,
+        node_rank: int,
+        nnodes: int,
+        nproc_per_node: int,
+        publish_every_s: float = PUBLISH_EVERY_S,
+        reads_per_s: float = READS_PER_S,
+        wait_s: float = WAIT_S,
+        max_pending: int = 1024,
+        attempt: int = 1,
+    ):
         if not 0 <= node_rank < nnodes:
             raise ValueError(f"node rank {node_rank} outside 0..{nnodes - 1}")
         self.store = store
@@ -189,10 +203,12 @@ class NodeDigests:
         split = split_digests(decision.digests)
         ranks = self._ranks
         culprit_nodes = split.culprits
-        text = (f"{_nodes(culprit_nodes, self.nproc_per_node)} diverged from "
-                f"{_nodes(split.reference, self.nproc_per_node)} at step {decision.step}: the step's agreed "
-                f"digests differ across nodes (decided by {split.decided_by}"
-                f"{'; the reference holds the lowest rank' if split.decided_by == 'tie' else ''})")
+        text = (
+            f"{_nodes(culprit_nodes, self.nproc_per_node)} diverged from "
+            f"{_nodes(split.reference, self.nproc_per_node)} at step {decision.step}: the step's agreed "
+            f"digests differ across nodes (decided by {split.decided_by}"
+            f"{'; the reference holds the lowest rank' if split.decided_by == 'tie' else ''})"
+        )
         if decision.missing:
             text += f"; {_nodes(decision.missing, self.nproc_per_node)} had not published that step"
         return DivergenceVerdict(
@@ -208,8 +224,10 @@ class NodeDigests:
             verdict=text,
             detected_at=now,
             published_at=published_at,
-            log_notes={r: "cross-node comparison: the events stay in the culprit node's own bundle"
-                       for r in ranks(culprit_nodes)},
+            log_notes={
+                r: "cross-node comparison: the events stay in the culprit node's own bundle"
+                for r in ranks(culprit_nodes)
+            },
         )
 
 

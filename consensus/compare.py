@@ -221,9 +221,7 @@ class StepTable(Generic[Ref]):
             entry.refs.pop(member, None)
 
     def _waiting(self, step: int, entry: _Pending[Ref]) -> list[int]:
-        return [
-            m for m in self.members if m not in entry.digests and self._latest.get(m, -1) < step
-        ]
+        return [m for m in self.members if m not in entry.digests and self._latest.get(m, -1) < step]
 
     @property
     def in_episode(self) -> bool:

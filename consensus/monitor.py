@@ -323,7 +323,14 @@ class ConsensusMonitor:
             logs[rank] = lines
         missing = [self.rank_of(s) for s in decision.missing]
         return build_verdict(
-            decision.step, digests, counts, logs, notes, missing, now, published_at,
+            decision.step,
+            digests,
+            counts,
+            logs,
+            notes,
+            missing,
+            now,
+            published_at,
             keep_lines=self.config.log_lines_kept,
         )
 
@@ -342,8 +349,16 @@ class ConsensusMonitor:
         step = announced.pop() if len(announced) == 1 and NO_STEP not in announced else decision.after + 1
         missing = [self.rank_of(s) for s in decision.missing]
         return build_verdict(
-            step, digests, counts, logs, {}, missing, now, now,
-            keep_lines=self.config.log_lines_kept, in_progress=True,
+            step,
+            digests,
+            counts,
+            logs,
+            {},
+            missing,
+            now,
+            now,
+            keep_lines=self.config.log_lines_kept,
+            in_progress=True,
         )
 
     # -- reporting -------------------------------------------------------------

@@ -159,9 +159,7 @@ def _length_detail(fd: FirstDifference, reference: int, shown: Sequence[int], la
         got = f"has {sizes[shown[0]]} items"
     else:
         got = "has " + ", ".join(f"{sizes[r]} items on rank {r}" for r in shown)
-    holder = reference if fd.values[reference] is not MISSING else next(
-        r for r in shown if fd.values[r] is not MISSING
-    )
+    holder = reference if fd.values[reference] is not MISSING else next(r for r in shown if fd.values[r] is not MISSING)
     item = f"item [{fd.path[-1]}] on rank {holder}: {_render_value(fd.values[holder])}"
     return f"{label} {got} where rank {reference} has {sizes[reference]} ({item})"
 

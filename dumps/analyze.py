@@ -49,9 +49,14 @@ class MalformedBundle(ValueError):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="supervise analyze", description="Render an incident bundle.")
-    p.add_argument("bundles", type=Path, nargs="+", metavar="bundle",
-                   help="bundle directory (<dump-dir>/<time>-<reason>[-N]); several: the bundles of one incident "
-                        "from several nodes, rendered as one")
+    p.add_argument(
+        "bundles",
+        type=Path,
+        nargs="+",
+        metavar="bundle",
+        help="bundle directory (<dump-dir>/<time>-<reason>[-N]); several: the bundles of one incident "
+        "from several nodes, rendered as one",
+    )
     p.add_argument("--json", action="store_true", help="print summary.json-compatible JSON")
     p.add_argument("--no-stacks", action="store_true", help="leave the grouped stacks out")
     return p
@@ -64,10 +69,7 @@ def _not_a_bundle(path: Path) -> str:
         return f"{path}: not a bundle (a bundle is a directory with {SUMMARY_JSON})"
     inner = sorted(p.name for p in path.iterdir() if p.is_dir() and BUNDLE_NAME.match(p.name))
     if inner:
-        return (
-            f"{path}: not a bundle but a dump dir with {len(inner)} bundle(s); "
-            f"newest: {path / inner[-1]}"
-        )
+        return f"{path}: not a bundle but a dump dir with {len(inner)} bundle(s); newest: {path / inner[-1]}"
     return f"{path}: not a bundle (no {SUMMARY_JSON})"
 
 
@@ -124,10 +126,15 @@ def check_summary(summary) -> dict:
     _check(isinstance(ranks, dict), "'ranks' is not an object")
     for key, rank in ranks.items():
         _check(isinstance(rank, dict), f"ranks[{key!r}] is not an object")
-        _check(rank.get("exit") is None or isinstance(rank["exit"], (dict, str, int)), f"ranks[{key!r}].exit has a wrong type")
+        _check(
+            rank.get("exit") is None or isinstance(rank["exit"], (dict, str, int)),
+            f"ranks[{key!r}].exit has a wrong type",
+        )
     culprits = summary.get("culprit_ranks") or []
-    _check(isinstance(culprits, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in culprits),
-           "'culprit_ranks' is not a list of rank numbers")
+    _check(
+        isinstance(culprits, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in culprits),
+        "'culprit_ranks' is not a list of rank numbers",
+    )
     for key in ("notes", "errors"):
         items = summary.get(key) or []
         _check(isinstance(items, list), f"'{key}' is not a list")
@@ -137,8 +144,10 @@ def check_summary(summary) -> dict:
     for g in groups:
         _check(isinstance(g, dict), "a stack group is not an object")
         members = g.get("ranks") or []
-        _check(isinstance(members, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in members),
-               "a stack group's 'ranks' is not a list of rank numbers")
+        _check(
+            isinstance(members, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in members),
+            "a stack group's 'ranks' is not a list of rank numbers",
+        )
         for key in ("short", "signature"):
             _check(g.get(key) is None or isinstance(g[key], str), f"a stack group's '{key}' is not a string")
     return summary
@@ -151,11 +160,15 @@ def _check_nodes(summary: dict) -> None:
     for node, record in (nodes or {}).items():
         _check(isinstance(record, dict), f"nodes[{node!r}] is not an object")
         ranks = record.get("ranks") or {}
-        _check(isinstance(ranks, dict) and all(isinstance(r, dict) for r in ranks.values()),
-               f"nodes[{node!r}].ranks is not an object of rank records")
+        _check(
+            isinstance(ranks, dict) and all(isinstance(r, dict) for r in ranks.values()),
+            f"nodes[{node!r}].ranks is not an object of rank records",
+        )
     peers = summary.get("peer_bundles")
-    _check(peers is None or (isinstance(peers, dict) and all(isinstance(p, dict) for p in peers.values())),
-           "'peer_bundles' is not an object of bundle records")
+    _check(
+        peers is None or (isinstance(peers, dict) and all(isinstance(p, dict) for p in peers.values())),
+        "'peer_bundles' is not an object of bundle records",
+    )
     missing = summary.get("nodes_missing") or []
     _check(isinstance(missing, list), "'nodes_missing' is not a list")
 
@@ -216,6 +229,7 @@ def read_stacks(path: Path) -> tuple[dict[int, str], list[str]]:
 
 def _origin_first(summaries: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
     """The node where the incident began first (its reason is not a peer's), then the others by node rank."""
+
     def key(item):
         reason = item[1].get("reason")
         return (reason in ("peer_failed", "node_lost"), item[1].get("node_rank") or 0)
@@ -258,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(loaded) > 1:
         whole = merged(loaded)
         ids = whole["incident_id"]
-        console.print(data(f"incident {ids if isinstance(ids, str) else ' / '.join(ids)}: "
-                           f"{len(loaded)} node bundles", style="bold"))
+        console.print(
+            data(
+                f"incident {ids if isinstance(ids, str) else ' / '.join(ids)}: {len(loaded)} node bundles", style="bold"
+            )
+        )
         if not isinstance(ids, str):
             console.print(data("! these bundles belong to different incidents", style="yellow"))
     for bundle, summary in _origin_first(loaded):

@@ -71,7 +71,7 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fchmod(fd, FILE_MODE)
         view = memoryview(data)
         while len(view):
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -156,8 +156,11 @@ def amend_summary(bundle: Path, fields: Mapping) -> dict:
         raise ValueError(f"{bundle / SUMMARY_JSON} is not a JSON object")
     summary.update(fields)
     stacks_dir = bundle / "stacks"
-    files = {f"stacks/{p.name}": p.read_bytes() for p in sorted(stacks_dir.glob("rank-*.txt"))} \
-        if stacks_dir.is_dir() else {}
+    files = (
+        {f"stacks/{p.name}": p.read_bytes() for p in sorted(stacks_dir.glob("rank-*.txt"))}
+        if stacks_dir.is_dir()
+        else {}
+    )
     _replace_file(bundle / SUMMARY_TXT, _summary_text(summary, files))
     _replace_file(bundle / SUMMARY_JSON, json.dumps(summary, indent=2, default=str) + "\n")
     return summary

@@ -272,8 +272,9 @@ def _capture_dead(target: RankTarget, plan: _Plan, dead: str) -> _Captured:
     return [], "none", dead, ()
 
 
-def _capture_stacks(target: RankTarget, proc: ProcInfo | None, plan: _Plan, start: float, end: float,
-                    held: Held | None = None) -> _Captured:
+def _capture_stacks(
+    target: RankTarget, proc: ProcInfo | None, plan: _Plan, start: float, end: float, held: Held | None = None
+) -> _Captured:
     """(threads, method, error, attempts) for one rank (``held``: its pidfd, for the signal); never raises."""
     pid = target.pid
     if not target.alive or pid is None:
@@ -441,5 +442,6 @@ def capture_all(
     samples = CpuSamples(at=samples_at, cpu_s=cpu, progress=progress)
     duration = time.monotonic() - start
     log.info("dump captured", ranks=len(targets), method=method, duration_s=round(duration, 3))
-    return Evidence(ranks=ranks, started_at=start, duration_s=duration, method=method, pyspy=plan.pyspy, samples=samples)
-
+    return Evidence(
+        ranks=ranks, started_at=start, duration_s=duration, method=method, pyspy=plan.pyspy, samples=samples
+    )

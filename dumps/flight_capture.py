@@ -105,8 +105,9 @@ def fetch(path: str, handler: str, timeout_s: float) -> bytes:
         conn.close()
 
 
-
-def collect_detailed(targets: Sequence[RankTarget], run_dir: Path, timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
+def collect_detailed(
+    targets: Sequence[RankTarget], run_dir: Path, timeout_s: float
+) -> tuple[dict[int, dict], dict[int, str]]:
     """(traces by rank, why each other rank has none); returns within ``timeout_s``."""
     end = time.monotonic() + max(0.0, timeout_s)
     traces: dict[int, dict] = {}
@@ -239,8 +240,7 @@ def fr_pickles(traces: Mapping[int, Mapping], world: Sequence[int]) -> dict[int,
     """Each rank's file for ``torchfrtrace`` (pickles of plain dicts, lists and scalars)."""
     members = group_members(traces, world)
     return {
-        rank: pickle.dumps(fr_dump(trace, members), protocol=pickle.DEFAULT_PROTOCOL)
-        for rank, trace in traces.items()
+        rank: pickle.dumps(fr_dump(trace, members), protocol=pickle.DEFAULT_PROTOCOL) for rank, trace in traces.items()
     }
 
 

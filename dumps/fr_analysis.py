@@ -144,7 +144,16 @@ def _entries(trace: Mapping) -> list[FrEntry]:
             continue
         sizes = tuple(tuple(int(d) for d in s) for s in raw.get("input_sizes") or [])
         dtypes = tuple(_DTYPES.get(str(d), str(d).lower()) for d in raw.get("input_dtypes") or [])
-        out.append(FrEntry(str(pg[0]), seq, _op_name(str(raw.get("profiling_name", ""))), sizes, dtypes, bool(raw.get("retired", False))))
+        out.append(
+            FrEntry(
+                str(pg[0]),
+                seq,
+                _op_name(str(raw.get("profiling_name", ""))),
+                sizes,
+                dtypes,
+                bool(raw.get("retired", False)),
+            )
+        )
     return out
 
 
@@ -201,15 +210,20 @@ def analyze(traces: Mapping[int, Mapping]) -> FrFindings:
             sample = next((table[r][seq] for r in entered if seq in table[r]), None)
             lag = top - seq + 1
             missing.append(
-                (-lag, pg != DEFAULT_PG, pg, MissingCollective(
-                    pg=pg,
-                    seq=seq,
-                    op=sample.op if sample else "?",
-                    desc=sample.desc if sample else "",
-                    entered=entered,
-                    missing=tuple(sorted(behind[seq])),
-                    last_seq={r: last[r] for r in behind[seq]},
-                ))
+                (
+                    -lag,
+                    pg != DEFAULT_PG,
+                    pg,
+                    MissingCollective(
+                        pg=pg,
+                        seq=seq,
+                        op=sample.op if sample else "?",
+                        desc=sample.desc if sample else "",
+                        entered=entered,
+                        missing=tuple(sorted(behind[seq])),
+                        last_seq={r: last[r] for r in behind[seq]},
+                    ),
+                )
             )
         mismatches.extend(_mismatches(pg, table))
     in_flight = {}

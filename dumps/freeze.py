@@ -55,6 +55,8 @@ log = structlog.get_logger()
 # States in which a rank is not frozen by us: already stopped or traced, or gone.
 _NOT_OURS = frozenset({"T", "t", "Z", "X"})
 SETTLE_POLL_S = 0.001
+
+
 class Held:
     """A rank held by a pidfd, with whether the signals go to the process group it leads.
 
@@ -119,7 +121,9 @@ class Frozen:
     def to_dict(self) -> dict:
         return {
             "stopped_ranks": sorted(self.stopped),
-            "already_stopped_ranks": sorted(r for r, p in self.before.items() if p is not None and p.state in ("T", "t")),
+            "already_stopped_ranks": sorted(
+                r for r, p in self.before.items() if p is not None and p.state in ("T", "t")
+            ),
             "settled": self.settled,
             "signalled_s": round(self.signalled_s, 4),
             "duration_s": round(self.duration_s, 4),
@@ -195,8 +199,16 @@ def freeze(targets: Sequence[FreezeTarget], settle_s: float) -> Frozen:
         if not waiting or time.monotonic() >= deadline:
             break
         time.sleep(SETTLE_POLL_S)
-    frozen = Frozen(before, read_at, stopped, group, held, settled=not waiting, signalled_s=signalled_s,
-                    duration_s=time.monotonic() - start)
+    frozen = Frozen(
+        before,
+        read_at,
+        stopped,
+        group,
+        held,
+        settled=not waiting,
+        signalled_s=signalled_s,
+        duration_s=time.monotonic() - start,
+    )
     log.info("dump frozen", **frozen.to_dict(), not_settled=sorted(waiting))
     return frozen
 

@@ -189,7 +189,9 @@ def capture_incident(
 
     def fr_work() -> None:
         try:
-            fr_out["traces"], fr_out["errors"] = flight.collect_detailed(targets, run_dir, max(0.0, end - time.monotonic()))
+            fr_out["traces"], fr_out["errors"] = flight.collect_detailed(
+                targets, run_dir, max(0.0, end - time.monotonic())
+            )
         except Exception as exc:
             fr_out["errors"] = {t.rank: f"collection failed: {exc!r}" for t in targets}
 
@@ -279,7 +281,11 @@ def write_captured(
         summary.update(diagnosis.summary_fields())
     else:
         summary.update(
-            {"culprit_ranks": [], "verdict": "no verdict: " + "; ".join(errors), "ranks": _fallback_ranks(captured.targets)}
+            {
+                "culprit_ranks": [],
+                "verdict": "no verdict: " + "; ".join(errors),
+                "ranks": _fallback_ranks(captured.targets),
+            }
         )
     summary["capture"] = {
         "method": evidence.method,

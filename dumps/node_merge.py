@@ -33,8 +33,19 @@ MAX_NODE_SUMMARY_BYTES = 16 * 1024
 VERDICT_CHARS = 1000
 FIELD_CHARS = 200
 SHORT_FIELD_CHARS = 60  # what a field keeps when a node has too many ranks for the full record
-RANK_FIELDS = ("state", "alive", "exit", "in_collective", "collective", "collective_seq", "step", "phase",
-               "heartbeat_age_s", "where", "culprit")
+RANK_FIELDS = (
+    "state",
+    "alive",
+    "exit",
+    "in_collective",
+    "collective",
+    "collective_seq",
+    "step",
+    "phase",
+    "heartbeat_age_s",
+    "where",
+    "culprit",
+)
 TEXT_FIELDS = ("collective", "where", "phase", "exit", "last_wait")
 ESSENTIAL_FIELDS = ("state", "alive", "exit", "in_collective", "collective", "step", "culprit", "last_wait")
 PEER_REASONS = ("peer_failed", "node_lost")  # a node that followed another's fault
@@ -101,8 +112,15 @@ def _rank_order(ranks: Mapping[str, Mapping]) -> list[str]:
     return sorted(ranks, key=lambda key: (not ranks[key].get("culprit"), _as_int(key)))
 
 
-def node_summary(summary: Mapping, *, node_rank: int, host: str, bundle: str,
-                 last_waits: Mapping[int, str] | None = None, max_bytes: int = MAX_NODE_SUMMARY_BYTES) -> NodeSummary:
+def node_summary(
+    summary: Mapping,
+    *,
+    node_rank: int,
+    host: str,
+    bundle: str,
+    last_waits: Mapping[int, str] | None = None,
+    max_bytes: int = MAX_NODE_SUMMARY_BYTES,
+) -> NodeSummary:
     """The compact record of one node's bundle (its ``summary.json`` content), at most ``max_bytes`` encoded.
 
     ``last_waits``: rank -> the collective it was last seen in (``"all_reduce #31 [64 float32]"``) for a rank
@@ -131,8 +149,14 @@ def node_summary(summary: Mapping, *, node_rank: int, host: str, bundle: str,
     out["ranks"] = {key: _rank_record(entries[key], FIELD_CHARS, waits.get(key)) for key in _rank_order(entries)}
     if _size(out) <= max_bytes:
         return out
-    out["ranks"] = {key: {f: v for f, v in _rank_record(entries[key], SHORT_FIELD_CHARS, waits.get(key)).items()
-                          if f in ESSENTIAL_FIELDS} for key in _rank_order(entries)}
+    out["ranks"] = {
+        key: {
+            f: v
+            for f, v in _rank_record(entries[key], SHORT_FIELD_CHARS, waits.get(key)).items()
+            if f in ESSENTIAL_FIELDS
+        }
+        for key in _rank_order(entries)
+    }
     kept = list(out["ranks"])
     while kept and _size(out) > max_bytes:
         out["ranks"].pop(kept.pop())  # the last in order: a non-culprit with the highest rank
@@ -173,7 +197,9 @@ def whereabouts(entry: Mapping | None) -> tuple[str, str]:
     waited = f"waited in {entry['last_wait']} until the group broke" if entry.get("last_wait") else ""
     if exit_text or entry.get("alive") is False or state in ("Z", "X"):
         text = str(exit_text or ("is a zombie" if state == "Z" else "is dead"))
-        plural = "were " + text[4:] if text.startswith("was ") else "are " + text[3:] if text.startswith("is ") else text
+        plural = (
+            "were " + text[4:] if text.startswith("was ") else "are " + text[3:] if text.startswith("is ") else text
+        )
         return (f"{waited}, then {text}", f"{waited}, then {plural}") if waited else (text, plural)
     detail = ""
     if entry.get("where"):
@@ -200,8 +226,10 @@ def _who(members: list[tuple[int, int]]) -> str:
     by_node: dict[int, list[int]] = {}
     for node, rank in sorted(members):
         by_node.setdefault(node, []).append(rank)
-    parts = [f"{'rank' if len(ranks) == 1 else 'ranks'} {','.join(map(str, ranks))} on node {node}"
-             for node, ranks in by_node.items()]
+    parts = [
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {','.join(map(str, ranks))} on node {node}"
+        for node, ranks in by_node.items()
+    ]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
@@ -221,14 +249,19 @@ def merged_verdict(origin: int, nodes: Mapping[int, Mapping], missing: Iterable[
     culprits = set(own.get("culprit_ranks") or [])
     ranks = own.get("ranks") or {}
     lead = _grouped((origin, r, ranks.get(str(r))) for r in sorted(culprits))
-    others = [(node, _as_int(key), entry) for node, record in sorted(nodes.items())
-              for key, entry in (record.get("ranks") or {}).items()
-              if not (node == origin and _as_int(key) in culprits)]
+    others = [
+        (node, _as_int(key), entry)
+        for node, record in sorted(nodes.items())
+        for key, entry in (record.get("ranks") or {}).items()
+        if not (node == origin and _as_int(key) in culprits)
+    ]
     parts = lead + _grouped(others)
     absent = sorted(missing)
     if absent:
-        parts.append(f"{'node' if len(absent) == 1 else 'nodes'} {','.join(map(str, absent))} sent no summary "
-                     "in time (see their own bundles)")
+        parts.append(
+            f"{'node' if len(absent) == 1 else 'nodes'} {','.join(map(str, absent))} sent no summary "
+            "in time (see their own bundles)"
+        )
     text = "; ".join(parts)
     if own.get("verdict"):
         text = f"{text}. Node {origin}'s own verdict: {own['verdict']}" if text else str(own["verdict"])
@@ -237,8 +270,11 @@ def merged_verdict(origin: int, nodes: Mapping[int, Mapping], missing: Iterable[
 
 def peer_bundles(nodes: Mapping[int, Mapping], me: int) -> dict:
     """Where the other nodes' bundles of the incident are: ``{node: {host, bundle, reason}}``."""
-    return {str(node): {"host": record.get("host"), "bundle": record.get("bundle"), "reason": record.get("reason")}
-            for node, record in sorted(nodes.items()) if node != me}
+    return {
+        str(node): {"host": record.get("host"), "bundle": record.get("bundle"), "reason": record.get("reason")}
+        for node, record in sorted(nodes.items())
+        if node != me
+    }
 
 
 def merge(origin: int, nodes: Mapping[int, Mapping], expected: Iterable[int]) -> dict:
@@ -263,5 +299,15 @@ def origin_of(summary: Mapping) -> bool:
     return summary.get("reason") not in PEER_REASONS
 
 
-__all__ = ["MAX_NODE_SUMMARY_BYTES", "NodeSummary", "decode", "encode", "merge", "merged_verdict", "node_summary",
-           "origin_of", "peer_bundles", "whereabouts"]
+__all__ = [
+    "MAX_NODE_SUMMARY_BYTES",
+    "NodeSummary",
+    "decode",
+    "encode",
+    "merge",
+    "merged_verdict",
+    "node_summary",
+    "origin_of",
+    "peer_bundles",
+    "whereabouts",
+]

@@ -92,9 +92,7 @@ def read_proc(pid: int) -> ProcInfo | None:
     )
 
 
-def cpu_delta(
-    pid: int, now_cpu_s: float, now: float, previous: CpuSamples | None
-) -> tuple[float | None, float | None]:
+def cpu_delta(pid: int, now_cpu_s: float, now: float, previous: CpuSamples | None) -> tuple[float | None, float | None]:
     """(CPU seconds used, wall seconds elapsed) since ``previous``; Nones when unknown."""
     if previous is None or pid not in previous.cpu_s:
         return None, None

@@ -104,8 +104,16 @@ def nodes_table(summary: Mapping) -> Table:
     """Every node's ranks of a merged multi-node incident (``nodes``), by global rank."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("node", "right"), ("rank", "right"), ("state", "left"), ("exit", "left"), ("step", "right"),
-        ("collective", "left"), ("phase", "left"), ("hb age s", "right"), ("where", "left"))
+        ("node", "right"),
+        ("rank", "right"),
+        ("state", "left"),
+        ("exit", "left"),
+        ("step", "right"),
+        ("collective", "left"),
+        ("phase", "left"),
+        ("hb age s", "right"),
+        ("where", "left"),
+    )
     for col, justify in columns:
         table.add_column(col, justify=justify, overflow="fold")
     culprits = set(summary.get("culprit_ranks") or [])
@@ -118,24 +126,41 @@ def nodes_table(summary: Mapping) -> Table:
         culprit = rank in culprits and node == origin
         collective = r.get("collective") or ("" if not r.get("in_collective") else "yes")
         table.add_row(
-            _cell(node), _cell(f"{'*' if culprit else ''}{rank}"), _cell(r.get("state")), _cell(_exit_cell(r.get("exit"))),
-            _cell(r.get("step")), _cell(collective), _cell(r.get("phase")), _cell(r.get("heartbeat_age_s")),
-            _cell(r.get("where")), style=CULPRIT_STYLE if culprit else None,
+            _cell(node),
+            _cell(f"{'*' if culprit else ''}{rank}"),
+            _cell(r.get("state")),
+            _cell(_exit_cell(r.get("exit"))),
+            _cell(r.get("step")),
+            _cell(collective),
+            _cell(r.get("phase")),
+            _cell(r.get("heartbeat_age_s")),
+            _cell(r.get("where")),
+            style=CULPRIT_STYLE if culprit else None,
         )
     return table
 
 
 def _nodes_part(summary: Mapping) -> list:
     nodes = summary.get("nodes") or {}
-    lines = [data(f"evidence of {len(nodes)} nodes merged (incident {summary.get('incident_id', '?')}); "
-                  f"this is node {summary.get('node_rank', '?')}'s bundle", style="bold")]
+    lines = [
+        data(
+            f"evidence of {len(nodes)} nodes merged (incident {summary.get('incident_id', '?')}); "
+            f"this is node {summary.get('node_rank', '?')}'s bundle",
+            style="bold",
+        )
+    ]
     for node, record in sorted(nodes.items(), key=_node_key):
         record = record or {}
-        lines.append(data(f"  node {node} ({record.get('host') or '?'}): {record.get('reason') or '?'}, "
-                          f"bundle {record.get('bundle') or '?'}"))
+        lines.append(
+            data(
+                f"  node {node} ({record.get('host') or '?'}): {record.get('reason') or '?'}, "
+                f"bundle {record.get('bundle') or '?'}"
+            )
+        )
         if record.get("ranks_omitted"):
-            lines.append(data(f"    {record['ranks_omitted']} ranks left out of its summary (see its bundle)",
-                              style="yellow"))
+            lines.append(
+                data(f"    {record['ranks_omitted']} ranks left out of its summary (see its bundle)", style="yellow")
+            )
     missing = summary.get("nodes_missing") or []
     if missing:
         lines.append(data(f"  no summary in time from node(s) {', '.join(map(str, missing))}", style="yellow"))
@@ -146,9 +171,14 @@ def _nodes_part(summary: Mapping) -> list:
 
 def _peer_bundles_part(summary: Mapping) -> list:
     peers = summary.get("peer_bundles") or {}
-    return [data(f"node {node}'s bundle of this incident ({(p or {}).get('reason') or '?'}, "
-                 f"{(p or {}).get('host') or '?'}): {(p or {}).get('bundle') or '?'}", style="dim")
-            for node, p in sorted(peers.items(), key=_node_key)]
+    return [
+        data(
+            f"node {node}'s bundle of this incident ({(p or {}).get('reason') or '?'}, "
+            f"{(p or {}).get('host') or '?'}): {(p or {}).get('bundle') or '?'}",
+            style="dim",
+        )
+        for node, p in sorted(peers.items(), key=_node_key)
+    ]
 
 
 def _header(summary: Mapping) -> Text:

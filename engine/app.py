@@ -107,8 +107,9 @@ class ShutdownGuard:
             except Exception as exc:  # the hard-exit deadline below must still hold
                 log.error("stop serving failed", error=repr(exc)[:300])
         if not self._done.wait(self.grace_s):
-            print(f"engine: clean shutdown did not finish within {self.grace_s} s; exiting",
-                  file=sys.stderr, flush=True)
+            print(
+                f"engine: clean shutdown did not finish within {self.grace_s} s; exiting", file=sys.stderr, flush=True
+            )
             os._exit(FORCED_EXIT_CODE)
 
     def done(self) -> None:
@@ -118,10 +119,16 @@ class ShutdownGuard:
 def _print_ready(cfg: EngineConfig, host: str, port: int, world_size: int) -> None:
     host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    print(f"{READY_PREFIX}{url} (model {cfg.model_name}, tp {world_size}, control plane {cfg.control_plane}, "
-          f"device {cfg.device})", flush=True)
-    print(f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json' "
-          "-d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'", flush=True)
+    print(
+        f"{READY_PREFIX}{url} (model {cfg.model_name}, tp {world_size}, control plane {cfg.control_plane}, "
+        f"device {cfg.device})",
+        flush=True,
+    )
+    print(
+        f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+        '-d \'{"prompt": "Hello", "max_tokens": 16}\'',
+        flush=True,
+    )
 
 
 class _Listen:
@@ -149,8 +156,7 @@ def run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig) -> int:
         guard.done()
 
 
-def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: ShutdownGuard,
-         listen: _Listen) -> int:
+def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: ShutdownGuard, listen: _Listen) -> int:
     import torch
 
     from .bridge import EngineBridge
@@ -173,8 +179,11 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
     torch.set_num_threads(threads)
     if cfg.device == "cuda":
         if not torch.cuda.is_available() or torch.cuda.device_count() <= dist_env.local_rank:
-            print(f"engine: error: --device cuda but CUDA device {dist_env.local_rank} is not available",
-                  file=sys.stderr, flush=True)
+            print(
+                f"engine: error: --device cuda but CUDA device {dist_env.local_rank} is not available",
+                file=sys.stderr,
+                flush=True,
+            )
             return DEVICE_EXIT_CODE
         torch.cuda.set_device(dist_env.local_rank)
         device = torch.device("cuda", dist_env.local_rank)
@@ -196,8 +205,15 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
     comm = TPComm(model_group, world, injector)
     model = LlamaShard(model_cfg, shard, weights, comm, cfg.max_context, device, dtype, max_seqs=cfg.max_batch)
     runner = ModelRunner(model, injector)
-    log.info("shard loaded", tp=world, threads=threads, device=str(device), dtype=cfg.dtype,
-             params_total=model_cfg.num_params, model=cfg.model_name)
+    log.info(
+        "shard loaded",
+        tp=world,
+        threads=threads,
+        device=str(device),
+        dtype=cfg.dtype,
+        params_total=model_cfg.num_params,
+        model=cfg.model_name,
+    )
 
     broadcast = cfg.control_plane == "broadcast"
     bridge = frontend = publisher = subscriber = None
@@ -205,16 +221,30 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
     status: StartupStatus | None = None
     if rank == 0:
         bridge = EngineBridge()
-        spec = FrontendSpec(model_name=cfg.model_name, max_context=cfg.max_context, vocab_size=model_cfg.vocab_size,
-                            host=cfg.host, port=cfg.port, seed=cfg.seed, run_dir=cfg.run_dir,
-                            limits=ServingLimits(max_waiting=cfg.max_waiting, read_timeout_s=cfg.read_timeout,
-                                                 max_prompt_tokens=cfg.max_prompt_tokens or cfg.max_context - 1))
-        frontend = Frontend(bridge, tokenizer, spec, chat_template=load_chat_template(cfg.model_dir),
-                            listen_sock=listen.sock)
+        spec = FrontendSpec(
+            model_name=cfg.model_name,
+            max_context=cfg.max_context,
+            vocab_size=model_cfg.vocab_size,
+            host=cfg.host,
+            port=cfg.port,
+            seed=cfg.seed,
+            run_dir=cfg.run_dir,
+            limits=ServingLimits(
+                max_waiting=cfg.max_waiting,
+                read_timeout_s=cfg.read_timeout,
+                max_prompt_tokens=cfg.max_prompt_tokens or cfg.max_context - 1,
+            ),
+        )
+        frontend = Frontend(
+            bridge, tokenizer, spec, chat_template=load_chat_template(cfg.model_dir), listen_sock=listen.sock
+        )
         status = {"ok": True, "error": "", "plan_port": None}
         if listen.error:
-            status = {"ok": False, "error": f"HTTP frontend cannot use the inherited socket: {listen.error}",
-                      "plan_port": None}
+            status = {
+                "ok": False,
+                "error": f"HTTP frontend cannot use the inherited socket: {listen.error}",
+                "plan_port": None,
+            }
         else:
             try:
                 frontend.start()
@@ -226,8 +256,9 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
             status["plan_port"] = publisher.port
         if status["ok"] and cfg.run_dir:
             try:
-                inflight = InflightRequests(InflightFile(inflight_path(cfg.run_dir, rank), cfg.max_batch,
-                                                         attempt_from(os.environ)))
+                inflight = InflightRequests(
+                    InflightFile(inflight_path(cfg.run_dir, rank), cfg.max_batch, attempt_from(os.environ))
+                )
             except OSError as exc:  # serving matters more than the record
                 log.warning("in-flight record unavailable", run_dir=cfg.run_dir, error=str(exc)[:200])
         guard.set_thread_callback(frontend.stop_serving_on_signal)
@@ -263,15 +294,20 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
             loop = BroadcastWorker(runner, subscriber, injector)
         else:
             exchange = RequestExchange(control_group, rank, world)
-            loop = ReplicatedRank(rank, runner, Scheduler(sched_cfg), exchange, comm, injector, bridge,
-                                  cfg.sync_token_ids, inflight)
+            loop = ReplicatedRank(
+                rank, runner, Scheduler(sched_cfg), exchange, comm, injector, bridge, cfg.sync_token_ids, inflight
+            )
         if bridge is not None:
             guard.set_callback(bridge.request_shutdown)
         instrument.ready()
         if frontend is not None:  # rank 0
             _print_ready(cfg, frontend.host, frontend.port, world)
-        log.info("serving", control_plane=cfg.control_plane, injections=[str(i) for i in injector.injections],
-                 inherited_socket=listen.sock is not None)
+        log.info(
+            "serving",
+            control_plane=cfg.control_plane,
+            injections=[str(i) for i in injector.injections],
+            inherited_socket=listen.sock is not None,
+        )
         with torch.inference_mode():
             loop.run()
     except BaseException as exc:

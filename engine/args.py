@@ -118,37 +118,81 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reference tensor-parallel Llama engine (one rank per process, torchrun environment).",
     )
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    p.add_argument("--control-plane", choices=CONTROL_PLANES, default="broadcast",
-                   help="broadcast: rank 0 schedules and sends step plans; replicated: every rank schedules")
-    p.add_argument("--model", dest="model_dir", metavar="DIR",
-                   help="Hugging Face Llama directory (config.json, *.safetensors, tokenizer.json); "
-                        "default: a seeded random model with a byte-level tokenizer")
-    p.add_argument("--random-preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
-                   help="size of the random model when --model is not given")
+    p.add_argument(
+        "--control-plane",
+        choices=CONTROL_PLANES,
+        default="broadcast",
+        help="broadcast: rank 0 schedules and sends step plans; replicated: every rank schedules",
+    )
+    p.add_argument(
+        "--model",
+        dest="model_dir",
+        metavar="DIR",
+        help="Hugging Face Llama directory (config.json, *.safetensors, tokenizer.json); "
+        "default: a seeded random model with a byte-level tokenizer",
+    )
+    p.add_argument(
+        "--random-preset",
+        choices=sorted(PRESETS),
+        default=DEFAULT_PRESET,
+        help="size of the random model when --model is not given",
+    )
     p.add_argument("--host", default=DEFAULT_HOST, help="HTTP frontend address (rank 0 only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP frontend port; 0 picks a free one")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND@RANK[:STEP]",
-                   help=f"fault injection, repeatable; kinds: {', '.join(ALL_KINDS)} (poison: KIND@RANK)")
-    p.add_argument("--sync-token-ids", action="store_true",
-                   help="replicated plane: MIN all-reduce of the sampled ids every step")
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND@RANK[:STEP]",
+        help=f"fault injection, repeatable; kinds: {', '.join(ALL_KINDS)} (poison: KIND@RANK)",
+    )
+    p.add_argument(
+        "--sync-token-ids", action="store_true", help="replicated plane: MIN all-reduce of the sampled ids every step"
+    )
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random model weights and default sampling seeds")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="sequences per step")
-    p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
-                   help="prompt tokens prefilled per step (a longer single prompt still runs alone)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help=f"tokens per sequence, prompt included (default: min({DEFAULT_MAX_CONTEXT}, model limit))")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        help="prompt tokens prefilled per step (a longer single prompt still runs alone)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help=f"tokens per sequence, prompt included (default: min({DEFAULT_MAX_CONTEXT}, model limit))",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per rank (default: CPUs / ranks on this node)")
-    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                   help="requests that may wait for a batch slot; beyond it the API answers 429 with Retry-After")
-    p.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
-                   help="a client must send a request's headers, and then its body, within this (else 408/close)")
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="longest prompt accepted, in tokens (default: --max-context - 1)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads per rank (default: CPUs / ranks on this node)"
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=DEFAULT_MAX_WAITING,
+        help="requests that may wait for a batch slot; beyond it the API answers 429 with Retry-After",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a client must send a request's headers, and then its body, within this (else 408/close)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt accepted, in tokens (default: --max-context - 1)",
+    )
     p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
-    p.add_argument("--trace-events", metavar="DIR", default=None,
-                   help="write every rank's consensus events to DIR/rank-<r>.jsonl (debugging)")
+    p.add_argument(
+        "--trace-events",
+        metavar="DIR",
+        default=None,
+        help="write every rank's consensus events to DIR/rank-<r>.jsonl (debugging)",
+    )
     return p
 
 
@@ -210,7 +254,9 @@ def parse_args(
     if not 2 <= max_context <= model_cfg.max_position:
         parser.error(f"--max-context {max_context}: must be in 2..{model_cfg.max_position} (max_position_embeddings)")
     if ns.max_prompt_tokens is not None and not 1 <= ns.max_prompt_tokens < max_context:
-        parser.error(f"--max-prompt-tokens {ns.max_prompt_tokens}: must be in 1..{max_context - 1} (below --max-context)")
+        parser.error(
+            f"--max-prompt-tokens {ns.max_prompt_tokens}: must be in 1..{max_context - 1} (below --max-context)"
+        )
     cfg = EngineConfig(
         device=ns.device,
         control_plane=ns.control_plane,

@@ -87,8 +87,11 @@ def _content(message: dict, role: str, where: str) -> str:
         for j, part in enumerate(value):
             part_param = f"{param}[{j}]"
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise _bad(f"'{part_param}' must be a text part {{\"type\": \"text\", \"text\": ...}} "
-                           "(only text content is supported)", part_param)
+                raise _bad(
+                    f'\'{part_param}\' must be a text part {{"type": "text", "text": ...}} '
+                    "(only text content is supported)",
+                    part_param,
+                )
             text = part.get("text")
             if not isinstance(text, str):
                 raise _bad(f"'{part_param}.text' must be a string", part_param)
@@ -137,7 +140,7 @@ def parse_chat(body, *, model_name: str) -> ChatSpec:
         raise _bad("'tools' are not supported by this server", "tools")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise _bad("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
+        raise _bad('\'response_format\' other than {"type": "text"} is not supported', "response_format")
     return ChatSpec(messages=messages, gen=gen)
 
 
@@ -179,11 +182,13 @@ class JinjaTemplate:
         self._eos = eos_token
 
     def render(self, messages: tuple[tuple[str, str], ...]) -> str:
-        rendered = [{"role": "system" if role == "developer" else role, "content": content}
-                    for role, content in messages]
+        rendered = [
+            {"role": "system" if role == "developer" else role, "content": content} for role, content in messages
+        ]
         try:
-            text = self._template.render(messages=rendered, add_generation_prompt=True,
-                                         bos_token=self._bos, eos_token=self._eos)
+            text = self._template.render(
+                messages=rendered, add_generation_prompt=True, bos_token=self._bos, eos_token=self._eos
+            )
         except Exception as exc:  # raise_exception, or a template that fails on this input: this request only
             reason = " ".join(str(exc).split())[:300] or type(exc).__name__
             raise _bad(f"the model's chat template cannot render these messages: {reason}", "messages") from None
@@ -230,10 +235,16 @@ def load_chat_template(model_dir: str | None):
         return PlainTemplate()
     text, source, config = found
     try:
-        template = JinjaTemplate(text, source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        template = JinjaTemplate(
+            text, source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        )
     except ImportError:
-        log.warning("chat template unusable", source=source, fallback="plain",
-                    error="jinja2 is not installed (pip install jinja2)")
+        log.warning(
+            "chat template unusable",
+            source=source,
+            fallback="plain",
+            error="jinja2 is not installed (pip install jinja2)",
+        )
         return PlainTemplate()
     except Exception as exc:  # a template that does not compile
         log.warning("chat template unusable", source=source, fallback="plain", error=" ".join(str(exc).split())[:300])
@@ -243,23 +254,47 @@ def load_chat_template(model_dir: str | None):
 
 
 # -- response bodies ---------------------------------------------------------------------------
-def chat_body(*, request_id: str, created: int, model: str, text: str, finish_reason: str | None,
-              token_ids: list[int] | None, usage: dict) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-              "finish_reason": finish_reason}
+def chat_body(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    token_ids: list[int] | None,
+    usage: dict,
+) -> dict:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage}
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
 
 
-def chat_chunk(*, request_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
-               token_ids: list[int] | None) -> dict:
+def chat_chunk(
+    *, request_id: str, created: int, model: str, delta: dict, finish_reason: str | None, token_ids: list[int] | None
+) -> dict:
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice]}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
 
 
 class ChatShape:

@@ -68,8 +68,13 @@ def write_random_checkpoint(directory: str | Path, spec: CheckpointSpec = Checkp
     factor = fields.pop("llama3_rope_factor")
     original = fields.pop("llama3_original_max_position")
     if factor is not None:
-        rope.update(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=original)
+        rope.update(
+            rope_type="llama3",
+            factor=factor,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=original,
+        )
     config = LlamaConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, rope_parameters=rope, **fields)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -80,7 +85,9 @@ def write_random_checkpoint(directory: str | Path, spec: CheckpointSpec = Checkp
 
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = CheckpointSpec()
-    p = argparse.ArgumentParser(prog="python -m tp_supervise.engine.checkpoint_gen", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tp_supervise.engine.checkpoint_gen", description=__doc__.splitlines()[0]
+    )
     p.add_argument("directory")
     p.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     p.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
@@ -94,10 +101,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=defaults.seed)
     ns = p.parse_args(argv)
     spec = CheckpointSpec(
-        vocab_size=ns.vocab_size, hidden_size=ns.hidden_size, intermediate_size=ns.intermediate_size,
-        num_hidden_layers=ns.layers, num_attention_heads=ns.heads, num_key_value_heads=ns.kv_heads,
-        max_position_embeddings=ns.max_position, initializer_range=ns.init_std,
-        tie_word_embeddings=ns.tie_word_embeddings, seed=ns.seed,
+        vocab_size=ns.vocab_size,
+        hidden_size=ns.hidden_size,
+        intermediate_size=ns.intermediate_size,
+        num_hidden_layers=ns.layers,
+        num_attention_heads=ns.heads,
+        num_key_value_heads=ns.kv_heads,
+        max_position_embeddings=ns.max_position,
+        initializer_range=ns.init_std,
+        tie_word_embeddings=ns.tie_word_embeddings,
+        seed=ns.seed,
     )
     print(write_random_checkpoint(ns.directory, spec))
     return 0

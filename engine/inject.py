@@ -147,9 +147,7 @@ class FaultInjector:
         self.wants_prompts = self._decode is not None  # show this rank the prefills' token ids (poison)
         self.decode_step = 0
         self._active_step = False  # the current engine step is a decode step
-        self._slow_from: int | None = min(
-            (i.step for i in self._mine if i.kind == "slow"), default=None
-        )
+        self._slow_from: int | None = min((i.step for i in self._mine if i.kind == "slow"), default=None)
         self._skip_armed = False
 
     @property
@@ -196,16 +194,16 @@ class FaultInjector:
         for ids in prompts:
             if POISON_MARKER in self._decode(list(ids)):
                 log.warning("inject: firing", kind="poison", rank=self.rank, decode_step=self.decode_step)
-                raise InjectedFault(f"injected poison on rank {self.rank}: a scheduled prompt carries "
-                                    f"{POISON_MARKER}")
+                raise InjectedFault(f"injected poison on rank {self.rank}: a scheduled prompt carries {POISON_MARKER}")
 
     def take_collective_skip(self) -> bool:
         """True once, for the first collective of a hang_collective step."""
         if not self._skip_armed:
             return False
         self._skip_armed = False
-        log.warning("inject: skipping a collective", kind="hang_collective", rank=self.rank,
-                    decode_step=self.decode_step)
+        log.warning(
+            "inject: skipping a collective", kind="hang_collective", rank=self.rank, decode_step=self.decode_step
+        )
         return True
 
     def block_after_skip(self) -> None:

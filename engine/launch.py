@@ -64,11 +64,17 @@ class LocalEngine:
 
     def rank_environ(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.spec.nproc),
-            "LOCAL_WORLD_SIZE": str(self.spec.nproc), "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.master_port),
-        })
+        env.update(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(self.spec.nproc),
+                "LOCAL_WORLD_SIZE": str(self.spec.nproc),
+                "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(self.master_port),
+            }
+        )
         env.update(self.spec.env)
         env.update(self.spec.rank_env.get(rank, {}))
         return env
@@ -77,11 +83,17 @@ class LocalEngine:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(self.spec.nproc):
             with open(self.out_path(rank), "wb") as out, open(self.err_path(rank), "wb") as err:
-                self.procs.append(subprocess.Popen(
-                    [self.spec.python, "-m", "tp_supervise.engine", *self.spec.engine_args],
-                    env=self.rank_environ(rank), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                    start_new_session=True, pass_fds=tuple(self.spec.rank_fds.get(rank, ())),
-                ))
+                self.procs.append(
+                    subprocess.Popen(
+                        [self.spec.python, "-m", "tp_supervise.engine", *self.spec.engine_args],
+                        env=self.rank_environ(rank),
+                        stdout=out,
+                        stderr=err,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                        pass_fds=tuple(self.spec.rank_fds.get(rank, ())),
+                    )
+                )
         return self
 
     def out_path(self, rank: int) -> Path:

@@ -36,8 +36,16 @@ class _Formatter(logging.Formatter):
         fields: dict[str, Any] = getattr(record, "fields", {})
         level = record.levelname.lower()
         if self.as_json:
-            return json.dumps({"timestamp": _timestamp(record.created), "level": level, "event": record.getMessage(),
-                               "rank": self.rank, **fields}, default=repr)
+            return json.dumps(
+                {
+                    "timestamp": _timestamp(record.created),
+                    "level": level,
+                    "event": record.getMessage(),
+                    "rank": self.rank,
+                    **fields,
+                },
+                default=repr,
+            )
         text = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items())
         return f"{_timestamp(record.created)} [{level:<8}] {record.getMessage():<30} {text} rank={self.rank}"
 

@@ -47,8 +47,7 @@ log = get_logger()
 def _diverged(plan: StepPlan, injector: FaultInjector) -> StepPlan:
     """The plan this rank actually runs (diverge_batch drops the newest sequence)."""
     if injector.diverge_batch() and plan.items:
-        log.warning("inject: diverging batch", kind="diverge_batch", step=plan.index,
-                    dropped=plan.items[-1].seq_id)
+        log.warning("inject: diverging batch", kind="diverge_batch", step=plan.index, dropped=plan.items[-1].seq_id)
         return plan.without_last()
     return plan
 
@@ -67,8 +66,9 @@ def _apply(scheduler: Scheduler, msg: ControlMessage) -> list[str]:
     return refused
 
 
-def _next_plan(scheduler: Scheduler, msg: ControlMessage, bridge: EngineBridge | None,
-               inflight: InflightRequests) -> StepPlan | None:
+def _next_plan(
+    scheduler: Scheduler, msg: ControlMessage, bridge: EngineBridge | None, inflight: InflightRequests
+) -> StepPlan | None:
     """Apply ``msg``, fail what the scheduler refused, then schedule unless ``msg`` shuts down.
 
     ``None`` means nothing to run or shutdown; callers test ``msg.shutdown`` first
@@ -85,8 +85,9 @@ def _next_plan(scheduler: Scheduler, msg: ControlMessage, bridge: EngineBridge |
     return scheduler.schedule()
 
 
-def _execute(plan: StepPlan, runner: ModelRunner, injector: FaultInjector,
-             publisher: PlanPublisher | None = None) -> tuple[StepPlan, list[int]]:
+def _execute(
+    plan: StepPlan, runner: ModelRunner, injector: FaultInjector, publisher: PlanPublisher | None = None
+) -> tuple[StepPlan, list[int]]:
     """Run one step's batch on this rank, inside the caller's ``instrument.step``.
 
     One sequence for every role so the consensus events and inject hooks stay in
@@ -106,8 +107,15 @@ def _execute(plan: StepPlan, runner: ModelRunner, injector: FaultInjector,
 
 
 class BroadcastLeader:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, bridge: EngineBridge,
-                 publisher: PlanPublisher | None, injector: FaultInjector, inflight: InflightRequests):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        bridge: EngineBridge,
+        publisher: PlanPublisher | None,
+        injector: FaultInjector,
+        inflight: InflightRequests,
+    ):
         self.runner = runner
         self.scheduler = scheduler
         self.bridge = bridge
@@ -157,9 +165,18 @@ class BroadcastWorker:
 
 
 class ReplicatedRank:
-    def __init__(self, rank: int, runner: ModelRunner, scheduler: Scheduler, exchange: RequestExchange,
-                 comm: TPComm, injector: FaultInjector, bridge: EngineBridge | None, sync_token_ids: bool,
-                 inflight: InflightRequests):
+    def __init__(
+        self,
+        rank: int,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        exchange: RequestExchange,
+        comm: TPComm,
+        injector: FaultInjector,
+        bridge: EngineBridge | None,
+        sync_token_ids: bool,
+        inflight: InflightRequests,
+    ):
         self.rank = rank
         self.inflight = inflight
         self.runner = runner
@@ -181,11 +198,14 @@ class ReplicatedRank:
         while True:
             msg = self._receive()
             if not msg.empty:
-                instrument.record("requests", {
-                    "new": [[r.request_id, len(r.prompt_ids)] for r in msg.requests],
-                    "aborts": list(msg.aborts),
-                    "shutdown": msg.shutdown,
-                })
+                instrument.record(
+                    "requests",
+                    {
+                        "new": [[r.request_id, len(r.prompt_ids)] for r in msg.requests],
+                        "aborts": list(msg.aborts),
+                        "shutdown": msg.shutdown,
+                    },
+                )
             plan = _next_plan(self.scheduler, msg, self.bridge, self.inflight)
             if msg.shutdown:
                 break

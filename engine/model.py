@@ -58,8 +58,16 @@ class KVPool:
     a slot is first used (each allocation zeroes its slot, see ``allocate``).
     """
 
-    def __init__(self, layers: int, slots: int, kv_heads: int, max_context: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        max_context: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.k = torch.empty(layers, slots, kv_heads, max_context, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.limit = max_context
@@ -158,8 +166,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaShard:
-    def __init__(self, cfg: ModelConfig, shard: ShardPlan, weights: ShardWeights, comm: TPComm,
-                 max_context: int, device: torch.device, dtype: torch.dtype, max_seqs: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shard: ShardPlan,
+        weights: ShardWeights,
+        comm: TPComm,
+        max_context: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_seqs: int,
+    ):
         self.cfg = cfg
         self.shard = shard
         self.w = weights
@@ -204,11 +221,15 @@ class LlamaShard:
         return _DecodeBatch(
             rows=torch.tensor(rows, dtype=torch.int64, device=dev),
             slots=torch.tensor([sp.cache.slot for sp in decode], dtype=torch.int64, device=dev),
-            positions=pos_t, width=width, mask=mask, contiguous=rows == list(range(len(spans))),
+            positions=pos_t,
+            width=width,
+            mask=mask,
+            contiguous=rows == list(range(len(spans))),
         )
 
-    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   spans: list[Span], dec: _DecodeBatch | None) -> torch.Tensor:
+    def _attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[Span], dec: _DecodeBatch | None
+    ) -> torch.Tensor:
         kl, vl = self.kv.k[layer], self.kv.v[layer]  # [slots, kv_heads, max_context, head_dim]
         gqa = self.shard.q_heads != self.shard.kv_heads
         dec_out = None
@@ -230,8 +251,8 @@ class LlamaShard:
                 continue
             end = sp.start + sp.length
             rows = slice(sp.offset, sp.offset + sp.length)
-            kl[sp.cache.slot, :, sp.start:end] = k[rows].transpose(0, 1)
-            vl[sp.cache.slot, :, sp.start:end] = v[rows].transpose(0, 1)
+            kl[sp.cache.slot, :, sp.start : end] = k[rows].transpose(0, 1)
+            vl[sp.cache.slot, :, sp.start : end] = v[rows].transpose(0, 1)
             keys = kl[sp.cache.slot, :, :end].unsqueeze(0)
             values = vl[sp.cache.slot, :, :end].unsqueeze(0)
             query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
@@ -245,8 +266,9 @@ class LlamaShard:
         return out
 
     # -- forward -------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, spans: list[Span],
-                logit_rows: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, spans: list[Span], logit_rows: torch.Tensor | None
+    ) -> torch.Tensor:
         """Run a ragged batch; returns float32 logits [len(logit_rows) or tokens, vocab].
 
         ``ids``/``positions``: [tokens] int64; ``spans`` describe which rows

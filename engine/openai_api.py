@@ -29,8 +29,16 @@ class ApiError(Exception):
     ``code`` is the machine-readable ``error.code`` (None for most errors).
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 *, code: str | None = None, retry_after: int | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        *,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -127,8 +135,9 @@ def _prompt(value, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]
 def check_model(body: dict, model_name: str) -> None:
     model = body.get("model")
     if model is not None and model != model_name:
-        raise ApiError(404, f"the model '{str(model)[:100]}' does not exist (serving '{model_name}')", "model",
-                       "not_found_error")
+        raise ApiError(
+            404, f"the model '{str(model)[:100]}' does not exist (serving '{model_name}')", "model", "not_found_error"
+        )
 
 
 def parse_generation(body: dict, *, max_tokens_field: str = "max_tokens") -> GenerationSpec:
@@ -245,21 +254,31 @@ class StopMatcher:
         return text
 
 
-def completion_body(*, request_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                    token_ids: list[int] | None, usage: dict | None) -> dict:
+def completion_body(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    token_ids: list[int] | None,
+    usage: dict | None,
+) -> dict:
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice]}
+    body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     if usage is not None:
         body["usage"] = usage
     return body
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class CompletionShape:

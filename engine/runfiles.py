@@ -118,13 +118,25 @@ READ_RETRIES = 100
 log = get_logger()
 
 
-def fingerprint(model: str, prompt_ids, max_tokens: int, temperature: float, top_p: float, seed: int | None,
-                stop: tuple[str, ...], ignore_eos: bool) -> str:
+def fingerprint(
+    model: str,
+    prompt_ids,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+) -> str:
     """The request's fingerprint: 32 hex digits (see the module docstring for what counts)."""
-    canonical = json.dumps([model, list(prompt_ids), max_tokens, temperature, top_p, seed, list(stop), ignore_eos],
-                           separators=(",", ":"), ensure_ascii=True)
-    return hashlib.blake2b(canonical.encode("ascii"), digest_size=FINGERPRINT_BYTES,
-                           person=FINGERPRINT_PERSON).hexdigest()
+    canonical = json.dumps(
+        [model, list(prompt_ids), max_tokens, temperature, top_p, seed, list(stop), ignore_eos],
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return hashlib.blake2b(
+        canonical.encode("ascii"), digest_size=FINGERPRINT_BYTES, person=FINGERPRINT_PERSON
+    ).hexdigest()
 
 
 def inflight_path(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -175,8 +187,14 @@ class InflightFile:
         slot = self._free.pop()
         offset = HEADER.size + SLOT.size * slot
         self._bump()
-        struct.pack_into("<IQ16s", self._map, offset + SLOT_STEP_OFFSET, step & 0xFFFFFFFF, time.monotonic_ns(),
-                         bytes.fromhex(fp_hex))
+        struct.pack_into(
+            "<IQ16s",
+            self._map,
+            offset + SLOT_STEP_OFFSET,
+            step & 0xFFFFFFFF,
+            time.monotonic_ns(),
+            bytes.fromhex(fp_hex),
+        )
         self._map[offset] = SLOT_IN_FLIGHT  # last: the slot is complete
         self._bump()
         self._slots[request_id] = slot
@@ -261,7 +279,9 @@ def _parse_inflight(data: bytes) -> InflightSnapshot:
         raise InflightFormatError(f"{len(data)} bytes is shorter than the header")
     magic, version, nslots, pid, attempt, generation = HEADER.unpack_from(data, 0)
     if magic != MAGIC or version != LAYOUT_VERSION:
-        raise InflightFormatError(f"not an in-flight file of version {LAYOUT_VERSION} (magic {magic!r}, version {version})")
+        raise InflightFormatError(
+            f"not an in-flight file of version {LAYOUT_VERSION} (magic {magic!r}, version {version})"
+        )
     if len(data) != HEADER.size + SLOT.size * nslots:
         raise InflightFormatError(f"{len(data)} bytes for {nslots} slots")
     live = []
@@ -328,8 +348,9 @@ class Quarantine:
         except (OSError, ValueError) as exc:
             log.warning("quarantine list unreadable", path=str(path), error=str(exc)[:200], kept=len(self._entries))
             return
-        log.info("quarantine list loaded", path=str(path), fingerprints=len(self._entries),
-                 suspects=len(self._suspects))
+        log.info(
+            "quarantine list loaded", path=str(path), fingerprints=len(self._entries), suspects=len(self._suspects)
+        )
 
 
 def parse_quarantine(raw: bytes) -> dict[str, tuple[str, ...]]:
@@ -341,10 +362,10 @@ def parse_quarantine_file(raw: bytes) -> tuple[dict[str, tuple[str, ...]], froze
     """``quarantine.json``: the quarantined fingerprints and the suspects (raises ValueError for a bad file)."""
     data = json.loads(raw.decode("utf-8"))
     if not isinstance(data, dict) or data.get("version") != QUARANTINE_VERSION:
-        raise ValueError(f"expected a JSON object with \"version\": {QUARANTINE_VERSION}")
+        raise ValueError(f'expected a JSON object with "version": {QUARANTINE_VERSION}')
     fps = data.get("fingerprints")
     if not isinstance(fps, dict):
-        raise ValueError("\"fingerprints\" must be an object")
+        raise ValueError('"fingerprints" must be an object')
     entries = {}
     for fp, incidents in fps.items():
         if not isinstance(incidents, list) or not all(isinstance(i, str) for i in incidents):
@@ -361,8 +382,7 @@ def write_quarantine(run_dir: str | os.PathLike, entries: dict[str, list[str]], 
     """Write ``quarantine.json`` atomically (the supervisor's side of the contract; tests use it too)."""
     path = Path(run_dir) / QUARANTINE_FILE
     tmp = path.with_name(f".{QUARANTINE_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"version": QUARANTINE_VERSION, "fingerprints": entries,
-                               "suspects": sorted(suspects)}))
+    tmp.write_text(json.dumps({"version": QUARANTINE_VERSION, "fingerprints": entries, "suspects": sorted(suspects)}))
     os.replace(tmp, path)
     return path
 

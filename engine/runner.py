@@ -89,7 +89,8 @@ class ModelRunner:
         tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
         if self._injector.diverge_token():
             diverged = (tokens[0] + 1) % self.vocab_size
-            log.warning("inject: diverging token", kind="diverge_token", step=plan.index,
-                        sampled=tokens[0], used=diverged)
+            log.warning(
+                "inject: diverging token", kind="diverge_token", step=plan.index, sampled=tokens[0], used=diverged
+            )
             tokens[0] = diverged
         return tokens

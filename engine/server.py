@@ -154,8 +154,15 @@ async def _read_json(request: web.Request, timeout_s: float):
 
 
 class Frontend:
-    def __init__(self, bridge: EngineBridge, tokenizer, spec: FrontendSpec, *, chat_template=None,
-                 listen_sock: socket.socket | None = None):
+    def __init__(
+        self,
+        bridge: EngineBridge,
+        tokenizer,
+        spec: FrontendSpec,
+        *,
+        chat_template=None,
+        listen_sock: socket.socket | None = None,
+    ):
         self.bridge = bridge
         self.spec = spec
         self.limits = spec.limits
@@ -217,9 +224,15 @@ class Frontend:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         # keepalive_timeout also closes a connection that has not completed its headers (aiohttp
         # closes a handler still waiting for a message): the header half of the read timeout
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=HANDLER_DRAIN_S, logger=_OneLineLog(),
-                                     keepalive_timeout=self.limits.read_timeout_s, lingering_time=LINGER_S)
+        self._runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=HANDLER_DRAIN_S,
+            logger=_OneLineLog(),
+            keepalive_timeout=self.limits.read_timeout_s,
+            lingering_time=LINGER_S,
+        )
         try:
             loop.run_until_complete(self._runner.setup())
             if self._listen_sock is not None:
@@ -236,8 +249,12 @@ class Frontend:
             return
         self._started.set()
         if not is_loopback(self.host):
-            log.warning("the completions API has no authentication and binds a non-loopback address; "
-                        "put it behind an authenticating proxy or bind 127.0.0.1", host=self.host, port=self.port)
+            log.warning(
+                "the completions API has no authentication and binds a non-loopback address; "
+                "put it behind an authenticating proxy or bind 127.0.0.1",
+                host=self.host,
+                port=self.port,
+            )
         try:
             loop.run_forever()
         finally:
@@ -331,10 +348,20 @@ class Frontend:
         return web.json_response({"status": "shutting_down"}, status=503)
 
     async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self._created, "owned_by": "tp-supervise",
-            "max_model_len": self.spec.max_context,
-        }]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": self._created,
+                        "owned_by": "tp-supervise",
+                        "max_model_len": self.spec.max_context,
+                    }
+                ],
+            }
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -361,33 +388,54 @@ class Frontend:
             raise ApiError(400, "the prompt encodes to no tokens", "prompt")
         check_prompt(len(ids), self.limits.max_prompt_tokens)
         check_context(len(ids), gen.max_tokens, self.spec.max_context)
-        fp = fingerprint(self.model_name, ids, gen.max_tokens, gen.temperature, gen.top_p, gen.seed, gen.stop,
-                         gen.ignore_eos)
+        fp = fingerprint(
+            self.model_name, ids, gen.max_tokens, gen.temperature, gen.top_p, gen.seed, gen.stop, gen.ignore_eos
+        )
         incidents = self._quarantine.lookup(fp)
         if incidents is not None:
             log.warning("request quarantined", fingerprint=fp, incidents=list(incidents))
             named = ", ".join(incidents) or "of an earlier attempt"
-            raise ApiError(400, f"this request is quarantined: the engine's group failed while it was in flight "
-                                f"(incidents {named}); it will not be run again", None,
-                           code="request_quarantined")
+            raise ApiError(
+                400,
+                f"this request is quarantined: the engine's group failed while it was in flight "
+                f"(incidents {named}); it will not be run again",
+                None,
+                code="request_quarantined",
+            )
         if not self.bridge.accepting:
             raise _unavailable(self.bridge.close_reason or SHUTDOWN_TEXT)
         if self._waiting.count >= self.limits.max_waiting:
-            raise ApiError(429, f"{self._waiting.count} requests are already waiting for a batch slot; retry later",
-                           None, "rate_limit_error", retry_after=RETRY_AFTER_S)
+            raise ApiError(
+                429,
+                f"{self._waiting.count} requests are already waiting for a batch slot; retry later",
+                None,
+                "rate_limit_error",
+                retry_after=RETRY_AFTER_S,
+            )
         return fp
 
-    async def _serve_generation(self, request: web.Request, ids: list[int], gen: GenerationSpec,
-                                shape) -> web.StreamResponse:
+    async def _serve_generation(
+        self, request: web.Request, ids: list[int], gen: GenerationSpec, shape
+    ) -> web.StreamResponse:
         try:
             fp = self._admit(ids, gen)
         except ApiError as exc:
             return _error(exc)
         seed = gen.seed if gen.seed is not None else self._seeds.getrandbits(SEED_BITS)
-        params = SamplingParams(max_tokens=gen.max_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                                seed=seed, ignore_eos=gen.ignore_eos)
-        req = Request(f"{shape.prefix}-{uuid.uuid4().hex}", tuple(ids), params, fingerprint=fp,
-                      isolate=self._quarantine.suspected(fp))  # a suspect of a failed attempt: prefilled alone
+        params = SamplingParams(
+            max_tokens=gen.max_tokens,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            seed=seed,
+            ignore_eos=gen.ignore_eos,
+        )
+        req = Request(
+            f"{shape.prefix}-{uuid.uuid4().hex}",
+            tuple(ids),
+            params,
+            fingerprint=fp,
+            isolate=self._quarantine.suspected(fp),
+        )  # a suspect of a failed attempt: prefilled alone
         try:
             queue = self.bridge.submit(req, asyncio.get_running_loop())
         except RuntimeError as exc:
@@ -421,8 +469,13 @@ class Frontend:
             if isinstance(item, EngineError):
                 raise _unavailable(item.message)
             if item.finish_reason == "error":
-                raise ApiError(500, "the engine could not sample a token for this request (non-finite logits); "
-                               "the engine goes on serving", None, "server_error")
+                raise ApiError(
+                    500,
+                    "the engine could not sample a token for this request (non-finite logits); "
+                    "the engine goes on serving",
+                    None,
+                    "server_error",
+                )
             delta = decoder.push([item.token_id], final=item.finished)
             text, stopped = matcher.feed(delta)
             if stopped:
@@ -447,8 +500,12 @@ class Frontend:
         except ApiError as exc:
             return _error(exc), True
         body = shape.body(
-            request_id=req.request_id, created=int(time.time()), model=self.model_name, text="".join(parts),
-            finish_reason=finish, token_ids=token_ids if gen.return_token_ids else None,
+            request_id=req.request_id,
+            created=int(time.time()),
+            model=self.model_name,
+            text="".join(parts),
+            finish_reason=finish,
+            token_ids=token_ids if gen.return_token_ids else None,
             usage=usage_body(len(req.prompt_ids), len(token_ids)),
         )
         return web.json_response(body), True
@@ -470,12 +527,22 @@ class Frontend:
             async for text, ids, reason in self._generate(req, gen, outputs):
                 count += len(ids)
                 if text or reason is not None or gen.return_token_ids:
-                    await send(shape.chunk(text=text, finish_reason=reason,
-                                           token_ids=ids if gen.return_token_ids else None, **head))
+                    await send(
+                        shape.chunk(
+                            text=text, finish_reason=reason, token_ids=ids if gen.return_token_ids else None, **head
+                        )
+                    )
             if gen.include_usage:
-                await send({"id": req.request_id, "object": shape.object, "created": head["created"],
-                            "model": self.model_name, "choices": [],
-                            "usage": usage_body(len(req.prompt_ids), count)})
+                await send(
+                    {
+                        "id": req.request_id,
+                        "object": shape.object,
+                        "created": head["created"],
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": usage_body(len(req.prompt_ids), count),
+                    }
+                )
         except ApiError as exc:
             await send(exc.body())
             if exc.status == 503:

@@ -64,9 +64,7 @@ def plan_shards(cfg: ModelConfig, tp: int, rank: int) -> ShardPlan:
     if tp < 1 or not 0 <= rank < tp:
         raise ShardingError(f"rank {rank} is outside a tensor-parallel group of size {tp}")
     if cfg.num_heads % tp:
-        raise ShardingError(
-            f"num_attention_heads={cfg.num_heads} is not divisible by the tensor-parallel size {tp}"
-        )
+        raise ShardingError(f"num_attention_heads={cfg.num_heads} is not divisible by the tensor-parallel size {tp}")
     q_heads = cfg.num_heads // tp
     if cfg.num_kv_heads >= tp:
         if cfg.num_kv_heads % tp:

@@ -63,9 +63,7 @@ def _assemble(get, cfg: ModelConfig, shard: ShardPlan, dtype: torch.dtype, devic
                 get(p + "self_attn.v_proj.weight", rows=sl.kv_rows),
             ]
         )
-        wgu = torch.cat(
-            [get(p + "mlp.gate_proj.weight", rows=sl.inter), get(p + "mlp.up_proj.weight", rows=sl.inter)]
-        )
+        wgu = torch.cat([get(p + "mlp.gate_proj.weight", rows=sl.inter), get(p + "mlp.up_proj.weight", rows=sl.inter)])
         layers.append(
             LayerWeights(
                 in_norm=put(get(p + "input_layernorm.weight")),
@@ -91,22 +89,25 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (cfg.num_heads * d, h),
-            p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, h),
-            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, h),
-            p + "self_attn.o_proj.weight": (h, cfg.num_heads * d),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (cfg.num_heads * d, h),
+                p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, h),
+                p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, h),
+                p + "self_attn.o_proj.weight": (h, cfg.num_heads * d),
+                p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+                p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+            }
+        )
     return shapes
 
 
-def random_weights(cfg: ModelConfig, shard: ShardPlan, seed: int, dtype: torch.dtype,
-                   device: torch.device) -> ShardWeights:
+def random_weights(
+    cfg: ModelConfig, shard: ShardPlan, seed: int, dtype: torch.dtype, device: torch.device
+) -> ShardWeights:
     gen = torch.Generator().manual_seed(seed)
     full: dict[str, torch.Tensor] = {}
     for name, shape in _expected_shapes(cfg).items():
@@ -142,8 +143,9 @@ def _index_files(model_dir: Path) -> dict[str, Path]:
     return where
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, shard: ShardPlan, dtype: torch.dtype,
-                 device: torch.device) -> ShardWeights:
+def load_weights(
+    model_dir: str | Path, cfg: ModelConfig, shard: ShardPlan, dtype: torch.dtype, device: torch.device
+) -> ShardWeights:
     from safetensors import safe_open
 
     model_dir = Path(model_dir)

@@ -118,8 +118,11 @@ def root_cause(attempt: Attempt, handle: RankHandle, info: ExitInfo) -> tuple[Ra
     """The earliest failure of the attempt, which may be a rank whose early
     exit (code 0) was still inside its grace window; ``handle`` if none."""
     handles = list(attempt.ranks.values()) + [attempt.launcher]
-    failed = [(h.exited_at, h) for h in handles
-              if h is not None and h.exit is not None and h.exit.failed and h.exited_at is not None]
+    failed = [
+        (h.exited_at, h)
+        for h in handles
+        if h is not None and h.exit is not None and h.exit.failed and h.exited_at is not None
+    ]
     first = min(failed, key=lambda pair: pair[0])[1] if failed else handle
     return first, first.exit or info
 
@@ -138,10 +141,21 @@ def divergence_first(settle: Callable[[float], list], now: float) -> DivergenceF
 # What a rank prints when it dies because a peer on another node went away (gloo, NCCL, the c10d store):
 # the first failure is elsewhere, and its ruling waits briefly for the peer node's fault (multinode.py).
 PEER_CONSEQUENCE_PATTERNS = (
-    "connection reset by peer", "connection closed by peer", "connection refused", "broken pipe",
-    "remote process exited or there was a network error", "ncclremoteerror", "remote error",
-    "socket timeout", "recvvalue failed", "distnetworkerror", "diststoreerror", "failed to recv",
-    "connection closed", "end of file", "timed out after",
+    "connection reset by peer",
+    "connection closed by peer",
+    "connection refused",
+    "broken pipe",
+    "remote process exited or there was a network error",
+    "ncclremoteerror",
+    "remote error",
+    "socket timeout",
+    "recvvalue failed",
+    "distnetworkerror",
+    "diststoreerror",
+    "failed to recv",
+    "connection closed",
+    "end of file",
+    "timed out after",
 )
 
 

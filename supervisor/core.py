@@ -97,8 +97,21 @@ from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from .state import EngineState, Event, next_state
 
 # Events produced for one attempt (they carry its number): acted on only in that attempt.
-ATTEMPT_EVENTS = (events.StragglerAcrossNodes, events.StragglerNamed, events.StragglerCleared, events.ConsequenceChecked, events.ConsequenceWindowOver, ProcessExited, EarlyExitCheck, WatchdogVerdict, AllRanksReady, RankClaimed, HangQueryUnanswered, DivergenceFound,
-                  ConsensusAgreed)
+ATTEMPT_EVENTS = (
+    events.StragglerAcrossNodes,
+    events.StragglerNamed,
+    events.StragglerCleared,
+    events.ConsequenceChecked,
+    events.ConsequenceWindowOver,
+    ProcessExited,
+    EarlyExitCheck,
+    WatchdogVerdict,
+    AllRanksReady,
+    RankClaimed,
+    HangQueryUnanswered,
+    DivergenceFound,
+    ConsensusAgreed,
+)
 
 log = structlog.get_logger("supervise")
 
@@ -112,10 +125,18 @@ def _set_up(value: T | None, name: str) -> T:
 
 
 class Supervisor(NodeGroupRules):
-    def __init__(self, spec: LaunchSpec, base_env: Mapping[str, str], run_id: str | None = None,
-                 nodes: tuple[NodeTransport, handshake.NodeGroup] | None = None, listener: ListenSocket | None = None):
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        base_env: Mapping[str, str],
+        run_id: str | None = None,
+        nodes: tuple[NodeTransport, handshake.NodeGroup] | None = None,
+        listener: ListenSocket | None = None,
+    ):
         self.spec = spec
-        self.listener = listener  # rank 0's listening socket, the caller's for the whole run (processes/listen_socket.py)
+        self.listener = (
+            listener  # rank 0's listening socket, the caller's for the whole run (processes/listen_socket.py)
+        )
         self.base_env = dict(base_env)
         self.run_id = run_id or new_run_id()
         # What this node's run owns on this host (run dir, cgroup, registry entry, process marker): the run id
@@ -178,7 +199,6 @@ class Supervisor(NodeGroupRules):
         self.last_teardown: TeardownResult | None = None
         self.suspicions: set[str] = set()  # why the engine is SUSPECT: "hang", "divergence"
 
-
     # What _setup creates (run() calls it first): reading one before is a bug, said as one.
     @property
     def run_dir(self) -> Path:
@@ -239,8 +259,9 @@ class Supervisor(NodeGroupRules):
             run_key=self.run_key,
             cgroup_procs=self.cgroup.procs_file if self.cgroup is not None else None,
         )
-        self._services = Services(self.spec, self.run_id, self.run_dir, self.post, self.attempt_view,
-                                 run_key=self.run_key)
+        self._services = Services(
+            self.spec, self.run_id, self.run_dir, self.post, self.attempt_view, run_key=self.run_key
+        )
         self._desk = IncidentDesk(
             self.spec,
             self.run_id,
@@ -250,8 +271,12 @@ class Supervisor(NodeGroupRules):
             gpu=self.services.gpu,
             hurry=self.hurry,
         )
-        self._quarantine = RequestQuarantine(self.run_dir, self.spec.quarantine_after, fresh_after_s=RESTART_STABLE_S,
-                                             on_quarantined=self.services.metrics.record_quarantined)
+        self._quarantine = RequestQuarantine(
+            self.run_dir,
+            self.spec.quarantine_after,
+            fresh_after_s=RESTART_STABLE_S,
+            on_quarantined=self.services.metrics.record_quarantined,
+        )
         self.desk.requests_of = self.quarantine.evidence
         self._watchdog = WatchdogThread(
             self.spec,
@@ -262,18 +287,30 @@ class Supervisor(NodeGroupRules):
         )
         if self.nodes is not None:
             transport, group = self.nodes
-            self.node_link = link.NodeLink(transport.store, group, self.post,
-                                           on_peers=self.services.metrics.set_nodes,
-                                           on_store_latency=self.services.metrics.observe_store_latency,
-                                           transport=transport, world_size=self.spec.world_size,
-                                           node_lost_s=self.spec.node_timeout)
+            self.node_link = link.NodeLink(
+                transport.store,
+                group,
+                self.post,
+                on_peers=self.services.metrics.set_nodes,
+                on_store_latency=self.services.metrics.observe_store_latency,
+                transport=transport,
+                world_size=self.spec.world_size,
+                node_lost_s=self.spec.node_timeout,
+            )
             self.sources.append(self.node_link)
             self.services.compare_across_nodes(self.nodes[1])
             self.desk.link_nodes(self.nodes[1])
         if self.spec.straggler_threshold is not None:
-            self.sources.append(StragglerThread(self.spec.straggler_config(), self.heartbeat, self.attempt_view,
-                                                self.post, self.services.on_straggler_report,
-                                                nodes=self._node_stragglers()))
+            self.sources.append(
+                StragglerThread(
+                    self.spec.straggler_config(),
+                    self.heartbeat,
+                    self.attempt_view,
+                    self.post,
+                    self.services.on_straggler_report,
+                    nodes=self._node_stragglers(),
+                )
+            )
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
             source.start()
@@ -397,27 +434,34 @@ class Supervisor(NodeGroupRules):
             elif isinstance(ev, ControlRequest):
                 ev.reply.put({"ok": False, "error": "the group is restarting; no rank to dump right now"})
             elif isinstance(ev, events.NodeLost):
-                log.error("peer node lost between attempts: the group cannot restart without it",
-                          event_name="group_restart_node_lost", node=ev.node,
-                          detail=ev.detail)
+                log.error(
+                    "peer node lost between attempts: the group cannot restart without it",
+                    event_name="group_restart_node_lost",
+                    node=ev.node,
+                    detail=ev.detail,
+                )
                 self.group_end = Outcome(EXIT_PEER, "node_lost")
             elif isinstance(ev, events.PeerFailed) and ev.fault.reason != "shutdown":
                 if ev.attempt > self.attempt.number:
                     self.carried.append(ev)  # a fault of the next attempt, read while this node was at the barrier
             elif isinstance(ev, events.PeerFailed):
-                log.info("node stopped on a signal between attempts: this node stops too",
-                         event_name="group_restart_stopped", node=ev.fault.node)
+                log.info(
+                    "node stopped on a signal between attempts: this node stops too",
+                    event_name="group_restart_stopped",
+                    node=ev.fault.node,
+                )
                 self.group_end = Outcome(EXIT_OK, "shutdown")
             elif isinstance(ev, events.StoreKeySeen) and ev.key == key:
                 return ev.value
         return None
 
-
-
-
     def _launch(self) -> None:
-        self.attempt = Attempt(self.attempt_view.set, started_at=time.monotonic(), restarts=self.restart.restarts,
-                               number=self.attempt.number + 1)
+        self.attempt = Attempt(
+            self.attempt_view.set,
+            started_at=time.monotonic(),
+            restarts=self.restart.restarts,
+            number=self.attempt.number + 1,
+        )
         logs.bind_attempt(self.attempt.number)
         if self.attempt.number > 1:  # torch's own dump files of the attempt that ended are not this one's
             shutil.rmtree(self.run_dir / "fr-dump", ignore_errors=True)
@@ -497,14 +541,17 @@ class Supervisor(NodeGroupRules):
         self.incident_id = incident_id or new_incident_id(self.run_id)
         self.desk.next_incident_id = self.incident_id
         if self.node_link is not None:
-            self.node_link.publish_fault(messages.Fault(node=self.spec.node_rank, rank=rank, reason=reason,
-                                                         incident_id=self.incident_id, verdict=verdict[:500]))
+            self.node_link.publish_fault(
+                messages.Fault(
+                    node=self.spec.node_rank,
+                    rank=rank,
+                    reason=reason,
+                    incident_id=self.incident_id,
+                    verdict=verdict[:500],
+                )
+            )
         # Before the teardown signals any rank: rank 0 names the incident in the 503s it answers.
         self.quarantine.fault(self.incident_id, self.attempt.view)
-
-
-
-
 
     def _on_signal_event(self, ev: SignalReceived) -> None:
         name = exits.signal_name(ev.signum)
@@ -666,9 +713,6 @@ class Supervisor(NodeGroupRules):
         culprits = self.desk.hard_hang(ev, self.attempt.view)
         self._finish(Outcome(EXIT_HANG, "hang", culprit=culprits[0] if culprits else None))
 
-
-
-
     # -- stragglers: the group waits for a rank that is slow, not stopped (docs/watchdogs.md)
     def _on_straggler(self, ev: events.StragglerNamed) -> None:
         if self.attempt.outcome is not None:
@@ -677,8 +721,14 @@ class Supervisor(NodeGroupRules):
         verdict = ev.event.sentence()
         if ev.evidence.get("explanation"):
             verdict += f"; {ev.evidence['explanation']}"
-        log.warning("straggler: " + verdict, event_name="straggler_named", rank=rank, action=self.spec.on_straggler,
-                    wait_share=round(ev.event.lag.wait_share, 4), late_lag_s=round(ev.event.lag.late_lag_s, 6))
+        log.warning(
+            "straggler: " + verdict,
+            event_name="straggler_named",
+            rank=rank,
+            action=self.spec.on_straggler,
+            wait_share=round(ev.event.lag.wait_share, 4),
+            late_lag_s=round(ev.event.lag.late_lag_s, 6),
+        )
         self.desk.straggler(ev, self.attempt.view, verdict)
         if self.spec.on_straggler != "dump":
             self.transition(Event.RANK_EXIT)
@@ -687,8 +737,12 @@ class Supervisor(NodeGroupRules):
 
     def _on_straggler_across_nodes(self, ev: events.StragglerAcrossNodes) -> None:
         for text in ev.sentences:
-            log.warning("straggler across nodes: " + text, event_name="straggler_across_nodes", ranks=list(ev.ranks),
-                        nodes=list(ev.nodes))
+            log.warning(
+                "straggler across nodes: " + text,
+                event_name="straggler_across_nodes",
+                ranks=list(ev.ranks),
+                nodes=list(ev.nodes),
+            )
 
     def _on_straggler_cleared(self, ev: events.StragglerCleared) -> None:
         log.info("straggler cleared: " + ev.event.sentence(), event_name="straggler_cleared", rank=ev.event.rank)

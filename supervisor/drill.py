@@ -90,8 +90,11 @@ class DrillResult:
 
 def _post(port: int, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int | None, bytes]:
     """One completion request: (status, body); status None when no answer came (refused, reset, timed out)."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, resp.read()
@@ -198,16 +201,42 @@ def _fatal_bundles(dump_dir: Path) -> list[dict]:
 def _straggler_bundles(dump_dir: Path) -> list[dict]:
     if not dump_dir.is_dir():
         return []
-    return [json.loads((p / "summary.json").read_text()) for p in sorted(dump_dir.iterdir())
-            if p.is_dir() and "straggler" in p.name and (p / "summary.json").is_file()]
+    return [
+        json.loads((p / "summary.json").read_text())
+        for p in sorted(dump_dir.iterdir())
+        if p.is_dir() and "straggler" in p.name and (p / "summary.json").is_file()
+    ]
 
 
 def _argv(port: int, tp: int, dump_dir: Path, plane: str, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tp", str(tp), "--port", str(port),
-        "--metrics-addr", "127.0.0.1:0", "--metrics-linger", "0", "--dump-dir", str(dump_dir), "--log-format", "json",
-        "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "3",
-        "--control-plane", plane, "--consensus", "enforce", *extra,
+        sys.executable,
+        "-m",
+        "tp_supervise.supervisor.cli",
+        "serve",
+        "--tp",
+        str(tp),
+        "--port",
+        str(port),
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--metrics-linger",
+        "0",
+        "--dump-dir",
+        str(dump_dir),
+        "--log-format",
+        "json",
+        "--soft-timeout",
+        "3",
+        "--hard-timeout",
+        "6",
+        "--kill-grace",
+        "3",
+        "--control-plane",
+        plane,
+        "--consensus",
+        "enforce",
+        *extra,
     ]
 
 
@@ -231,8 +260,9 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
             if not wait_engine_health(port, proc, time.monotonic() + READY_TIMEOUT_S):
                 proc.kill()
                 proc.wait()
-                return DrillResult(kind, False, proc.returncode, expected_exit, None, None, None, "",
-                                   "engine never became ready")
+                return DrillResult(
+                    kind, False, proc.returncode, expected_exit, None, None, None, "", "engine never became ready"
+                )
             started = time.time()
             traffic.start()
             limit = SLOW_OBSERVE_S if kind == "slow" else DRILL_LIMIT_S
@@ -259,16 +289,39 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
         named = _straggler_bundles(dump_dir)
         passed = passed and bool(named) and named[0].get("culprit_ranks") == [FAULT_RANK]
         if named:
-            return DrillResult(kind, passed, code, expected_exit, "straggler", named[0].get("culprit_ranks"),
-                               _since(started, None), named[0].get("verdict", ""), f"log: {log_path}", None)
+            return DrillResult(
+                kind,
+                passed,
+                code,
+                expected_exit,
+                "straggler",
+                named[0].get("culprit_ranks"),
+                _since(started, None),
+                named[0].get("verdict", ""),
+                f"log: {log_path}",
+                None,
+            )
     ruled_at = first_ruling(log_path) if expected_reason else None
     served_at = traffic.served_after(ruled_at) if ruled_at is not None else None
     if expected_reason is not None:
         passed = passed and culprits == [FAULT_RANK] and served_at is not None
-    note = f"log: {log_path}" + ("" if served_at is not None or expected_reason is None else
-                                 "; no request was served after the fault (did the group restart?)")
-    return DrillResult(kind, passed, code, expected_exit, reason, culprits, _since(started, ruled_at),
-                       summary.get("verdict", ""), note, _since(ruled_at, served_at) if ruled_at else None)
+    note = f"log: {log_path}" + (
+        ""
+        if served_at is not None or expected_reason is None
+        else "; no request was served after the fault (did the group restart?)"
+    )
+    return DrillResult(
+        kind,
+        passed,
+        code,
+        expected_exit,
+        reason,
+        culprits,
+        _since(started, ruled_at),
+        summary.get("verdict", ""),
+        note,
+        _since(ruled_at, served_at) if ruled_at else None,
+    )
 
 
 def run_poison(tp: int, dump_root: Path) -> DrillResult:
@@ -287,8 +340,9 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
             if not wait_engine_health(port, proc, time.monotonic() + READY_TIMEOUT_S):
                 proc.kill()
                 proc.wait()
-                return DrillResult("poison", False, proc.returncode, expected_exit, None, None, None, "",
-                                   "engine never became ready")
+                return DrillResult(
+                    "poison", False, proc.returncode, expected_exit, None, None, None, "", "engine never became ready"
+                )
             started = time.time()
             traffic.start()
             deadline = time.monotonic() + DRILL_LIMIT_S
@@ -314,23 +368,34 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
     quarantined = answer[0] == 400 and b"request_quarantined" in answer[1]
     passed = quarantined and alive and served is not None and code == expected_exit and 1 <= failures <= 2
     if quarantined:
-        verdict = (f"400 request_quarantined after {failures} group failure(s); the others "
-                   + ("served after it" if served is not None else "NOT served after it"))
+        verdict = f"400 request_quarantined after {failures} group failure(s); the others " + (
+            "served after it" if served is not None else "NOT served after it"
+        )
     else:
         verdict = f"no quarantine: the last answer was {answer[0]} {answer[1][:200].decode(errors='replace')}"
     ruled_at = first_ruling(log_path)
     served_at = traffic.served_after(ruled_at) if ruled_at is not None else None
-    return DrillResult("poison", passed, code, expected_exit, expected_reason if failures else None,
-                       fatal[-1].get("culprit_ranks") if fatal else None, _since(started, ruled_at), verdict,
-                       f"log: {log_path}" + ("" if alive else "; the run did not stay up"),
-                       _since(ruled_at, served_at) if ruled_at else None)
+    return DrillResult(
+        "poison",
+        passed,
+        code,
+        expected_exit,
+        expected_reason if failures else None,
+        fatal[-1].get("culprit_ranks") if fatal else None,
+        _since(started, ruled_at),
+        verdict,
+        f"log: {log_path}" + ("" if alive else "; the run did not stay up"),
+        _since(ruled_at, served_at) if ruled_at else None,
+    )
 
 
 def main(args) -> int:
     kinds = list(INJECT_KINDS) if args.kinds == "all" else [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in EXPECT]
     if unknown:
-        print(f"supervise drill: unknown kind(s) {', '.join(unknown)}; choose from {', '.join(EXPECT)}", file=sys.stderr)
+        print(
+            f"supervise drill: unknown kind(s) {', '.join(unknown)}; choose from {', '.join(EXPECT)}", file=sys.stderr
+        )
         return 64
     dump_root = Path(args.dump_dir)
     dump_root.mkdir(parents=True, exist_ok=True)
@@ -341,8 +406,9 @@ def main(args) -> int:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"supervise drill (TP={args.tp}, fault on rank {FAULT_RANK} at step {FAULT_STEP}, "
-                            "one restart)")
+        table = Table(
+            title=f"supervise drill (TP={args.tp}, fault on rank {FAULT_RANK} at step {FAULT_STEP}, one restart)"
+        )
         for col in ("kind", "result", "exit", "bundle", "culprit", "detected after", "serving again", "verdict"):
             table.add_column(col)
         for r in results:

@@ -79,8 +79,9 @@ RANK_OUTPUT_LOGGER = "tp_supervise.rank_output"  # the ranks' own lines in JSON 
 def rank_output_logger():
     """The logger of the ranks' lines (``rank_output`` records): ``--log-level`` is the supervisor's own
     verbosity, the ranks' output is not the supervisor's to drop (console mode forwards it whatever the level)."""
-    return structlog.wrap_logger(logging.getLogger(RANK_OUTPUT_LOGGER),
-                                 wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    return structlog.wrap_logger(
+        logging.getLogger(RANK_OUTPUT_LOGGER), wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG)
+    )
 
 
 def _module_logger(*_names: str) -> logging.Logger:

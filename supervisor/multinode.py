@@ -104,8 +104,9 @@ class NodeGroupRules:
             return None  # a lost node cannot be restarted; a stop stops every node (the stop key said so)
         key = f"restart/{n}"
         if self.spec.node_rank == 0:
-            delay = self.restart.after(outcome, stopping=False, uptime_s=time.monotonic() - self.attempt.started_at,
-                                       group=True)
+            delay = self.restart.after(
+                outcome, stopping=False, uptime_s=time.monotonic() - self.attempt.started_at, group=True
+            )
             decision = {"restart": delay is not None, "delay_s": delay or 0.0, "restarts": self.restart.restarts}
             self._link.set(key, json.dumps(decision).encode())
             return delay
@@ -116,16 +117,29 @@ class NodeGroupRules:
                 self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))
                 self.group_end = Outcome(EXIT_OK, "shutdown")
             elif self.group_end is None:
-                log.error("node 0 never said whether the group restarts: giving up",
-                          event_name="group_restart_no_decision", waited_s=self.spec.rendezvous_timeout)
+                log.error(
+                    "node 0 never said whether the group restarts: giving up",
+                    event_name="group_restart_no_decision",
+                    waited_s=self.spec.rendezvous_timeout,
+                )
             return None
         decision = json.loads(raw)
         if not decision.get("restart"):
-            log.error("node 0 ends the group: no restart", event_name="group_restart_declined", restarts=decision.get("restarts"))
+            log.error(
+                "node 0 ends the group: no restart",
+                event_name="group_restart_declined",
+                restarts=decision.get("restarts"),
+            )
             return None
         self.restart.restarts = int(decision["restarts"])
-        log.warning("restarting the group with node 0", event_name="group_restart", restart=self.restart.restarts,
-                    max_restarts=self.spec.max_restarts, backoff_s=decision["delay_s"], after=outcome.reason)
+        log.warning(
+            "restarting the group with node 0",
+            event_name="group_restart",
+            restart=self.restart.restarts,
+            max_restarts=self.spec.max_restarts,
+            backoff_s=decision["delay_s"],
+            after=outcome.reason,
+        )
         return float(decision["delay_s"])
 
     def _group_barrier(self) -> bool:
@@ -143,9 +157,12 @@ class NodeGroupRules:
         if self.stopping is not None:
             self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))  # the others, waiting at the barrier, stop too
         elif self.group_end is None:
-            log.error("the other nodes did not come back for the restart", event_name="group_restart_timeout",
-                      attempt=n,
-                      waited_s=self.spec.rendezvous_timeout)
+            log.error(
+                "the other nodes did not come back for the restart",
+                event_name="group_restart_timeout",
+                attempt=n,
+                waited_s=self.spec.rendezvous_timeout,
+            )
             self.group_end = Outcome(EXIT_PEER, "node_lost")
         return False
 
@@ -154,8 +171,15 @@ class NodeGroupRules:
         if outcome.code == EXIT_OK and outcome.reason == "clean":
             self._link.finished()
         elif outcome.reason == "shutdown":
-            self._link.publish_stop(messages.Fault(node=self.spec.node_rank, rank=None, reason="shutdown",
-                                                        incident_id="", verdict="stopped on a signal"))
+            self._link.publish_stop(
+                messages.Fault(
+                    node=self.spec.node_rank,
+                    rank=None,
+                    reason="shutdown",
+                    incident_id="",
+                    verdict="stopped on a signal",
+                )
+            )
 
     def _on_peer_failed(self, ev: events.PeerFailed) -> None:
         fault = ev.fault
@@ -170,8 +194,13 @@ class NodeGroupRules:
         verdict = f"{who} failed first ({fault.reason}); this node's ranks were torn down with the group"
         if fault.verdict:
             verdict += f". Node {fault.node} said: {fault.verdict}"
-        log.error("peer node failed: tearing this node down", node=fault.node, rank=fault.rank, reason=fault.reason,
-                  incident_id=fault.incident_id)
+        log.error(
+            "peer node failed: tearing this node down",
+            node=fault.node,
+            rank=fault.rank,
+            reason=fault.reason,
+            incident_id=fault.incident_id,
+        )
         self._peer_incident("peer_failed", fault.node, fault.rank, verdict)
 
     def _on_node_lost(self, ev: events.NodeLost) -> None:
@@ -186,15 +215,27 @@ class NodeGroupRules:
         if self.suspect is not None:  # this node's rank died first here, but of the peer's failure
             handle, info, _at, why = self.suspect
             self.suspect = None
-            verdict += (f"; rank {handle.rank} of this node died of it first ({info.description}"
-                        + (f": {why}" if why else "") + "), a consequence")
-            log.warning("rank death was a consequence of another node's failure", event_name="rank_exit_consequence",
-                        rank=handle.rank, node=node, reason=reason)
+            verdict += (
+                f"; rank {handle.rank} of this node died of it first ({info.description}"
+                + (f": {why}" if why else "")
+                + "), a consequence"
+            )
+            log.warning(
+                "rank death was a consequence of another node's failure",
+                event_name="rank_exit_consequence",
+                rank=handle.rank,
+                node=node,
+                reason=reason,
+            )
         self.transition(Event.RANK_EXIT)
         if self.incident_id is not None:  # before this node's teardown: its rank 0 names the incident
             self.quarantine.fault(self.incident_id, self.attempt.view)
-        extra = {"culprit_ranks": [rank] if rank is not None else [], "verdict": verdict,
-                 "incident_id": self.incident_id, "culprit_node": node}
+        extra = {
+            "culprit_ranks": [rank] if rank is not None else [],
+            "verdict": verdict,
+            "incident_id": self.incident_id,
+            "culprit_node": node,
+        }
         self.desk.peer_incident(reason, extra, self.attempt.view)
         self._finish(Outcome(EXIT_PEER, reason, culprit=rank))
 
@@ -204,15 +245,25 @@ class NodeGroupRules:
         Ask the others (nodes.HangQuery); the node that holds it raises the hang under this incident id and
         this node follows it (84).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence."""
         v = ev.verdict
-        if (self.node_link is None or self.hang_query is not None or self.peer_hang_query is not None
-                or v.outside_collective or not v.in_collective):
+        if (
+            self.node_link is None
+            or self.hang_query is not None
+            or self.peer_hang_query is not None
+            or v.outside_collective
+            or not v.in_collective
+        ):
             return False
         seq = max(c.coll_seq for c in v.in_collective)
         self.hang_query = messages.HangQuery(self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500])
         self.deferred_hang = ev
         self._link.ask_where(self.hang_query)
-        log.warning("hang here, cause elsewhere: every rank of this node waits in a collective; asking the other nodes",
-                    event_name="hang_query_sent", seq=seq, wait_s=messages.HANG_QUERY_WAIT_S, incident_id=self.hang_query.incident_id)
+        log.warning(
+            "hang here, cause elsewhere: every rank of this node waits in a collective; asking the other nodes",
+            event_name="hang_query_sent",
+            seq=seq,
+            wait_s=messages.HANG_QUERY_WAIT_S,
+            incident_id=self.hang_query.incident_id,
+        )
         timer = threading.Timer(messages.HANG_QUERY_WAIT_S, self.post, args=(HangQueryUnanswered(self.attempt.number),))
         timer.daemon = True
         timer.start()
@@ -220,16 +271,23 @@ class NodeGroupRules:
 
     def _on_hang_query_unanswered(self, ev: HangQueryUnanswered) -> None:
         if self.attempt.outcome is None and self.deferred_hang is not None:
-            log.warning("no other node holds the missing rank: ruling the hang on this node's evidence",
-                        event_name="hang_query_unanswered",
-                        incident_id=self.hang_query.incident_id if self.hang_query else None)
+            log.warning(
+                "no other node holds the missing rank: ruling the hang on this node's evidence",
+                event_name="hang_query_unanswered",
+                incident_id=self.hang_query.incident_id if self.hang_query else None,
+            )
             self._rule_hang(self.deferred_hang)
 
     def _on_peer_hang_query(self, ev: events.PeerHangQuery) -> None:
         if self.attempt.outcome is not None or self.hang_query is not None:
             return
-        log.warning("another node's ranks all wait in a collective: looking for the missing rank here",
-                    event_name="hang_query_received", node=ev.query.node, seq=ev.query.seq, incident_id=ev.query.incident_id)
+        log.warning(
+            "another node's ranks all wait in a collective: looking for the missing rank here",
+            event_name="hang_query_received",
+            node=ev.query.node,
+            seq=ev.query.seq,
+            incident_id=ev.query.incident_id,
+        )
         self.peer_hang_query = ev.query
         self.watchdog.answer_hang_query(ev.query.seq, ev.query.node)
 
@@ -270,9 +328,13 @@ class NodeGroupRules:
             return
         self.suspect = (handle, info, exited_at, ev.why)
         wait_s = max(0.0, exited_at + CONSEQUENCE_WAIT_S - time.monotonic())
-        log.warning("rank died of a broken peer connection: waiting for the other nodes' news before ruling",
-                    event_name="rank_exit_suspected_consequence", rank=handle.rank, wait_s=round(wait_s, 3),
-                    line=ev.why)
+        log.warning(
+            "rank died of a broken peer connection: waiting for the other nodes' news before ruling",
+            event_name="rank_exit_suspected_consequence",
+            rank=handle.rank,
+            wait_s=round(wait_s, 3),
+            line=ev.why,
+        )
         timer = threading.Timer(wait_s, self.post, args=(ConsequenceWindowOver(ev.slot, self.attempt.number),))
         timer.name = f"consequence-window-{ev.slot}"
         timer.daemon = True

@@ -27,14 +27,6 @@ LAUNCHER_KEY = "launcher"
 TEARDOWN_EXIT = "teardown"  # metrics reason of exits caused by our own teardown
 
 
-
-
-
-
-
-
-
-
 @dataclass(frozen=True)
 class Outcome:
     code: int

@@ -31,13 +31,17 @@ def preflight(spec: LaunchSpec) -> None:
         _check_port_free(spec.metrics_addr[0], spec.metrics_addr[1], "--metrics-addr")
     if spec.health_addr is not None:
         if spec.health_addr[1] != 0 and spec.metrics_addr is not None and spec.health_addr[1] == spec.metrics_addr[1]:
-            raise UsageError(f"--health-addr port {spec.health_addr[1]} is --metrics-addr's: give another port "
-                             "(or leave --health-addr out: health is served on --metrics-addr too)")
+            raise UsageError(
+                f"--health-addr port {spec.health_addr[1]} is --metrics-addr's: give another port "
+                "(or leave --health-addr out: health is served on --metrics-addr too)"
+            )
         if spec.health_addr[1] != 0:
             _check_port_free(spec.health_addr[0], spec.health_addr[1], "--health-addr")
     if spec.nnodes == 1 and not _is_local(spec.master_addr):
-        raise UsageError(f"--master-addr {spec.master_addr} is not an address of this host: with one node the ranks "
-                         "meet here; leave it out, or give this host's address")
+        raise UsageError(
+            f"--master-addr {spec.master_addr} is not an address of this host: with one node the ranks "
+            "meet here; leave it out, or give this host's address"
+        )
     if spec.node_rank == 0 and spec.master_port is not None and _is_local(spec.master_addr):
         _check_port_free(spec.master_addr, spec.master_port, "--master-port")
         # --store-port is bound by node 0's gate itself, which, finding it taken, says by whom (another node 0

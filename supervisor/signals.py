@@ -28,8 +28,18 @@ import signal
 
 STOP_SIGNALS = tuple(
     getattr(signal, name)
-    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGXCPU",
-                 "SIGXFSZ", "SIGPWR")
+    for name in (
+        "SIGINT",
+        "SIGTERM",
+        "SIGHUP",
+        "SIGUSR2",
+        "SIGALRM",
+        "SIGVTALRM",
+        "SIGPROF",
+        "SIGXCPU",
+        "SIGXFSZ",
+        "SIGPWR",
+    )
     if hasattr(signal, name)
 )
 DUMP_SIGNAL = signal.SIGUSR1

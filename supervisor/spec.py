@@ -110,8 +110,9 @@ class Std:
     def parse(cls, text: str, flag: str) -> Std:
         def value(part: str) -> int:
             if part.strip() not in ("0", "1", "2", "3"):
-                raise UsageError(f"{flag} {text!r}: each value is 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
-                                 "e.g. 3 or 0:1,1:2")
+                raise UsageError(
+                    f"{flag} {text!r}: each value is 0 (none), 1 (stdout), 2 (stderr) or 3 (both), e.g. 3 or 0:1,1:2"
+                )
             return int(part)
 
         if ":" not in text:
@@ -178,12 +179,16 @@ class OutputOptions:
         for value in (self.redirects, self.tee):
             named |= {rank for rank, _ in (value.per_rank if value is not None else ())}
         if tree and (self.local_ranks_filter is not None or len(named)):
-            raise UsageError("--tree: the launcher's output cannot be split by local rank; give --redirects/--tee "
-                             "as one value 0-3, and --local-ranks-filter to the launcher itself (torchrun has it)")
+            raise UsageError(
+                "--tree: the launcher's output cannot be split by local rank; give --redirects/--tee "
+                "as one value 0-3, and --local-ranks-filter to the launcher itself (torchrun has it)"
+            )
         beyond = sorted(r for r in named if r >= nproc_per_node)
         if beyond:
-            raise UsageError(f"local rank(s) {beyond} named in --redirects/--tee/--local-ranks-filter do not exist: "
-                             f"--nproc-per-node is {nproc_per_node} (local ranks 0..{nproc_per_node - 1})")
+            raise UsageError(
+                f"local rank(s) {beyond} named in --redirects/--tee/--local-ranks-filter do not exist: "
+                f"--nproc-per-node is {nproc_per_node} (local ranks 0..{nproc_per_node - 1})"
+            )
 
 
 @dataclass(frozen=True)
@@ -300,8 +305,10 @@ class LaunchSpec:
         if self.metrics_linger is not None and not 0 <= self.metrics_linger <= 3600:
             raise UsageError(f"--metrics-linger {self.metrics_linger}: must be in 0..3600 seconds")
         if self.metrics_textfile is not None and not self.metrics_textfile.parent.is_dir():
-            raise UsageError(f"--metrics-textfile {self.metrics_textfile}: its directory does not exist "
-                             "(point it into node_exporter's --collector.textfile.directory)")
+            raise UsageError(
+                f"--metrics-textfile {self.metrics_textfile}: its directory does not exist "
+                "(point it into node_exporter's --collector.textfile.directory)"
+            )
         if self.nnodes > 1 and self.master_port is None:
             raise UsageError(
                 f"--nnodes {self.nnodes} needs --master-port: every node must use the same rendezvous port "
@@ -310,13 +317,17 @@ class LaunchSpec:
         if self.store_port is not None and not 1 <= self.store_port <= 65535:
             raise UsageError(f"--store-port {self.store_port}: must be between 1 and 65535")
         if self.nnodes > 1 and self.master_port is not None and self.resolved_store_port == self.master_port:
-            raise UsageError(f"--store-port {self.store_port} is the ranks' --master-port: the supervisors' store "
-                             "and the ranks' rendezvous need different ports")
+            raise UsageError(
+                f"--store-port {self.store_port} is the ranks' --master-port: the supervisors' store "
+                "and the ranks' rendezvous need different ports"
+            )
         if not 0 < self.rendezvous_timeout < math.inf:
             raise UsageError(f"--rendezvous-timeout {self.rendezvous_timeout}: must be > 0 seconds")
         if self.run_id is not None and not valid_run_id(self.run_id):
-            raise UsageError(f"--run-id {self.run_id!r}: use 1-48 letters, digits, '.', '_' or '-', no '..' "
-                             "(it names files and cgroups)")
+            raise UsageError(
+                f"--run-id {self.run_id!r}: use 1-48 letters, digits, '.', '_' or '-', no '..' "
+                "(it names files and cgroups)"
+            )
         if not 0 < self.node_timeout < math.inf:
             raise UsageError(f"--node-timeout {self.node_timeout}: must be > 0 seconds")
         if not 0 <= self.kill_grace < math.inf:
@@ -329,8 +340,10 @@ class LaunchSpec:
         if self.consensus not in CONSENSUS_MODES:
             raise UsageError(f"--consensus {self.consensus!r}: choose one of {', '.join(CONSENSUS_MODES)}")
         if self.straggler_threshold is not None and not 0 < self.straggler_threshold < 1:
-            raise UsageError(f"--straggler-threshold {self.straggler_threshold}: a share of the step between 0 and 1 "
-                             "(e.g. 0.1), or 'off'")
+            raise UsageError(
+                f"--straggler-threshold {self.straggler_threshold}: a share of the step between 0 and 1 "
+                "(e.g. 0.1), or 'off'"
+            )
         if not 1.0 <= self.straggler_window < math.inf:
             raise UsageError(f"--straggler-window {self.straggler_window}: must be >= 1 second")
         if self.on_straggler not in STRAGGLER_ACTIONS:
@@ -342,8 +355,10 @@ class LaunchSpec:
         if self.quarantine_after < 0:
             raise UsageError(f"--quarantine-after {self.quarantine_after}: must be >= 0 (0 never quarantines)")
         if self.listen is not None and (not self.command or self.tree):
-            raise UsageError("--listen hands a listening socket to a COMMAND's rank 0 (spawn mode); the built-in "
-                             "engine's socket is --host/--port, and in --tree mode the ranks are the launcher's")
+            raise UsageError(
+                "--listen hands a listening socket to a COMMAND's rank 0 (spawn mode); the built-in "
+                "engine's socket is --host/--port, and in --tree mode the ranks are the launcher's"
+            )
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts {self.max_restarts}: must be >= 0")
         if self.dump_keep < 1:
@@ -355,7 +370,10 @@ class LaunchSpec:
         self.output.check(self.nproc_per_node, self.tree)
         if self.tree and not self.command:
             raise UsageError("--tree needs a COMMAND after '--' (a launcher such as torchrun or vllm serve)")
-        for flag, pair in (("--adaptive-floors", self.adaptive_floors), ("--adaptive-ceilings", self.adaptive_ceilings)):
+        for flag, pair in (
+            ("--adaptive-floors", self.adaptive_floors),
+            ("--adaptive-ceilings", self.adaptive_ceilings),
+        ):
             if pair is not None and not (0 < pair[0] <= pair[1] < math.inf):
                 raise UsageError(f"{flag} {pair[0]:g},{pair[1]:g}: give SOFT,HARD seconds with 0 < SOFT <= HARD")
         try:
@@ -380,9 +398,12 @@ class LaunchSpec:
     def straggler_config(self) -> StragglerConfig:
         """The detector's parameters (docs/watchdogs.md, "Stragglers"): the window of statistics covers the
         sustain time and 10 s more."""
-        return StragglerConfig(threshold=self.straggler_threshold, sustain_s=self.straggler_window,
-                               window_s=max(30.0, self.straggler_window + 10.0),
-                               clear_s=max(1.0, self.straggler_window / 2))
+        return StragglerConfig(
+            threshold=self.straggler_threshold,
+            sustain_s=self.straggler_window,
+            window_s=max(30.0, self.straggler_window + 10.0),
+            clear_s=max(1.0, self.straggler_window / 2),
+        )
 
     def adaptive_params(self):
         """watchdogs.adaptive.AdaptiveParams with the floors/ceilings given (validated there)."""
@@ -393,8 +414,9 @@ class LaunchSpec:
             floors = (AdaptiveParams.soft_floor, AdaptiveParams.hard_floor)
         if ceilings is None:
             ceilings = (AdaptiveParams.soft_ceiling, AdaptiveParams.hard_ceiling)
-        return AdaptiveParams(soft_floor=floors[0], hard_floor=floors[1],
-                              soft_ceiling=ceilings[0], hard_ceiling=ceilings[1])
+        return AdaptiveParams(
+            soft_floor=floors[0], hard_floor=floors[1], soft_ceiling=ceilings[0], hard_ceiling=ceilings[1]
+        )
 
     @property
     def builtin(self) -> bool:
@@ -421,8 +443,16 @@ class LaunchSpec:
 
 
 # A launcher's own flags for its processes per node, for --tree (torchrun, vLLM, SGLang spellings).
-_LAUNCHER_NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--tensor-parallel-size", "--tensor_parallel_size",
-                         "-tp", "--tp", "--tp-size", "--tp_size")
+_LAUNCHER_NPROC_FLAGS = (
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "--tensor-parallel-size",
+    "--tensor_parallel_size",
+    "-tp",
+    "--tp",
+    "--tp-size",
+    "--tp_size",
+)
 _LAUNCHER_PP_FLAGS = ("--pipeline-parallel-size", "--pipeline_parallel_size", "-pp", "--pp", "--pp-size", "--pp_size")
 
 
@@ -474,8 +504,14 @@ def _nproc_number(text: str | int) -> int:
         raise UsageError(f"--nproc-per-node {text!r}: give a number, 'gpu', 'auto' or 'cpu'") from None
 
 
-def resolve_nproc(nproc_per_node: str | int | None, tp: int | None, nnodes: int, builtin: bool,
-                  command: Sequence[str] = (), tree: bool = False) -> int:
+def resolve_nproc(
+    nproc_per_node: str | int | None,
+    tp: int | None,
+    nnodes: int,
+    builtin: bool,
+    command: Sequence[str] = (),
+    tree: bool = False,
+) -> int:
     """Launch arithmetic: ``--tp`` is the TP world size, split evenly across nodes."""
     if nproc_per_node is not None:
         nproc_per_node = _nproc_number(nproc_per_node)

@@ -381,8 +381,19 @@ def observe(
         progressed_at=now if progress and not pending else None,
     )
     verdict = _verdict(
-        kind, now, live, stalled, (soft, hard, soft_src, hard_src), changed, derived, busy_ranks, pending, external,
-        recovered_by_progress=progress, startup_elapsed=now - state.started_at, config=config,
+        kind,
+        now,
+        live,
+        stalled,
+        (soft, hard, soft_src, hard_src),
+        changed,
+        derived,
+        busy_ranks,
+        pending,
+        external,
+        recovered_by_progress=progress,
+        startup_elapsed=now - state.started_at,
+        config=config,
     )
     return new_state, verdict
 
@@ -490,8 +501,9 @@ def _message(
     return f"no progress for {stalled:.1f} s while busy ({limit}): {_where(colls, live)}{ext}"
 
 
-def answer_hang_query(seq: int, node: int, verdict: Verdict, snaps: Sequence[SlotSnapshot],
-                      states: Mapping[int, str | None]) -> tuple[Verdict, list[str]]:
+def answer_hang_query(
+    seq: int, node: int, verdict: Verdict, snaps: Sequence[SlotSnapshot], states: Mapping[int, str | None]
+) -> tuple[Verdict, list[str]]:
     """Multi-node: every rank of ``node`` waits in collective #``seq``.  Is the missing rank here?
 
     A rank of this node is elsewhere when it is stopped (``states``: pid -> the

@@ -322,7 +322,9 @@ class StragglerDetector:
         self._next = 1  # the next collective number to judge
         self._open: dict[int, _Bucket] = {}
         self._closed: deque[_Bucket] = deque(maxlen=max(1, math.ceil(self.config.window_s / self.config.bucket_s)))
-        self._prev: tuple | None = None  # (number, first arrival, wait, last rank, bucket, last arrival) of the last judged
+        self._prev: tuple | None = (
+            None  # (number, first arrival, wait, last rank, bucket, last arrival) of the last judged
+        )
         self._latest_first = -math.inf
         self._stats: dict[int, RankLag] = {}
         self._refs: dict[int, deque] = {stride: deque(maxlen=REF_KEEP) for stride in REF_STRIDES}
@@ -529,8 +531,9 @@ class StragglerDetector:
             ex = rs.excess = excess.get(r)
             peers = [e for p, e in excess.items() if p != r]
             peer_shares = [s for p, s in shares.items() if p != r]
-            gross = (f is not None and bool(peer_shares) and share >= cfg.gross_share
-                     and share - _median(peer_shares) >= f)
+            gross = (
+                f is not None and bool(peer_shares) and share >= cfg.gross_share and share - _median(peer_shares) >= f
+            )
             if (ex is None or not peers or f is None) and not gross:  # learning, or off
                 if not rs.named:
                     rs.baseline.append(share)

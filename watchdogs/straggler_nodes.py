@@ -152,7 +152,10 @@ def best_offset(samples: Iterable[tuple[float, float]]) -> tuple[float, float] |
 
 
 def merge_nodes(
-    summaries: Sequence[NodeSummary], min_node_lag_s: float = 0.001, late_share: float = 0.8, min_compared: int = 3,
+    summaries: Sequence[NodeSummary],
+    min_node_lag_s: float = 0.001,
+    late_share: float = 0.8,
+    min_compared: int = 3,
     share_threshold: float = 0.1,
 ) -> CrossNodeJudgement:
     """One judgement over every node's summary (each node runs it on what it received and its own).
@@ -190,6 +193,8 @@ def merge_nodes(
         waited = sum(lag for lag, floor in zip(lags, floors, strict=True) if lag >= floor) / len(lags)
         share = waited * _rate(by_node[node][0])
         if (late >= late_share * len(lags) and median_lag >= _median(floors)) or share >= share_threshold:
-            ranks = tuple(r.rank for r in s.ranks) or tuple(sorted({r for _seq, pairs in s.references for r, _t in pairs}))
+            ranks = tuple(r.rank for r in s.ranks) or tuple(
+                sorted({r for _seq, pairs in s.references for r, _t in pairs})
+            )
             late_nodes.append(LateNode(node, ranks, median_lag, late, len(lags), share))
     return CrossNodeJudgement(named, tuple(late_nodes))

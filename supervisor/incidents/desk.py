@@ -88,12 +88,6 @@ SOFT_WORKER_JOIN_S = 0.5
 STDERR_DRAIN_S = 0.5
 
 
-
-
-
-
-
-
 def _wall_clock(monotonic_at: float | None) -> datetime:
     now = datetime.now(timezone.utc)
     if monotonic_at is None:
@@ -484,8 +478,9 @@ class IncidentDesk:
                 verdict = f"{verdict}: {message}"
                 extra["verdict"] = verdict
         late = self._stderr_evidence(first, verdict, with_error=error is None)
-        self._fatal("rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, files or None, detected_at=first.exited_at,
-                    late=late)
+        self._fatal(
+            "rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, files or None, detected_at=first.exited_at, late=late
+        )
 
     def _stderr_evidence(self, first: RankView, verdict: str, with_error: bool):
         """The failing process's last stderr (``logs/rank-<r>.txt``), read on the dump thread once the
@@ -509,8 +504,10 @@ class IncidentDesk:
             if found is None:
                 return {}, files
             message, traceback_text = found
-            return {"error": {"message": message, "traceback": traceback_text, "source": "stderr"},
-                    "verdict": f"{verdict}: {message}"}, files
+            return {
+                "error": {"message": message, "traceback": traceback_text, "source": "stderr"},
+                "verdict": f"{verdict}: {message}",
+            }, files
 
         return late
 

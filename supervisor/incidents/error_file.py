@@ -64,8 +64,12 @@ def last_traceback(text: str) -> tuple[str, str] | None:
         if i >= len(lines) or i == start + 1:
             continue  # cut off before its exception line, or not a traceback after all
         end = i + 1
-        while end < len(lines) and end - i < EXCEPTION_NOTE_LINES and lines[end].strip() \
-                and lines[end].strip() != TRACEBACK_HEAD:
+        while (
+            end < len(lines)
+            and end - i < EXCEPTION_NOTE_LINES
+            and lines[end].strip()
+            and lines[end].strip() != TRACEBACK_HEAD
+        ):
             end += 1
         block = lines[start:end][-TRACEBACK_MAX_LINES:]
         return lines[i].strip()[:500], "\n".join(block)[-ERROR_TRACEBACK_CHARS:]

@@ -78,14 +78,15 @@ def last_waits(targets: Sequence[RankTarget]) -> dict[int, str]:
 
 
 def _connect(group: NodeGroup, timeout_s: float) -> Store:
-    return stores.client(group.connect_addr, timeout_s, connect_timeout_s=max(MIN_CALL_S, min(CONNECT_S, timeout_s / 2)))
+    return stores.client(
+        group.connect_addr, timeout_s, connect_timeout_s=max(MIN_CALL_S, min(CONNECT_S, timeout_s / 2))
+    )
 
 
 class IncidentExchange:
     """One node's side of the exchange; ``share`` runs on a dump thread and never raises."""
 
-    def __init__(self, group: NodeGroup, hurry: Hurry,
-                 connect: Callable[[NodeGroup, float], Store] = _connect):
+    def __init__(self, group: NodeGroup, hurry: Hurry, connect: Callable[[NodeGroup, float], Store] = _connect):
         self.group = group
         self.hurry = hurry
         self.connect = connect
@@ -97,8 +98,12 @@ class IncidentExchange:
         try:
             self._share(Path(bundle), deadline - MARGIN_S, origin, last_waits(targets))
         except Exception as exc:  # the exchange adds to a bundle already whole: it never fails one
-            log.warning("incident evidence not exchanged: the bundle keeps this node's evidence only",
-                        event_name="incident_exchange_failed", bundle=str(bundle), error=repr(exc)[:300])
+            log.warning(
+                "incident evidence not exchanged: the bundle keeps this node's evidence only",
+                event_name="incident_exchange_failed",
+                bundle=str(bundle),
+                error=repr(exc)[:300],
+            )
 
     def _share(self, bundle: Path, deadline: float, origin: int, waits: dict[int, str]) -> None:
         me = self.group.node_rank
@@ -113,12 +118,21 @@ class IncidentExchange:
             store = self.connect(self.group, min(stores.STORE_TIMEOUT_S, left))
             store.set(summary_key(incident_id, me), node_merge.encode(mine))
         except Exception as exc:
-            log.warning("node summary not published: the store did not answer (node 0 gone?)",
-                        event_name="incident_summary_not_published", incident_id=incident_id,
-                        store=self.group.store_addr, error=repr(exc)[:300])
+            log.warning(
+                "node summary not published: the store did not answer (node 0 gone?)",
+                event_name="incident_summary_not_published",
+                incident_id=incident_id,
+                store=self.group.store_addr,
+                error=repr(exc)[:300],
+            )
             return
-        log.info("node summary published", event_name="incident_summary_published", incident_id=incident_id,
-                 node=me, bytes=len(node_merge.encode(mine)))
+        log.info(
+            "node summary published",
+            event_name="incident_summary_published",
+            incident_id=incident_id,
+            node=me,
+            bytes=len(node_merge.encode(mine)),
+        )
         if origin == me:
             won = self._won(store, incident_id, summary.get("attempt"))
             expected = [n for n in range(self.group.nnodes) if n != me] if won else []
@@ -131,17 +145,30 @@ class IncidentExchange:
                 return  # another node's incident went out first: nobody publishes under this id
             fields = node_merge.merge(me, {me: mine, **heard}, expected)
             amend_summary(bundle, fields)
-            log.info("incident evidence merged across nodes", event_name="incident_nodes_merged",
-                     incident_id=incident_id, nodes=sorted([me, *heard]),
-                     missing=fields.get("nodes_missing", []), verdict=fields["verdict"])
+            log.info(
+                "incident evidence merged across nodes",
+                event_name="incident_nodes_merged",
+                incident_id=incident_id,
+                nodes=sorted([me, *heard]),
+                missing=fields.get("nodes_missing", []),
+                verdict=fields["verdict"],
+            )
         elif heard:
             amend_summary(bundle, {"peer_bundles": node_merge.peer_bundles(heard, me)})
-            log.info("peer bundles recorded", event_name="incident_peer_bundles_recorded", incident_id=incident_id,
-                     peer_bundles={n: r.get("bundle") for n, r in heard.items()})
+            log.info(
+                "peer bundles recorded",
+                event_name="incident_peer_bundles_recorded",
+                incident_id=incident_id,
+                peer_bundles={n: r.get("bundle") for n, r in heard.items()},
+            )
         else:
-            log.info("originating node's summary not heard in time: this bundle does not point at its bundle",
-                     event_name="incident_origin_not_heard", incident_id=incident_id, node=origin,
-                     waited_s=wait_s)
+            log.info(
+                "originating node's summary not heard in time: this bundle does not point at its bundle",
+                event_name="incident_origin_not_heard",
+                incident_id=incident_id,
+                node=origin,
+                waited_s=wait_s,
+            )
 
     def _won(self, store: Store, incident_id: str, attempt) -> bool:
         """Whether this incident is the one on the fault bus of its group attempt (the one the others follow)."""

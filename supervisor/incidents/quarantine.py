@@ -84,8 +84,12 @@ def write_incident(run_dir: Path, incident_id: str) -> bool:
         tmp.write_text(incident_id[: runfiles.MAX_INCIDENT_CHARS] + "\n", encoding="utf-8")
         os.replace(tmp, path)
     except OSError as exc:
-        log.warning("run file not written: the engine's 503s will not name the incident", event_name="run_file_write_failed",
-                    file=str(path), error=repr(exc))
+        log.warning(
+            "run file not written: the engine's 503s will not name the incident",
+            event_name="run_file_write_failed",
+            file=str(path),
+            error=repr(exc),
+        )
         return False
     return True
 
@@ -96,8 +100,12 @@ def clear_incident(run_dir: Path) -> None:
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.warning("run file not removed: the next attempt may name the last incident", event_name="run_file_write_failed",
-                    file=str(Path(run_dir) / runfiles.INCIDENT_FILE), error=repr(exc))
+        log.warning(
+            "run file not removed: the next attempt may name the last incident",
+            event_name="run_file_write_failed",
+            file=str(Path(run_dir) / runfiles.INCIDENT_FILE),
+            error=repr(exc),
+        )
 
 
 # -- inflight-rank0 with each request's start time --------------------------------------------------------------
@@ -233,14 +241,20 @@ class RequestQuarantine:
         try:
             snap = read_in_flight(path)
         except (OSError, runfiles.InflightFormatError) as exc:
-            log.warning("in-flight requests unreadable: no quarantine evidence from this failure",
-                        event_name="inflight_unreadable", path=str(path), error=str(exc)[:200])
+            log.warning(
+                "in-flight requests unreadable: no quarantine evidence from this failure",
+                event_name="inflight_unreadable",
+                path=str(path),
+                error=str(exc)[:200],
+            )
             snap, note = None, f"unreadable: {str(exc)[:200]}"
         if snap is None:
             note = note or "no in-flight file (the engine does not write one, or rank 0 never served)"
         elif snap.attempt != failed.attempt or snap.pid != failed.rank0_pid:
-            note = (f"the in-flight file is an earlier attempt's (attempt {snap.attempt}, pid {snap.pid}; "
-                    f"this attempt {failed.attempt}, rank 0 pid {failed.rank0_pid})")
+            note = (
+                f"the in-flight file is an earlier attempt's (attempt {snap.attempt}, pid {snap.pid}; "
+                f"this attempt {failed.attempt}, rank 0 pid {failed.rank0_pid})"
+            )
             snap = None
         if snap is not None:
             failed.started_ns.update(snap.started_ns)
@@ -262,9 +276,13 @@ class RequestQuarantine:
             if len(incidents) >= self.after:
                 self.quarantined[fp] = incidents
                 new.append(fp)
-                log.warning("request quarantined: it was scheduled in the failing step of every one of these failed "
-                            "attempts; the engine answers it 400 for the rest of the run",
-                            event_name="request_quarantined", fingerprint=fp, incident_ids=incidents)
+                log.warning(
+                    "request quarantined: it was scheduled in the failing step of every one of these failed "
+                    "attempts; the engine answers it 400 for the rest of the run",
+                    event_name="request_quarantined",
+                    fingerprint=fp,
+                    incident_ids=incidents,
+                )
         self._write()
         if not new:
             return
@@ -284,8 +302,12 @@ class RequestQuarantine:
         try:
             runfiles.write_quarantine(self.run_dir, *content)
         except OSError as exc:
-            log.warning("run file not written: quarantined requests may run again", event_name="run_file_write_failed",
-                        file=str(self.run_dir / runfiles.QUARANTINE_FILE), error=repr(exc))
+            log.warning(
+                "run file not written: quarantined requests may run again",
+                event_name="run_file_write_failed",
+                file=str(self.run_dir / runfiles.QUARANTINE_FILE),
+                error=repr(exc),
+            )
             return
         self._written = content
 

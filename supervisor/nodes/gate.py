@@ -50,9 +50,17 @@ class Gate:
     ``on_lost(node, detail)``, ``on_ring()``, ``on_refused(kind, node, detail)`` (a wrong token, a
     duplicate link, a probe by a second node 0)."""
 
-    def __init__(self, listener: socket.socket, store_port: int, token: str | None, nnodes: int,
-                 on_lost: Callable[[int, str], None], on_ring: Callable[[], None],
-                 on_refused: Callable[[str, int, str], None], node_lost_s: float = NODE_LOST_S):
+    def __init__(
+        self,
+        listener: socket.socket,
+        store_port: int,
+        token: str | None,
+        nnodes: int,
+        on_lost: Callable[[int, str], None],
+        on_ring: Callable[[], None],
+        on_refused: Callable[[str, int, str], None],
+        node_lost_s: float = NODE_LOST_S,
+    ):
         self.listener = listener
         self.store_port = store_port
         self.token = token
@@ -209,8 +217,9 @@ class Gate:
                 self._links[node] = chan
                 self._heard.discard(node)
         if duplicate:
-            self._refusal("link", node, f"a second link for node {node} from {peer}: is --node-rank {node} "
-                                        "given twice?")
+            self._refusal(
+                "link", node, f"a second link for node {node} from {peer}: is --node-rank {node} given twice?"
+            )
             return
         chan.sock.settimeout(BEAT_S)
         last = time.monotonic()

@@ -52,8 +52,13 @@ def token_digest(token: str | None) -> str:
     return hmac.new(token.encode(), TOKEN_MESSAGE, hashlib.sha256).hexdigest()
 
 
-def fingerprint(command: Sequence[str], nproc_per_node: int, env_keys: Sequence[str],
-                environ: Mapping[str, str] = os.environ, max_restarts: int = 0) -> dict[str, str]:
+def fingerprint(
+    command: Sequence[str],
+    nproc_per_node: int,
+    env_keys: Sequence[str],
+    environ: Mapping[str, str] = os.environ,
+    max_restarts: int = 0,
+) -> dict[str, str]:
     """What must be equal on every node of one TP group."""
     from importlib import metadata
 
@@ -124,15 +129,26 @@ def handshake(store: Store, **kw) -> NodeGroup:
     except HandshakeError:
         raise
     except Exception as exc:
-        raise HandshakeError(f"rendezvous failed: the store at {kw.get('store_addr')} stopped answering during the "
-                             f"handshake ({type(exc).__name__}: {str(exc)[:200]}); is node 0 still running?",
-                             EXIT_STARTUP) from None
+        raise HandshakeError(
+            f"rendezvous failed: the store at {kw.get('store_addr')} stopped answering during the "
+            f"handshake ({type(exc).__name__}: {str(exc)[:200]}); is node 0 still running?",
+            EXIT_STARTUP,
+        ) from None
 
 
-def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None, fp: Mapping[str, str],
-               token: str | None, deadline: float, store_addr: str,
-               progress: Callable[[str, dict], None] | None = None,
-               transport: NodeTransport | None = None) -> NodeGroup:
+def _handshake(
+    store: Store,
+    *,
+    nnodes: int,
+    node_rank: int,
+    run_id: str | None,
+    fp: Mapping[str, str],
+    token: str | None,
+    deadline: float,
+    store_addr: str,
+    progress: Callable[[str, dict], None] | None = None,
+    transport: NodeTransport | None = None,
+) -> NodeGroup:
     from ..outcome import EXIT_STARTUP, EXIT_USAGE
 
     say = progress or (lambda event, fields: log.info(event, **fields))
@@ -146,8 +162,11 @@ def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None,
     if claims > 1:
         other = _info(store.get_nowait(f"node/{node_rank}/info"), node_rank)
         who = other["host"] if other else "another supervisor"
-        _refuse(store, f"duplicate --node-rank {node_rank}: {who} registered as node {node_rank} first; give "
-                f"every node its own --node-rank in 0..{nnodes - 1}")
+        _refuse(
+            store,
+            f"duplicate --node-rank {node_rank}: {who} registered as node {node_rank} first; give "
+            f"every node its own --node-rank in 0..{nnodes - 1}",
+        )
     store.set(f"node/{node_rank}/info", json.dumps(own).encode())
     next_progress = time.monotonic() + PROGRESS_EVERY_S
     while True:
@@ -160,8 +179,11 @@ def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None,
             if info is not None:
                 infos[node] = info
             if store.add(f"node/{node}/claims", 0) > 1:
-                _refuse(store, f"duplicate --node-rank {node}: two supervisors registered as node {node}; "
-                        f"give every node its own --node-rank in 0..{nnodes - 1}")
+                _refuse(
+                    store,
+                    f"duplicate --node-rank {node}: two supervisors registered as node {node}; "
+                    f"give every node its own --node-rank in 0..{nnodes - 1}",
+                )
         missing = [node for node in range(nnodes) if node not in infos]
         if transport is not None:
             _what_the_transport_saw(store, transport, missing, nnodes)
@@ -172,28 +194,36 @@ def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None,
             raise HandshakeError(
                 f"rendezvous timeout: node rank(s) {missing} never registered at the store {store_addr}; start a "
                 f"supervise serve with --node-rank {missing[0]} (same --master-addr/--master-port), or raise "
-                "--rendezvous-timeout", EXIT_STARTUP)
+                "--rendezvous-timeout",
+                EXIT_STARTUP,
+            )
         if now >= next_progress:
             next_progress = now + PROGRESS_EVERY_S
-            say("waiting for nodes", {"missing_node_ranks": missing, "store": store_addr,
-                                      "registered": sorted(infos)})
+            say("waiting for nodes", {"missing_node_ranks": missing, "store": store_addr, "registered": sorted(infos)})
         time.sleep(POLL_S)
     tokens = {node: info.get("token", "") for node, info in infos.items()}
     if len(set(tokens.values())) > 1:
         wrong = sorted(node for node, digest in tokens.items() if digest != tokens[0])
-        _refuse(store, f"join token mismatch: node(s) {wrong} did not give node 0's --join-token; give every "
-                "node the same --join-token")
+        _refuse(
+            store,
+            f"join token mismatch: node(s) {wrong} did not give node 0's --join-token; give every "
+            "node the same --join-token",
+        )
     differing = mismatches(infos)
     if differing:
-        _refuse(store, "fingerprint mismatch between nodes (every node must run the same job): "
-                + " | ".join(differing))
+        _refuse(
+            store, "fingerprint mismatch between nodes (every node must run the same job): " + " | ".join(differing)
+        )
     shared = ""
     while not shared:
         raw = store.get_nowait("run_id")
         shared = raw.decode("utf-8", "replace") if raw else ""
         if shared and not valid_run_id(shared):
-            raise HandshakeError(f"node 0 published a run id that is not one ({shown(raw or b'')}): refusing it; "
-                                 "run ids are letters, digits, '.', '_' and '-'", EXIT_USAGE)
+            raise HandshakeError(
+                f"node 0 published a run id that is not one ({shown(raw or b'')}): refusing it; "
+                "run ids are letters, digits, '.', '_' and '-'",
+                EXIT_USAGE,
+            )
         if not shared:
             if time.monotonic() >= deadline:
                 raise HandshakeError(f"rendezvous timeout: node 0 published no run id at {store_addr}", EXIT_STARTUP)
@@ -206,12 +236,18 @@ def _handshake(store: Store, *, nnodes: int, node_rank: int, run_id: str | None,
         if transport is not None:
             _what_the_transport_saw(store, transport, [], nnodes)
         if time.monotonic() >= deadline:
-            raise HandshakeError(f"rendezvous timeout: not every node passed the start barrier at {store_addr}",
-                                 EXIT_STARTUP)
+            raise HandshakeError(
+                f"rendezvous timeout: not every node passed the start barrier at {store_addr}", EXIT_STARTUP
+            )
         time.sleep(POLL_S)
-    return NodeGroup(run_id=shared, nnodes=nnodes, node_rank=node_rank, store_addr=store_addr,
-                     hosts={node: info["host"] for node, info in infos.items()},
-                     client_addr=transport.client_addr if transport is not None else "")
+    return NodeGroup(
+        run_id=shared,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        store_addr=store_addr,
+        hosts={node: info["host"] for node, info in infos.items()},
+        client_addr=transport.client_addr if transport is not None else "",
+    )
 
 
 def _refuse(store: Store, message: str) -> None:
@@ -227,14 +263,22 @@ def _info(raw: bytes | None, node: int) -> dict | None:
         return None
     try:
         info = json.loads(raw)
-        if (isinstance(info, dict) and isinstance(info.get("host"), str) and isinstance(info.get("fingerprint"), dict)
-                and len(raw) <= MAX_INFO_BYTES):
+        if (
+            isinstance(info, dict)
+            and isinstance(info.get("host"), str)
+            and isinstance(info.get("fingerprint"), dict)
+            and len(raw) <= MAX_INFO_BYTES
+        ):
             info["host"] = shown(info["host"].encode(), 255)
             return info
     except ValueError:
         pass
-    log.warning("a registration in the store is not one: ignored", event_name="store_value_dropped",
-                key=f"node/{node}/info", value=shown(raw, 120))
+    log.warning(
+        "a registration in the store is not one: ignored",
+        event_name="store_value_dropped",
+        key=f"node/{node}/info",
+        value=shown(raw, 120),
+    )
     return None
 
 
@@ -246,11 +290,16 @@ def _what_the_transport_saw(store: Store, transport: NodeTransport, missing: lis
     now = time.monotonic()
     for kind, node, detail, at in list(transport.refusals):
         if kind == "probe":
-            _refuse(store, f"{detail}: is `--node-rank 0` given twice? Give each node its own --node-rank in "
-                    f"0..{nnodes - 1}")
+            _refuse(
+                store,
+                f"{detail}: is `--node-rank 0` given twice? Give each node its own --node-rank in 0..{nnodes - 1}",
+            )
         if kind == "token" and node in missing and now - at >= WRONG_TOKEN_GRACE_S:
-            _refuse(store, f"join token mismatch: a supervisor claiming node {node} ({detail}) gave another "
-                    "--join-token; give every node the same --join-token")
+            _refuse(
+                store,
+                f"join token mismatch: a supervisor claiming node {node} ({detail}) gave another "
+                "--join-token; give every node the same --join-token",
+            )
     for node, detail in list(transport.lost):
         if node == 0:
             raise HandshakeError(f"rendezvous failed: {detail}", EXIT_STARTUP)

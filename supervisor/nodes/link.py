@@ -77,11 +77,17 @@ POLL_S = 0.1
 class NodeLink:
     """Thread ``node-link``: beats, watches the others and the fault bus, and publishes what the main thread hands it."""
 
-    def __init__(self, store: Store, group: NodeGroup, post: Callable[[object], None],
-                 on_peers: Callable[[Mapping[int, bool]], None] | None = None,
-                 on_store_latency: Callable[[str, float], None] | None = None,
-                 transport: NodeTransport | None = None, world_size: int | None = None,
-                 node_lost_s: float = NODE_LOST_S):
+    def __init__(
+        self,
+        store: Store,
+        group: NodeGroup,
+        post: Callable[[object], None],
+        on_peers: Callable[[Mapping[int, bool]], None] | None = None,
+        on_store_latency: Callable[[str, float], None] | None = None,
+        transport: NodeTransport | None = None,
+        world_size: int | None = None,
+        node_lost_s: float = NODE_LOST_S,
+    ):
         self.store = store
         self.group = group
         self.post = post
@@ -139,8 +145,10 @@ class NodeLink:
         deadline = time.monotonic() + STORE_LINGER_S
         while time.monotonic() < deadline:
             try:
-                if all(n in self._reported or self.store.get_nowait(f"done/{self._attempt}/{n}")
-                       for n in range(1, self.group.nnodes)):  # a node declared lost will never say it is done
+                if all(
+                    n in self._reported or self.store.get_nowait(f"done/{self._attempt}/{n}")
+                    for n in range(1, self.group.nnodes)
+                ):  # a node declared lost will never say it is done
                     return
             except Exception:
                 return
@@ -226,7 +234,8 @@ class NodeLink:
     def _read_all(self) -> dict[str, bytes]:
         me, a = self.group.node_rank, self._attempt
         keys = [f"fault/{a}", f"hang/{a}", "stop"] + [
-            key for n in range(self.group.nnodes) if n != me for key in (f"beat/{n}", f"done/{a}/{n}")]
+            key for n in range(self.group.nnodes) if n != me for key in (f"beat/{n}", f"done/{a}/{n}")
+        ]
         seen = dict(zip(keys, self.store.get_many(keys), strict=True))
         seen["fault"], seen["hang"] = seen[keys[0]], seen[keys[1]]
         for n in range(self.group.nnodes):
@@ -256,13 +265,15 @@ class NodeLink:
                 self._check_watches()
                 self._read_stragglers()
                 self._store_ok_at = time.monotonic()
-                self.on_peers({n: n not in self._reported and n not in self._done
-                               for n in range(self.group.nnodes) if n != me})
+                self.on_peers(
+                    {n: n not in self._reported and n not in self._done for n in range(self.group.nnodes) if n != me}
+                )
             except Exception as exc:  # the store is unreachable (node 0 gone) or timed out
                 silent = time.monotonic() - self._store_ok_at
                 if silent >= self.node_lost_s:  # node 0 too: the store it hosts, on loopback, stopped serving it
-                    self._store_lost(f"the store on node 0 ({self.group.store_addr}) did not answer for "
-                                     f"{silent:.1f} s: {exc!r}")
+                    self._store_lost(
+                        f"the store on node 0 ({self.group.store_addr}) did not answer for {silent:.1f} s: {exc!r}"
+                    )
             problem = self.transport.store_problem() if self.transport is not None else None
             if problem:  # node 0: its store process died (a flood over its memory cap, a kill)
                 self._store_lost(problem)
@@ -291,8 +302,13 @@ class NodeLink:
         now = time.monotonic()
         if now - self._bad_logged.get(key, -1e9) >= BAD_VALUE_LOG_EVERY_S:
             self._bad_logged[key] = now
-            log.warning("a value in the store is not one of ours: dropped", event_name="store_value_dropped",
-                        key=key, why=str(why), value=shown(raw, 120))
+            log.warning(
+                "a value in the store is not one of ours: dropped",
+                event_name="store_value_dropped",
+                key=key,
+                why=str(why),
+                value=shown(raw, 120),
+            )
 
     def _drain_outbox(self) -> None:
         """Hand what the main thread queued to the store, in order.  An item whose store call failed stays
@@ -406,7 +422,4 @@ class NodeLink:
                         continue
                     self._reported.add(node)
                 host = self.group.hosts.get(node, "?")
-                self.post(NodeLost(node, f"node {node} ({host}) stopped heartbeating {now - last[1]:.1f} s ago",
-                                   now))
-
-
+                self.post(NodeLost(node, f"node {node} ({host}) stopped heartbeating {now - last[1]:.1f} s ago", now))

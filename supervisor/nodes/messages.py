@@ -22,8 +22,9 @@ MAX_INFO_BYTES = 64 * 1024  # a node's registration (its fingerprint)
 MAX_TEXT = 500
 INCIDENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,159}$")
 # Bundle reasons a node may announce on the fault bus, and "shutdown" (a node stopped on a signal).
-FAULT_REASONS = frozenset({"rank_exit", "hang", "divergence", "startup_timeout", "peer_failed", "node_lost",
-                           "shutdown", "straggler"})
+FAULT_REASONS = frozenset(
+    {"rank_exit", "hang", "divergence", "startup_timeout", "peer_failed", "node_lost", "shutdown", "straggler"}
+)
 
 
 class BadValue(ValueError):
@@ -125,5 +126,6 @@ class HangQuery:
     @classmethod
     def decode(cls, raw: bytes, nnodes: int | None = None) -> HangQuery:
         data = _load(raw)
-        return cls(_int(data, "node", 0, nnodes), _incident_id(data), _int(data, "seq", 0, None),
-                   _text(data, "verdict"))
+        return cls(
+            _int(data, "node", 0, nnodes), _incident_id(data), _int(data, "seq", 0, None), _text(data, "verdict")
+        )

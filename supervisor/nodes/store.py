@@ -91,6 +91,7 @@ class Store(Protocol):
     def first_writer(self, key: str, value: bytes) -> bytes: ...
     def call_timeout(self, seconds: float) -> None:
         """Every later call of this client gives up after ``seconds`` (a caller with a deadline shrinks it)."""
+
     def get_many(self, keys: Sequence[str]) -> list[bytes]: ...  # every key must exist (see NodeLink)
 
 
@@ -143,8 +144,14 @@ class TorchStore:
     """``torch.distributed.TCPStore`` behind ``Store``; node 0 hosts it (``is_master``), in this process only
     in tests and benchmarks (the supervisor hosts it in a child: ``store_host``)."""
 
-    def __init__(self, host: str, port: int, is_master: bool, timeout_s: float = STORE_TIMEOUT_S,
-                 connect_timeout_s: float | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        is_master: bool,
+        timeout_s: float = STORE_TIMEOUT_S,
+        connect_timeout_s: float | None = None,
+    ):
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d prints a C++ backtrace per lost connection
         from torch.distributed import TCPStore
 
@@ -155,7 +162,8 @@ class TorchStore:
         connect_s = connect_timeout_s or timeout_s
         self._store: TCPStore = self._caller.call(
             lambda: TCPStore(host, port, None, is_master, timedelta(seconds=connect_s), wait_for_workers=False),
-            connect_s + 1.0)
+            connect_s + 1.0,
+        )
         self.latency.record("connect", time.monotonic() - t0)  # a refused attempt raised: not a latency
         self._store.set_timeout(timedelta(seconds=timeout_s))
         self.port = self._store.port
@@ -212,5 +220,3 @@ def client(store_addr: str, timeout_s: float = STORE_TIMEOUT_S, connect_timeout_
     connection (the cross-node consensus, the incident exchange); every call has ``timeout_s``."""
     host, port = store_addr.rsplit(":", 1)
     return TorchStore(host, int(port), False, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
-
-

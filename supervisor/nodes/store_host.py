@@ -52,10 +52,19 @@ class StoreHost:
         env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tp_supervise.supervisor.nodes.store_host", str(listener.fileno()),
-                 str(memory_bytes)],
-                pass_fds=(listener.fileno(),), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "tp_supervise.supervisor.nodes.store_host",
+                    str(listener.fileno()),
+                    str(memory_bytes),
+                ],
+                pass_fds=(listener.fileno(),),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
         finally:
             listener.close()  # the child holds it now
         OWN_HELPERS.add(self.proc.pid)  # not a process of the run: no teardown signals it, no reaper reaps it
@@ -64,8 +73,9 @@ class StoreHost:
         line = self.proc.stdout.readline() if ready else b""
         if line.strip() != b"ready":
             self.stop()
-            raise StoreHostError(f"node 0's store process did not start within {timeout_s:g} s "
-                                 f"(exit {self.proc.poll()})")
+            raise StoreHostError(
+                f"node 0's store process did not start within {timeout_s:g} s (exit {self.proc.poll()})"
+            )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -123,8 +133,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed import TCPStore
 
     port = socket.socket(fileno=os.dup(fd)).getsockname()[1]
-    store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False,
-                     master_listen_fd=fd)
+    store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False, master_listen_fd=fd)
     threading.Thread(target=_watch_memory, args=(_rss_bytes() + limit,), name="store-memory-cap", daemon=True).start()
     print("ready", flush=True)
     while sys.stdin.buffer.read(4096):  # until the supervisor closes it, or dies

@@ -147,9 +147,17 @@ def _is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("::1", "localhost")
 
 
-def open_transport(master_addr: str, port: int, nnodes: int, node_rank: int, token: str | None, deadline: float,
-                   progress: Callable[[str, dict], None] | None = None,
-                   store_memory: int = DEFAULT_MEMORY_BYTES, node_lost_s: float = NODE_LOST_S) -> NodeTransport:
+def open_transport(
+    master_addr: str,
+    port: int,
+    nnodes: int,
+    node_rank: int,
+    token: str | None,
+    deadline: float,
+    progress: Callable[[str, dict], None] | None = None,
+    store_memory: int = DEFAULT_MEMORY_BYTES,
+    node_lost_s: float = NODE_LOST_S,
+) -> NodeTransport:
     """Node 0 hosts; the others retry until ``deadline`` (node 0 may start later).  Raises TransportError."""
     from ..outcome import EXIT_STARTUP, EXIT_USAGE
 
@@ -164,11 +172,18 @@ def open_transport(master_addr: str, port: int, nnodes: int, node_rank: int, tok
     while time.monotonic() < deadline:
         if time.monotonic() >= next_progress:
             next_progress = time.monotonic() + 3.0
-            say("waiting for nodes", {"missing_node_ranks": [0], "store": f"{master_addr}:{port}",
-                                      "detail": "node 0 hosts the store and has not answered yet"})
+            say(
+                "waiting for nodes",
+                {
+                    "missing_node_ranks": [0],
+                    "store": f"{master_addr}:{port}",
+                    "detail": "node 0 hosts the store and has not answered yet",
+                },
+            )
         try:
-            link = LinkClient(gate_addr, node_rank, token, on_lost=lambda n, d: None, on_ring=lambda: None,
-                              node_lost_s=node_lost_s)
+            link = LinkClient(
+                gate_addr, node_rank, token, on_lost=lambda n, d: None, on_ring=lambda: None, node_lost_s=node_lost_s
+            )
             link.start()
             break
         except Refused as exc:
@@ -177,29 +192,44 @@ def open_transport(master_addr: str, port: int, nnodes: int, node_rank: int, tok
             last = exc
             time.sleep(RETRY_S)
     else:
-        raise TransportError(f"rendezvous timeout: node 0's store at {master_addr}:{port} never answered ({last}); "
-                             "start node 0 (supervise serve --node-rank 0) or check --master-addr/--store-port",
-                             EXIT_STARTUP)
+        raise TransportError(
+            f"rendezvous timeout: node 0's store at {master_addr}:{port} never answered ({last}); "
+            "start node 0 (supervise serve --node-rank 0) or check --master-addr/--store-port",
+            EXIT_STARTUP,
+        )
     tunnel = Tunnel(gate_addr, node_rank, token)
     try:
-        store = TorchStore("127.0.0.1", tunnel.port, False,
-                           connect_timeout_s=max(1.0, min(STORE_TIMEOUT_S * 3, deadline - time.monotonic())))
+        store = TorchStore(
+            "127.0.0.1",
+            tunnel.port,
+            False,
+            connect_timeout_s=max(1.0, min(STORE_TIMEOUT_S * 3, deadline - time.monotonic())),
+        )
     except Exception as exc:
         link.close()
         tunnel.close()
         if tunnel.refused:
-            raise TransportError(f"node 0 at {master_addr}:{port} refused this node: {tunnel.refused}",
-                                 EXIT_USAGE) from None
-        raise TransportError(f"node 0's store at {master_addr}:{port} did not answer through its gate ({exc})",
-                             EXIT_STARTUP) from None
-    transport = NodeTransport(store=store, client_addr=tunnel.address, public_addr=f"{master_addr}:{port}",
-                              node_rank=node_rank, link=link, tunnel=tunnel)
+            raise TransportError(
+                f"node 0 at {master_addr}:{port} refused this node: {tunnel.refused}", EXIT_USAGE
+            ) from None
+        raise TransportError(
+            f"node 0's store at {master_addr}:{port} did not answer through its gate ({exc})", EXIT_STARTUP
+        ) from None
+    transport = NodeTransport(
+        store=store,
+        client_addr=tunnel.address,
+        public_addr=f"{master_addr}:{port}",
+        node_rank=node_rank,
+        link=link,
+        tunnel=tunnel,
+    )
     link.on_lost, link.on_ring = transport._on_lost, transport._on_ring
     return transport
 
 
-def _host(master_addr: str, port: int, nnodes: int, token: str | None, store_memory: int,
-          node_lost_s: float) -> NodeTransport:
+def _host(
+    master_addr: str, port: int, nnodes: int, token: str | None, store_memory: int, node_lost_s: float
+) -> NodeTransport:
     from ..outcome import EXIT_USAGE
 
     host, local = bind_host(master_addr)
@@ -208,25 +238,46 @@ def _host(master_addr: str, port: int, nnodes: int, token: str | None, store_mem
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise TransportError(_who_holds(master_addr if local else "127.0.0.1", port, token), EXIT_USAGE) from None
-        raise TransportError(f"node 0 cannot listen on {host}:{port} ({exc}); pick another --store-port",
-                             EXIT_USAGE) from None
+        raise TransportError(
+            f"node 0 cannot listen on {host}:{port} ({exc}); pick another --store-port", EXIT_USAGE
+        ) from None
     if not local:
-        log.warning("--master-addr is not an address of this host: node 0's store listens on every interface",
-                    event_name="store_listens_everywhere", master_addr=master_addr, port=port)
+        log.warning(
+            "--master-addr is not an address of this host: node 0's store listens on every interface",
+            event_name="store_listens_everywhere",
+            master_addr=master_addr,
+            port=port,
+        )
     if not token and not (local and _is_loopback(host)):
-        log.warning("multi-node without --join-token: anyone who can reach this port can register as a node, "
-                    "stop every node or fake a fault; give every node the same --join-token (or "
-                    "SUPERVISE_JOIN_TOKEN) on any network you do not fully trust",
-                    event_name="store_unauthenticated", address=f"{host}:{port}")
+        log.warning(
+            "multi-node without --join-token: anyone who can reach this port can register as a node, "
+            "stop every node or fake a fault; give every node the same --join-token (or "
+            "SUPERVISE_JOIN_TOKEN) on any network you do not fully trust",
+            event_name="store_unauthenticated",
+            address=f"{host}:{port}",
+        )
     try:
         store_host = StoreHost(store_memory)
     except StoreHostError as exc:
         listener.close()
         raise TransportError(str(exc), EXIT_USAGE) from None
-    transport = NodeTransport(store=None, client_addr=f"127.0.0.1:{store_host.port}",  # type: ignore[arg-type]
-                              public_addr=f"{master_addr}:{listener.getsockname()[1]}", node_rank=0, host=store_host)
-    gate = Gate(listener, store_host.port, token, nnodes, on_lost=transport._on_lost, on_ring=transport._on_ring,
-                on_refused=transport._on_refused, node_lost_s=node_lost_s)
+    transport = NodeTransport(
+        store=None,
+        client_addr=f"127.0.0.1:{store_host.port}",  # type: ignore[arg-type]
+        public_addr=f"{master_addr}:{listener.getsockname()[1]}",
+        node_rank=0,
+        host=store_host,
+    )
+    gate = Gate(
+        listener,
+        store_host.port,
+        token,
+        nnodes,
+        on_lost=transport._on_lost,
+        on_ring=transport._on_ring,
+        on_refused=transport._on_refused,
+        node_lost_s=node_lost_s,
+    )
     transport.gate = gate
     gate.start()
     try:
@@ -242,11 +293,17 @@ def _who_holds(host: str, port: int, token: str | None) -> str:
     try:
         chan = open_channel((host, port), "probe", 0, token)
         chan.close()
-        return (f"another supervisor already hosts node 0 for this group at {host}:{port}: is `--node-rank 0` given "
-                "twice? Give each node its own --node-rank")
+        return (
+            f"another supervisor already hosts node 0 for this group at {host}:{port}: is `--node-rank 0` given "
+            "twice? Give each node its own --node-rank"
+        )
     except Refused:
-        return (f"another supervisor already hosts node 0 at {host}:{port} (with another --join-token): is "
-                "`--node-rank 0` given twice, or is another job using this --store-port?")
+        return (
+            f"another supervisor already hosts node 0 at {host}:{port} (with another --join-token): is "
+            "`--node-rank 0` given twice, or is another job using this --store-port?"
+        )
     except (OSError, ChannelError):
-        return (f"port {port} on {host} is in use by something that is not a tp-supervise store; stop it or pick "
-                "another --store-port")
+        return (
+            f"port {port} on {host} is in use by something that is not a tp-supervise store; stop it or pick "
+            "another --store-port"
+        )

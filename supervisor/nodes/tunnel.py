@@ -33,8 +33,9 @@ CONNECT_TIMEOUT_S = 3.0
 OFFSET_SAMPLES = 64
 
 
-def open_channel(gate: tuple[str, int], kind: str, node: int, token: str | None,
-                 timeout_s: float = CONNECT_TIMEOUT_S) -> Channel:
+def open_channel(
+    gate: tuple[str, int], kind: str, node: int, token: str | None, timeout_s: float = CONNECT_TIMEOUT_S
+) -> Channel:
     """A connected, authenticated channel to node 0's gate (raises ``Refused``, ``ChannelError``, ``OSError``)."""
     sock = socket.create_connection(gate, timeout=timeout_s)
     try:
@@ -123,9 +124,15 @@ class Tunnel:
 class LinkClient:
     """This node's link to node 0 (see the module docstring); callbacks run on its thread."""
 
-    def __init__(self, gate: tuple[str, int], node: int, token: str | None,
-                 on_lost: Callable[[int, str], None], on_ring: Callable[[], None],
-                 node_lost_s: float = NODE_LOST_S):
+    def __init__(
+        self,
+        gate: tuple[str, int],
+        node: int,
+        token: str | None,
+        on_lost: Callable[[int, str], None],
+        on_ring: Callable[[], None],
+        node_lost_s: float = NODE_LOST_S,
+    ):
         self.gate, self.node, self.token = gate, node, token
         self.node_lost_s = node_lost_s
         self.on_lost, self.on_ring = on_lost, on_ring
@@ -184,8 +191,10 @@ class LinkClient:
                 except TimeoutError:
                     silent = time.monotonic() - last_heard
                     if silent >= self.node_lost_s:
-                        why = (f"node 0 (the store's host) did not answer for {silent:.1f} s: its host is down, its "
-                               "supervisor is frozen, or the network is partitioned")
+                        why = (
+                            f"node 0 (the store's host) did not answer for {silent:.1f} s: its host is down, its "
+                            "supervisor is frozen, or the network is partitioned"
+                        )
                         break
                     continue
                 if frame is None:

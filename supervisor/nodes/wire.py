@@ -100,7 +100,7 @@ class Channel:
         view = memoryview(data)
         with self._lock:
             for start in range(0, max(len(view), 1), MAX_FRAME):
-                chunk = bytes(view[start:start + MAX_FRAME])
+                chunk = bytes(view[start : start + MAX_FRAME])
                 mac = b""
                 if self._send_key is not None:
                     mac = _mac(self._send_key, _SEQ.pack(self._send_seq), chunk)[:MAC_BYTES]
@@ -119,7 +119,7 @@ class Channel:
                     raise ChannelError(f"frame of {n} bytes (at most {MAX_FRAME})")
                 end = _LEN.size + n + mac_len
                 if len(self._buf) >= end:
-                    payload, mac = bytes(self._buf[_LEN.size:_LEN.size + n]), bytes(self._buf[_LEN.size + n:end])
+                    payload, mac = bytes(self._buf[_LEN.size : _LEN.size + n]), bytes(self._buf[_LEN.size + n : end])
                     del self._buf[:end]
                     break
             chunk = self.sock.recv(MAX_FRAME + 64)
@@ -149,8 +149,9 @@ def _keys(token: str, cn: bytes, gn: bytes) -> tuple[bytes, bytes]:
     return _mac(secret, b"c2g", cn, gn), _mac(secret, b"g2c", cn, gn)
 
 
-def client_hello(sock: socket.socket, kind: str, node: int, token: str | None,
-                 timeout_s: float = HELLO_TIMEOUT_S) -> Channel:
+def client_hello(
+    sock: socket.socket, kind: str, node: int, token: str | None, timeout_s: float = HELLO_TIMEOUT_S
+) -> Channel:
     """Open a channel to node 0's gate as ``node``; raises ``Refused`` (told no, or the gate does not know the
     token) or ``ChannelError``/``OSError``.  The socket's timeout is left as it was before."""
     previous = sock.gettimeout()
@@ -168,8 +169,14 @@ def client_hello(sock: socket.socket, kind: str, node: int, token: str | None,
         raise ChannelError("malformed gate nonce") from None
     gate_wants_token = reply[3] == "1"
     if gate_wants_token != bool(token):
-        raise Refused("join token mismatch: " + ("node 0 requires a --join-token" if gate_wants_token
-                                                 else "node 0 runs without --join-token; give none, or the same on every node"))
+        raise Refused(
+            "join token mismatch: "
+            + (
+                "node 0 requires a --join-token"
+                if gate_wants_token
+                else "node 0 runs without --join-token; give none, or the same on every node"
+            )
+        )
     keys: tuple[bytes | None, bytes | None] = (None, None)
     if token:
         secret = token.encode()
@@ -177,7 +184,7 @@ def client_hello(sock: socket.socket, kind: str, node: int, token: str | None,
         sock.sendall(_mac(secret, b"client", *what).hex().encode() + b"\n")
         answer = _read_line(sock)
         if answer.startswith(MAGIC + " NO"):
-            raise Refused(answer[len(MAGIC) + 4:][:300])
+            raise Refused(answer[len(MAGIC) + 4 :][:300])
         if not hmac.compare_digest(answer.encode(), _mac(secret, b"gate", *what).hex().encode()):
             raise Refused("join token mismatch: node 0's gate did not prove it knows this --join-token")
         keys = _keys(token, cn, gn)
@@ -185,8 +192,9 @@ def client_hello(sock: socket.socket, kind: str, node: int, token: str | None,
     return Channel(sock, keys[0], keys[1])
 
 
-def server_hello(sock: socket.socket, token: str | None, nnodes: int,
-                 timeout_s: float = HELLO_TIMEOUT_S) -> tuple[str, int, Channel]:
+def server_hello(
+    sock: socket.socket, token: str | None, nnodes: int, timeout_s: float = HELLO_TIMEOUT_S
+) -> tuple[str, int, Channel]:
     """The gate's side: (kind, node rank, channel).  Raises ``Refused`` after telling the client why."""
     sock.settimeout(timeout_s)
     parts = _read_line(sock).split(" ")

@@ -105,8 +105,16 @@ class NodeConsensusThread:
     rank; the reference nodes log it and learn the end from the fault bus.
     """
 
-    def __init__(self, monitor, connect: Callable[[], Store], node_rank: int, nnodes: int, nproc_per_node: int,
-                 post: Callable[[object], None], attempt: Callable[[], AttemptView]):
+    def __init__(
+        self,
+        monitor,
+        connect: Callable[[], Store],
+        node_rank: int,
+        nnodes: int,
+        nproc_per_node: int,
+        post: Callable[[object], None],
+        attempt: Callable[[], AttemptView],
+    ):
         self.monitor = monitor
         self.connect = connect
         self.node_rank, self.nnodes, self.nproc_per_node = node_rank, nnodes, nproc_per_node
@@ -136,16 +144,22 @@ class NodeConsensusThread:
                 if self.exchange is None or self.exchange_attempt != number:
                     # a new group attempt counts steps from 0 again: a fresh comparison under its own keys
                     self.store = self.store or self.connect()
-                    self.exchange = NodeDigests(self.store, self.node_rank, self.nnodes, self.nproc_per_node,
-                                                attempt=number)
+                    self.exchange = NodeDigests(
+                        self.store, self.node_rank, self.nnodes, self.nproc_per_node, attempt=number
+                    )
                     self.exchange_attempt = number
                     self.monitor.take_agreed()  # steps of the attempt that ended are not compared with this one's
                 now = time.monotonic()
                 self.exchange.agreed(self.monitor.take_agreed(), now)
                 for verdict in self.exchange.tick(now):
                     mine = [r for r in verdict.culprit_ranks if r // self.nproc_per_node == self.node_rank]
-                    log.warning("divergence across nodes", step=verdict.step, culprit_ranks=list(verdict.culprit_ranks),
-                                verdict=verdict.verdict, acted_on_here=bool(mine))
+                    log.warning(
+                        "divergence across nodes",
+                        step=verdict.step,
+                        culprit_ranks=list(verdict.culprit_ranks),
+                        verdict=verdict.verdict,
+                        acted_on_here=bool(mine),
+                    )
                     if mine:
                         self.post(DivergenceFound(verdict, time.monotonic(), number))
                 failed_with = None

@@ -122,10 +122,16 @@ def registry_dir() -> Path:
             _chosen[key] = path
             return path
         if explicit:
-            raise RegistryError(f"SUPERVISE_REGISTRY_DIR={path} cannot be used: {problem}; point it at a "
-                                "directory only this user can write")
-        log.warning("job registry skipped: not ours alone", path=str(path), reason=problem,
-                    fix=f"remove {path} (another user may have planted it) or set SUPERVISE_REGISTRY_DIR")
+            raise RegistryError(
+                f"SUPERVISE_REGISTRY_DIR={path} cannot be used: {problem}; point it at a "
+                "directory only this user can write"
+            )
+        log.warning(
+            "job registry skipped: not ours alone",
+            path=str(path),
+            reason=problem,
+            fix=f"remove {path} (another user may have planted it) or set SUPERVISE_REGISTRY_DIR",
+        )
     raise RegistryError("no private directory for the job registry: set SUPERVISE_REGISTRY_DIR")
 
 
@@ -189,8 +195,14 @@ def _read_entry(root: Path, path: Path) -> JobEntry | None:
     if start is not None and not isinstance(start, (int, float)):
         return None
     metrics, dump_dir = data.get("metrics"), data.get("dump_dir", "")
-    return JobEntry(run_id, pid, str(socket_path(root, run_id)), metrics if isinstance(metrics, str) else None,
-                    dump_dir if isinstance(dump_dir, str) else "", start)
+    return JobEntry(
+        run_id,
+        pid,
+        str(socket_path(root, run_id)),
+        metrics if isinstance(metrics, str) else None,
+        dump_dir if isinstance(dump_dir, str) else "",
+        start,
+    )
 
 
 def _own_dir(path: Path) -> bool:
@@ -274,8 +286,9 @@ def sweep_stale() -> list[str]:
                 shutil.rmtree(run_dir, ignore_errors=True)
         _unlink_own(Path(entry.socket))
         _unlink_own(path)
-        log.warning("swept a run whose supervisor died", stale_run_id=entry.run_id, pid=entry.pid,
-                    killed=sorted(orphans))
+        log.warning(
+            "swept a run whose supervisor died", stale_run_id=entry.run_id, pid=entry.pid, killed=sorted(orphans)
+        )
         swept.append(entry.run_id)
     return swept
 
@@ -320,8 +333,9 @@ class ControlServer:
         self._sock.settimeout(ACCEPT_POLL_S)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="control-socket", daemon=True)
-        entry = dict(info, run_id=run_id, pid=os.getpid(), pid_start=process_start(os.getpid()),
-                     socket=str(self.socket_path))
+        entry = dict(
+            info, run_id=run_id, pid=os.getpid(), pid_start=process_start(os.getpid()), socket=str(self.socket_path)
+        )
         write_private_file(self.entry_path, json.dumps(entry))
 
     def start(self) -> None:

@@ -181,8 +181,12 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         app = self.server.app
         if path == "/metrics" and not app.serve_metrics:
-            self._send(HTTPStatus.NOT_FOUND, b"not here: this listener serves /healthz /readyz /livez; /metrics is on "
-                       b"--metrics-addr\n", TEXT_TYPE, send_body)
+            self._send(
+                HTTPStatus.NOT_FOUND,
+                b"not here: this listener serves /healthz /readyz /livez; /metrics is on --metrics-addr\n",
+                TEXT_TYPE,
+                send_body,
+            )
         elif path == "/metrics":
             began = time.monotonic()
             try:
@@ -197,8 +201,12 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/livez":
             age = app.liveness.age()
             alive = age < app.liveness.stale_after_s
-            body = json.dumps({"alive": alive, "loop_age_s": round(age, 3),
-                               "stale_after_s": app.liveness.stale_after_s}).encode() + b"\n"
+            body = (
+                json.dumps(
+                    {"alive": alive, "loop_age_s": round(age, 3), "stale_after_s": app.liveness.stale_after_s}
+                ).encode()
+                + b"\n"
+            )
             self._send(HTTPStatus.OK if alive else HTTPStatus.SERVICE_UNAVAILABLE, body, JSON_TYPE, send_body)
         elif path in ("/healthz", "/readyz"):
             status = app.current_health()
@@ -206,8 +214,9 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.dumps(asdict(status), sort_keys=True).encode() + b"\n"
             self._send(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, body, JSON_TYPE, send_body)
         else:
-            self._send(HTTPStatus.NOT_FOUND, b"not found: try /metrics, /healthz, /readyz or /livez\n", TEXT_TYPE,
-                       send_body)
+            self._send(
+                HTTPStatus.NOT_FOUND, b"not found: try /metrics, /healthz, /readyz or /livez\n", TEXT_TYPE, send_body
+            )
 
     def _send(self, code: HTTPStatus, body: bytes, content_type: str, send_body: bool) -> None:
         self.send_response(code)
@@ -363,8 +372,12 @@ class HealthServer:
                 risk="no authentication: anyone who can reach it reads run id, ranks, states and GPU telemetry",
             )
         elif not is_loopback(self.host):
-            log.info("health endpoints exposed", event_name="health_endpoints_exposed", address=self.url,
-                     risk="no authentication: anyone who can reach it reads the engine state and its one-line detail")
+            log.info(
+                "health endpoints exposed",
+                event_name="health_endpoints_exposed",
+                address=self.url,
+                risk="no authentication: anyone who can reach it reads the engine state and its one-line detail",
+            )
         log.info("metrics endpoint listening" if self.serve_metrics else "health endpoints listening", url=self.url)
 
     def stop(self) -> None:

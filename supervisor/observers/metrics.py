@@ -174,10 +174,15 @@ class SupervisorMetrics:
         )
         # -- per rank ----------------------------------------------------------
         self.rank_up = Gauge(name("rank_up"), "1 while the rank's process is alive.", ["rank"], registry=reg)
-        self.nodes_up = Gauge(name("nodes_up"), "Nodes of the run whose supervisor is alive (this one included).",
-                              registry=reg)
-        self.peer_node_up = Gauge(name("peer_node_up"), "1 while the other node's supervisor heartbeats (multi-node).",
-                                  ["node_rank"], registry=reg)
+        self.nodes_up = Gauge(
+            name("nodes_up"), "Nodes of the run whose supervisor is alive (this one included).", registry=reg
+        )
+        self.peer_node_up = Gauge(
+            name("peer_node_up"),
+            "1 while the other node's supervisor heartbeats (multi-node).",
+            ["node_rank"],
+            registry=reg,
+        )
         self.nodes_up.set(1)
         self.store_latency = Histogram(
             name("store_latency_seconds"),
@@ -196,9 +201,13 @@ class SupervisorMetrics:
         self.rank_arrival_lag = Gauge(
             name("rank_arrival_lag_seconds"),
             "How late the rank enters its collectives: its arrival minus the median arrival of its peers, over the "
-            "straggler window (quantile 0.5, 0.9, 0.99).", ["rank", "quantile"], registry=reg)
-        self.straggler = Gauge(name("straggler"), "1 while the rank is named a straggler (the group waits for it).",
-                               ["rank"], registry=reg)
+            "straggler window (quantile 0.5, 0.9, 0.99).",
+            ["rank", "quantile"],
+            registry=reg,
+        )
+        self.straggler = Gauge(
+            name("straggler"), "1 while the rank is named a straggler (the group waits for it).", ["rank"], registry=reg
+        )
         self.rank_collective_seq = Gauge(
             name("rank_collective_seq"), "Collectives the rank entered.", ["rank"], registry=reg
         )

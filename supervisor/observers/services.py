@@ -59,8 +59,15 @@ TEXTFILE_TIMEOUT_S = 2.0  # a --metrics-textfile write never holds the main thre
 
 
 class Services:
-    def __init__(self, spec: LaunchSpec, run_id: str, run_dir: Path, post: Callable[[object], None],
-                 attempt: Callable[[], AttemptView], run_key: str | None = None):
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        run_id: str,
+        run_dir: Path,
+        post: Callable[[object], None],
+        attempt: Callable[[], AttemptView],
+        run_key: str | None = None,
+    ):
         self.spec = spec
         self.attempt = attempt  # the main thread's latest AttemptView: the consensus threads tag their events with it
         self.run_id = run_id
@@ -77,12 +84,19 @@ class Services:
         self.health = HealthCell(HealthStatus.for_state(engine_state.EngineState.STARTING, "starting"))
         self.http: HealthServer | None = None
         if spec.metrics_addr is not None:
-            self.http = HealthServer(self.metrics, self.health, spec.metrics_addr[0], spec.metrics_addr[1],
-                                     liveness=self.liveness)
+            self.http = HealthServer(
+                self.metrics, self.health, spec.metrics_addr[0], spec.metrics_addr[1], liveness=self.liveness
+            )
         self.health_http: HealthServer | None = None
         if spec.health_addr is not None:
-            self.health_http = HealthServer(self.metrics, self.health, spec.health_addr[0], spec.health_addr[1],
-                                            liveness=self.liveness, serve_metrics=False)
+            self.health_http = HealthServer(
+                self.metrics,
+                self.health,
+                spec.health_addr[0],
+                spec.health_addr[1],
+                liveness=self.liveness,
+                serve_metrics=False,
+            )
         self.gpu = GpuSampler(GPU_SAMPLE_INTERVAL_S)
         self._gpu_seen = 0  # seq of the last reading put into the metrics
         self._gpu_unverified_logged = False
@@ -116,8 +130,15 @@ class Services:
             store.latency.attach(self.metrics.observe_store_latency)  # supervise_store_latency_seconds too
             return store
 
-        self.node_consensus = NodeConsensusThread(self.consensus_monitor, connect, group.node_rank, group.nnodes,
-                                                  self.spec.nproc_per_node, self.post, self.attempt)
+        self.node_consensus = NodeConsensusThread(
+            self.consensus_monitor,
+            connect,
+            group.node_rank,
+            group.nnodes,
+            self.spec.nproc_per_node,
+            self.post,
+            self.attempt,
+        )
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -236,7 +257,7 @@ class Services:
             url = f"http://{spec.engine.host}:{spec.engine.port}"
             example = (
                 f"curl -s {url}/v1/completions -H 'Content-Type: application/json' "
-                "-d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"
+                '-d \'{"prompt": "Hello", "max_tokens": 16}\''
             )
             log.info("engine ready", url=url, metrics=self.metrics_url, try_it=example)
             print(f"ready: {example}", flush=True)
@@ -295,9 +316,13 @@ class Services:
         if until_scraped and scrapes.count == 0:
             log.info("metrics linger skipped: /metrics was never scraped in this run", url=self.metrics_url)
             return
-        log.info("metrics stay up before exit", seconds=seconds, url=self.metrics_url,
-                 until="the first scrape of the final state" if until_scraped else "the time is up",
-                 skip="a second Ctrl-C ends it")
+        log.info(
+            "metrics stay up before exit",
+            seconds=seconds,
+            url=self.metrics_url,
+            until="the first scrape of the final state" if until_scraped else "the time is up",
+            skip="a second Ctrl-C ends it",
+        )
         if not until_scraped:
             interrupt.wait(seconds)
             return

@@ -68,13 +68,21 @@ class NodeStragglers(Protocol):
     def publish(self, summary: bytes) -> None: ...
     def peers(self) -> dict[int, bytes]: ...
     def clock_offset(self) -> tuple[float, float] | None: ...
+
+
 ERROR_BACKOFF_S = 0.5
 
 
 class StragglerThread:
-    def __init__(self, config: StragglerConfig, heartbeat: HeartbeatSegment, attempt: Callable[[], AttemptView],
-                 post: Callable[[object], None], on_report: Callable[[StragglerReport], None],
-                 nodes: NodeStragglers | None = None):
+    def __init__(
+        self,
+        config: StragglerConfig,
+        heartbeat: HeartbeatSegment,
+        attempt: Callable[[], AttemptView],
+        post: Callable[[object], None],
+        on_report: Callable[[StragglerReport], None],
+        nodes: NodeStragglers | None = None,
+    ):
         self.config = config
         self.heartbeat = heartbeat
         self.attempt = attempt

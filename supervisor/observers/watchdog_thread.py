@@ -45,16 +45,6 @@ ADAPTER_TIMEOUT_S = 2.0
 UNCLAIMED_READY_GRACE_S = 2.0
 
 
-
-
-
-
-
-
-
-
-
-
 class WatchdogThread:
     """Every TICK_S: read all heartbeat slots, run ``watchdogs.policy``, post
     the verdicts that need action, feed ``on_tick`` (metrics).
@@ -168,8 +158,12 @@ class WatchdogThread:
             states = {s.pid: proc_state(s.pid) for s in snaps if s.claimed and not s.finished}
             verdict, elsewhere = policy.answer_hang_query(query[0], query[1], verdict, snaps, states)
             if not elsewhere:
-                log.info("hang query of another node: every rank here is in that collective too",
-                         event_name="hang_query_not_here", node=query[1], seq=query[0])
+                log.info(
+                    "hang query of another node: every rank here is in that collective too",
+                    event_name="hang_query_not_here",
+                    node=query[1],
+                    seq=query[0],
+                )
             if verdict.kind is policy.VerdictKind.HARD:
                 self.state = replace(self.state, hard_fired=True)
         self._post(verdict, snaps, now, attempt)
@@ -196,10 +190,14 @@ class WatchdogThread:
             )
         kind = verdict.kind
         if kind in policy.FIRING_KINDS:
-            self.post(WatchdogVerdict(kind, verdict.stalled_s, verdict.message, verdict, tuple(snaps), now,
-                                      attempt.number))
-        if not self.all_ready_posted and kind not in (policy.VerdictKind.STARTUP_WAIT, policy.VerdictKind.STARTUP_TIMEOUT,
-                                                      policy.VerdictKind.STARTUP_OVERDUE):
+            self.post(
+                WatchdogVerdict(kind, verdict.stalled_s, verdict.message, verdict, tuple(snaps), now, attempt.number)
+            )
+        if not self.all_ready_posted and kind not in (
+            policy.VerdictKind.STARTUP_WAIT,
+            policy.VerdictKind.STARTUP_TIMEOUT,
+            policy.VerdictKind.STARTUP_OVERDUE,
+        ):
             if self._have_ranks(snaps, now, attempt):
                 self.all_ready_posted = True
                 self.post(AllRanksReady(tuple(snaps), now, attempt.number))
@@ -268,10 +266,3 @@ class AdapterThread:
             except Exception as exc:
                 log.error("engine metrics scrape failed", error=repr(exc))
             self._stop.wait(ADAPTER_INTERVAL_S)
-
-
-
-
-
-
-

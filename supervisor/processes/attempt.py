@@ -96,8 +96,9 @@ class Attempt:
     ``publish`` receives a new ``AttemptView`` after every change.
     """
 
-    def __init__(self, publish: Callable[[AttemptView], None], started_at: float = 0.0, restarts: int = 0,
-                 number: int = 0):
+    def __init__(
+        self, publish: Callable[[AttemptView], None], started_at: float = 0.0, restarts: int = 0, number: int = 0
+    ):
         self.started_at = started_at
         self.restarts = restarts
         self.number = number

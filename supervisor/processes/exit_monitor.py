@@ -46,8 +46,6 @@ ERROR_BACKOFF_S = 0.05  # after a failed pass, before the next (never a busy loo
 REAP_INTERVAL_S = 0.25
 
 
-
-
 @dataclass
 class _Watch:
     key: object

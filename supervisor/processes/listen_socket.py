@@ -64,8 +64,9 @@ class ListenSocket:
             sock = socket.create_server((host.strip("[]"), port), family=family, backlog=listen_backlog())
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise UsageError(f"{flag}: port {port} on {host} is already in use; stop what holds it or pick "
-                                 "another port") from None
+                raise UsageError(
+                    f"{flag}: port {port} on {host} is already in use; stop what holds it or pick another port"
+                ) from None
             raise UsageError(f"{flag}: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
         sock.set_inheritable(False)  # only rank 0 gets it, through pass_fds
         return cls(reserve_fd3(sock) if systemd else sock, flag, systemd)
@@ -83,8 +84,9 @@ class ListenSocket:
         host, port = self.sock.getsockname()[:2]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    def hand_to(self, argv: tuple[str, ...], env: dict[str, str], keep: tuple[int, ...] = ()
-                ) -> tuple[tuple[str, ...], dict[str, str], tuple[int, ...]]:
+    def hand_to(
+        self, argv: tuple[str, ...], env: dict[str, str], keep: tuple[int, ...] = ()
+    ) -> tuple[tuple[str, ...], dict[str, str], tuple[int, ...]]:
         """Rank 0's argv, environment and fds to pass, with the socket.  ``keep``: the other fds the child keeps at
         their numbers (the death pipe); systemd's fd 3 must not be one of them."""
         fd = self.fd

@@ -182,8 +182,13 @@ class RankStreams:
 class RankOutput:
     """The output pump of one supervisor run."""
 
-    def __init__(self, options: OutputOptions, log_format: str = "console",
-                 console_out: IO[str] | None = None, console_err: IO[str] | None = None):
+    def __init__(
+        self,
+        options: OutputOptions,
+        log_format: str = "console",
+        console_out: IO[str] | None = None,
+        console_err: IO[str] | None = None,
+    ):
         self.options = options
         self.json = log_format == "json"
         self._rank_log = logs.rank_output_logger()
@@ -321,12 +326,19 @@ class RankOutput:
         except LogRefused as exc:
             self._refused(stream, exc)
         except OSError as exc:
-            log.error("rank log file not opened: that stream goes on without it",
-                      path=str(stream.log_path), error=exc.strerror or repr(exc))
+            log.error(
+                "rank log file not opened: that stream goes on without it",
+                path=str(stream.log_path),
+                error=exc.strerror or repr(exc),
+            )
 
     def _refused(self, stream: _Stream, exc: LogRefused) -> None:
-        log.warning("rank log file refused: a link or a name that leads elsewhere is not followed; "
-                    "that stream goes on without it", path=str(stream.log_path), reason=str(exc))
+        log.warning(
+            "rank log file refused: a link or a name that leads elsewhere is not followed; "
+            "that stream goes on without it",
+            path=str(stream.log_path),
+            reason=str(exc),
+        )
         self._close_file(stream)
 
     def _select_timeout(self, now: float) -> float:
@@ -361,8 +373,11 @@ class RankOutput:
             except LogRefused as exc:  # planted at the path while the file was rotated
                 self._refused(stream, exc)
             except OSError as exc:
-                log.error("rank log file write failed: that stream goes on without it",
-                          path=str(stream.log_path), error=exc.strerror or repr(exc))
+                log.error(
+                    "rank log file write failed: that stream goes on without it",
+                    path=str(stream.log_path),
+                    error=exc.strerror or repr(exc),
+                )
                 self._close_file(stream)
         if not stream.console:
             return
@@ -387,8 +402,9 @@ class RankOutput:
 
     def _flush_due(self, now: float) -> None:
         for stream in self._streams.values():
-            if stream.partial and (now - stream.last_data >= PARTIAL_IDLE_S
-                                   or now - stream.partial_since >= PARTIAL_MAX_AGE_S):
+            if stream.partial and (
+                now - stream.last_data >= PARTIAL_IDLE_S or now - stream.partial_since >= PARTIAL_MAX_AGE_S
+            ):
                 self._flush_partial(stream)
 
     def _flush_partial(self, stream: _Stream) -> None:

@@ -110,7 +110,6 @@ def run_marker(run_key: str) -> bytes:
     return f"SUPERVISE_RUN_KEY={run_key}".encode()  # supervisor.processes.spawn.ENV_RUN_KEY
 
 
-
 class Pidfd:
     """One process, by pidfd: a signal reaches it or nobody.
 
@@ -258,9 +257,13 @@ class RunProcesses:
     (/proc/<pid>/stat) and the run's cgroup.
     """
 
-    def __init__(self, run_key: str, root_pid: int | None = None,
-                 cgroup_pids: Callable[[], set[int]] | None = None,
-                 in_cgroup: Callable[[int], bool] | None = None):
+    def __init__(
+        self,
+        run_key: str,
+        root_pid: int | None = None,
+        cgroup_pids: Callable[[], set[int]] | None = None,
+        in_cgroup: Callable[[int], bool] | None = None,
+    ):
         self.marker = run_marker(run_key)
         self.root = root_pid or os.getpid()
         self._cgroup_pids = cgroup_pids
@@ -274,8 +277,9 @@ class RunProcesses:
         self.marker_scans += 1
         found, complete = _MarkerScan(self.marker, set(self.held) | {self.root}).run(timeout)
         if not complete:
-            log.warning("process scan for the run marker timed out; using descendants and the cgroup only",
-                        timeout_s=timeout)
+            log.warning(
+                "process scan for the run marker timed out; using descendants and the cgroup only", timeout_s=timeout
+            )
         for proc in found:
             if proc.pid in self.held:
                 proc.close()

@@ -224,8 +224,11 @@ class LogFile:
         try:
             dropped = None
             with contextlib.suppress(OSError):  # held so that removing it does not free its blocks here
-                dropped = os.open(f"{name}.{ROTATED_KEEP}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                                  | os.O_CLOEXEC, dir_fd=directory)
+                dropped = os.open(
+                    f"{name}.{ROTATED_KEEP}",
+                    os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                    dir_fd=directory,
+                )
             try:
                 # No rename replaces a file: ext4 flushes the renamed file's data when it does (auto_da_alloc).
                 with contextlib.suppress(FileNotFoundError):

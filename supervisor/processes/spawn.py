@@ -62,7 +62,9 @@ class RunContext:
     zero_code_hook: bool
     max_restarts: int = 0
     run_key: str = ""  # what marks this node's processes of the run (run id, plus the node rank on several nodes)
-    cgroup_procs: str | None = None  # the run's cgroup.procs: ranks join it before exec (supervisor/processes/cgroup.py)
+    cgroup_procs: str | None = (
+        None  # the run's cgroup.procs: ranks join it before exec (supervisor/processes/cgroup.py)
+    )
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,10 @@ def error_file(run_dir: Path, rank: int) -> Path:
 
 
 def rank_env(
-    base: Mapping[str, str], ctx: RunContext, slot: int | None, extra: Mapping[str, str] | None = None,
+    base: Mapping[str, str],
+    ctx: RunContext,
+    slot: int | None,
+    extra: Mapping[str, str] | None = None,
     restart_count: int = 0,
 ) -> dict[str, str]:
     """The environment of one rank (``slot`` None: the tree-mode launcher)."""
@@ -186,8 +191,7 @@ def _child_setup(supervisor_pid: int, cgroup_procs: str | None):
     return setup
 
 
-def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None,
-          pump: output.RankOutput | None = None) -> RankHandle:
+def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None, pump: output.RankOutput | None = None) -> RankHandle:
     """Start one rank (slot -1: the tree-mode launcher).  Must be called from the main thread (see module doc).
 
     Its stdout and stderr are pipes to ``pump`` (default: the run's, ``output.installed()``); with no

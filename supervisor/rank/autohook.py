@@ -64,6 +64,8 @@ _rt = runtime.state  # the slot writer is _rt.writer (None until claimed, and in
 _thread = runtime.thread_state  # per thread: its lane into the slot (runtime.lane)
 _monitor = works.monitor  # describes long calls, publishes works in flight; the hot path only wakes it
 _funcol = threading.local()  # per thread: (op, desc) of the last functional collective issued
+
+
 def _call_counted(name: str, cache: dict, fn, args: tuple, kwargs: dict):
     """A collective call on a thread without a lane (all taken): through the holder count."""
     t = _thread

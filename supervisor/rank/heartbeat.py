@@ -186,6 +186,7 @@ def rings_offset(nslots: int, slot: int) -> int:
     """Where the arrival rings of ``slot`` begin (lane 0's; lane L's is ``L * RING_SIZE`` further)."""
     return HEADER_SIZE + nslots * SLOT_SIZE + slot * LANES * RING_SIZE
 
+
 CLAIMED = 1 << 0
 READY = 1 << 1
 IN_STEP = 1 << 2
@@ -196,7 +197,6 @@ INSTRUMENTED = 1 << 5  # the rank reports steps itself (not only collectives)
 # The phase text with a meaning to the watchdog: a rank inside init_process_group (the zero-code
 # hook, the built-in engine) has started and must report ready within --startup-timeout.
 RENDEZVOUS_PHASE = "rendezvous"
-
 
 
 class HeartbeatLayoutError(RuntimeError):
@@ -330,9 +330,7 @@ class HeartbeatSegment:
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        _HEADER.pack_into(
-            self._map, 0, MAGIC, VERSION, nslots, SLOT_SIZE, HEADER_SIZE, created, run_id.encode()[:36]
-        )
+        _HEADER.pack_into(self._map, 0, MAGIC, VERSION, nslots, SLOT_SIZE, HEADER_SIZE, created, run_id.encode()[:36])
         for i in range(nslots):
             base = HEADER_SIZE + i * SLOT_SIZE
             _IDENT.pack_into(self._map, base + OFF_IDENT, 0, -1, 0, 0)

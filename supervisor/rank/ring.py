@@ -213,8 +213,9 @@ class RingWriter:
         entry = SeqWriter(mm, off)
         entry.begin()
         flags = TRUNCATED if truncated else 0
-        _ENTRY_BODY.pack_into(mm, off + _U64.size, n, step, digest, self.open_count, flags, self.open_pos,
-                              self.open_len, now)
+        _ENTRY_BODY.pack_into(
+            mm, off + _U64.size, n, step, digest, self.open_count, flags, self.open_pos, self.open_len, now
+        )
         entry.end()
         self.head = n + 1
         self.open_pos = self.log_head

@@ -92,9 +92,32 @@ class SlotWriter:
     """
 
     __slots__ = (
-        "slot", "nslots", "flags", "stack_signal", "step", "coll_seq", "ts_step_begin", "last_step_s",
-        "holders", "lanes", "several", "op", "desc", "text_lane", "described", "_map", "_base", "_lock", "_seq", "_u64",
-        "_u32", "_f64", "_rings", "_rings_at", "_free_lanes", "_pid",
+        "slot",
+        "nslots",
+        "flags",
+        "stack_signal",
+        "step",
+        "coll_seq",
+        "ts_step_begin",
+        "last_step_s",
+        "holders",
+        "lanes",
+        "several",
+        "op",
+        "desc",
+        "text_lane",
+        "described",
+        "_map",
+        "_base",
+        "_lock",
+        "_seq",
+        "_u64",
+        "_u32",
+        "_f64",
+        "_rings",
+        "_rings_at",
+        "_free_lanes",
+        "_pid",
     )
 
     def __init__(self, path: str | os.PathLike, slot: int):
