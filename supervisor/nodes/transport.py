@@ -261,9 +261,15 @@ def _host(
     except StoreHostError as exc:
         listener.close()
         raise TransportError(str(exc), EXIT_USAGE) from None
+    try:
+        store = TorchStore("127.0.0.1", store_host.port, False)
+    except Exception as exc:
+        listener.close()
+        store_host.stop()
+        raise TransportError(f"node 0 could not reach its own store ({exc})", EXIT_USAGE) from None
     transport = NodeTransport(
-        store=None,
-        client_addr=f"127.0.0.1:{store_host.port}",  # type: ignore[arg-type]
+        store=store,
+        client_addr=f"127.0.0.1:{store_host.port}",
         public_addr=f"{master_addr}:{listener.getsockname()[1]}",
         node_rank=0,
         host=store_host,
@@ -280,11 +286,6 @@ def _host(
     )
     transport.gate = gate
     gate.start()
-    try:
-        transport.store = TorchStore("127.0.0.1", store_host.port, False)
-    except Exception as exc:
-        transport.close()
-        raise TransportError(f"node 0 could not reach its own store ({exc})", EXIT_USAGE) from None
     return transport
 
 
