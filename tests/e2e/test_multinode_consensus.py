@@ -37,7 +37,9 @@ def test_node_diverging_from_the_others_is_named_by_global_rank_and_exits_82(sup
     assert "node 1 (ranks 2,3) diverged from node 0 (ranks 0,1) at step 30" in bundle["verdict"]
     peer = node0.summary("peer_failed")
     assert peer["incident_id"] == bundle["incident_id"]
-    assert node0.events("divergence across nodes")  # the reference node saw it too, and left the ending to node 1
+    # The reference node either saw it too (and left the ending to node 1) or heard node 1's fault first: the bus
+    # rings every node at once (issue 19), often before node 0's own comparison reads node 1's batch.
+    assert node0.events("divergence across nodes") or "diverged" in peer["verdict"], peer["verdict"]
 
 
 def test_agreeing_nodes_finish_cleanly(supervise, tmp_path):
