@@ -33,14 +33,13 @@ from collections.abc import Callable
 
 import structlog
 
-from .wire import Channel, ChannelError, Refused, WrongToken, server_hello
+from .wire import Channel, ChannelError, Refused, WrongToken, server_hello, splice
 
 log = structlog.get_logger("supervise.nodes")
 
 BEAT_S = 0.25  # link pings (the node's side) and the read timeout of a link connection here
 NODE_LOST_S = 4.0  # a link silent this long is a lost node (no FIN: host loss, partition)
 STORE_CONNECT_S = 2.0
-PIPE_CHUNK = 64 * 1024
 CONNECTIONS_PER_NODE = 8
 REFUSAL_REPORT_EVERY_S = 5.0
 
@@ -174,38 +173,7 @@ class Gate:
             store = socket.create_connection(("127.0.0.1", self.store_port), timeout=STORE_CONNECT_S)
         except OSError:
             return
-        store.settimeout(None)
-        chan.sock.settimeout(None)
-
-        def store_to_node() -> None:
-            try:
-                while True:
-                    data = store.recv(PIPE_CHUNK)
-                    if not data:
-                        break
-                    chan.send(data)
-            except OSError:
-                pass
-            finally:
-                chan.close()
-
-        back = threading.Thread(target=store_to_node, name="node-gate-pipe", daemon=True)
-        back.start()
-        try:
-            while True:
-                data = chan.recv()
-                if data is None:
-                    break
-                store.sendall(data)
-        except (OSError, ChannelError):
-            pass
-        finally:
-            try:
-                store.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            store.close()
-            back.join(STORE_CONNECT_S)
+        splice(chan, store, "node-gate-pipe", STORE_CONNECT_S)
 
     def _serve_link(self, node: int, chan: Channel, peer: str) -> None:
         with self._lock:

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import structlog
 
-from .gate import BEAT_S, NODE_LOST_S, PIPE_CHUNK
-from .wire import Channel, ChannelError, Refused, client_hello
+from .gate import BEAT_S, NODE_LOST_S
+from .wire import Channel, ChannelError, Refused, client_hello, splice
 
 log = structlog.get_logger("supervise.nodes")
 
@@ -88,37 +88,7 @@ class Tunnel:
         except (OSError, ChannelError):
             local.close()  # the store client sees the connection end: node 0 unreachable, as without us
             return
-        chan.sock.settimeout(None)
-        local.settimeout(None)
-
-        def gate_to_local() -> None:
-            try:
-                while True:
-                    data = chan.recv()
-                    if data is None:
-                        break
-                    local.sendall(data)
-            except (OSError, ChannelError):
-                pass
-            finally:
-                try:
-                    local.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-        back = threading.Thread(target=gate_to_local, name="node-tunnel-pipe", daemon=True)
-        back.start()
-        try:
-            while True:
-                data = local.recv(PIPE_CHUNK)
-                if not data:
-                    break
-                chan.send(data)
-        except OSError:
-            pass
-        finally:
-            chan.close()
-            local.close()
+        splice(chan, local, "node-tunnel-pipe")
 
 
 class LinkClient:

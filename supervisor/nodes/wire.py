@@ -231,3 +231,46 @@ def _say_no(sock: socket.socket, reason: str) -> None:
         sock.sendall(f"{MAGIC} NO {reason}\n".encode("ascii", "replace"))
     except OSError:
         pass
+
+
+PIPE_CHUNK = 64 * 1024
+
+
+def splice(chan: Channel, sock: socket.socket, name: str, join_s: float = HELLO_TIMEOUT_S) -> None:
+    """Carry bytes both ways between a channel (framed, to or from the gate) and a plain socket (the store,
+    or a local store client) until either side ends; then close both.  The socket-to-channel direction runs
+    on a thread of its own (``name``), this call does the other and returns when both are done (at most
+    ``join_s`` after its own side ended)."""
+    chan.sock.settimeout(None)
+    sock.settimeout(None)
+
+    def sock_to_chan() -> None:
+        try:
+            while True:
+                data = sock.recv(PIPE_CHUNK)
+                if not data:
+                    break
+                chan.send(data)
+        except OSError:
+            pass
+        finally:
+            chan.close()
+
+    back = threading.Thread(target=sock_to_chan, name=name, daemon=True)
+    back.start()
+    try:
+        while True:
+            data = chan.recv()
+            if data is None:
+                break
+            sock.sendall(data)
+    except (OSError, ChannelError):
+        pass
+    finally:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+        chan.close()
+        back.join(join_s)
