@@ -239,7 +239,8 @@ def _watch_in_a_terminal(registry, seconds: float) -> dict:
         interrupted = False
         while True:
             # Ctrl-C once the live view has drawn at least twice (a loaded host may still be importing rich)
-            if not interrupted and time.monotonic() > deadline and out.count(b"rank") >= 2:
+            if not interrupted and time.monotonic() > deadline and (out.lower().count(b"rank") >= 2
+                                                                   or time.monotonic() > deadline + 15):
                 proc.send_signal(signal.SIGINT)
                 interrupted = True
                 deadline = time.monotonic() + 10
