@@ -70,8 +70,24 @@ def _gpu(rank: dict) -> str:
     return f"{gpu['index']}: {util} {mem}{power}"
 
 
-def render(status: dict) -> Group:
-    """The status reply as a header line, a per-rank table and the straggler's sentence."""
+_COLUMNS = (
+    "rank",
+    "pid",
+    "state",
+    "step",
+    "collective in flight",
+    "lag p50/p99 wait",
+    "heartbeat",
+    "cpu",
+    "rss",
+    "gpu util mem",
+)
+_DROP_ORDER = ("gpu util mem", "rss", "heartbeat", "cpu", "step", "lag p50/p99 wait", "collective in flight")
+
+
+def render(status: dict, width: int | None = None) -> Group:
+    """The status reply as a header line, a per-rank table and the straggler's sentence; columns that do not
+    fit in ``width`` are left out, least telling first."""
     state = status.get("engine_state", "?")
     incident = status.get("incident_open")
     header = Text()
@@ -86,21 +102,7 @@ def render(status: dict) -> Group:
         header.append(f"  stragglers: {straggler.get('state')}")
         if straggler.get("step_seconds"):
             header.append(f" (step {_fmt_s(straggler['step_seconds'])})")
-    table = Table(show_edge=False, pad_edge=False)
-    right = {"rank", "pid", "step", "heartbeat", "cpu", "rss"}
-    for name in (
-        "rank",
-        "pid",
-        "state",
-        "step",
-        "collective in flight",
-        "lag p50/p99 wait",
-        "heartbeat",
-        "cpu",
-        "rss",
-        "gpu util mem",
-    ):
-        table.add_column(name, justify="right" if name in right else "left", no_wrap=True)
+    rows = []
     for rank in status.get("ranks", []):
         style = None
         label = str(rank["rank"])
@@ -109,7 +111,7 @@ def render(status: dict) -> Group:
         if not rank.get("alive", True) or rank.get("state") in ("stopped", "zombie", "gone"):
             style = "bold red"
         cpu = rank.get("cpu_percent")
-        table.add_row(
+        cells = (
             label,
             str(rank.get("pid")),
             str(rank.get("state")),
@@ -120,8 +122,22 @@ def render(status: dict) -> Group:
             "-" if cpu is None else f"{cpu:.0f}%",
             _fmt_bytes(rank.get("rss_bytes")),
             _gpu(rank),
-            style=style,
         )
+        rows.append((cells, style))
+    # On a narrow terminal the least telling columns go first; who (rank, pid) and what state stay whole.
+    shown = list(range(len(_COLUMNS)))
+    natural = [max([len(name), *(len(cells[i]) for cells, _ in rows)]) for i, name in enumerate(_COLUMNS)]
+    for dropped in _DROP_ORDER:
+        if width is None or sum(natural[i] + 3 for i in shown) <= width:
+            break
+        shown.remove(_COLUMNS.index(dropped))
+    table = Table(show_edge=False, pad_edge=False)
+    right = {"rank", "pid", "step", "heartbeat", "cpu", "rss"}
+    for i in shown:
+        name = _COLUMNS[i]
+        table.add_column(name, justify="right" if name in right else "left", no_wrap=True)
+    for cells, style in rows:
+        table.add_row(*(cells[i] for i in shown), style=style)
     parts: list = [header, table]
     for _rank, sentence in sorted((straggler.get("sentences") or {}).items()):
         parts.append(Text(f"straggler: {sentence}", style="bold yellow"))
@@ -171,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(status))
         return 0
     console = Console() if sys.stdout.isatty() else Console(width=PLAIN_WIDTH)
-    console.print(render(status))
+    console.print(render(status, console.width))
     return 0
 
 
@@ -184,7 +200,7 @@ def _watch(job: control.JobEntry, args: argparse.Namespace) -> int:
                 began = time.monotonic()
                 view: Group | Text
                 try:
-                    view = render(fetch(job, args.timeout))
+                    view = render(fetch(job, args.timeout), console.width)
                 except (OSError, ValueError, RuntimeError) as exc:
                     if not job.alive():
                         live.update(Text(f"job {job.run_id} has ended"), refresh=True)

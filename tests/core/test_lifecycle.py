@@ -7,6 +7,7 @@ import signal
 import time
 
 from tests.conftest import fake_rank, marked_pids, wait_no_marked
+from tests.live import wait_for
 
 
 def _wait_ranks(mark: str, count: int, timeout: float = 20.0) -> list[int]:
@@ -43,14 +44,28 @@ def test_second_sigint_kills_immediately(supervise):
 
 def test_supervisor_sigkill_leaves_no_rank(supervise):
     run = supervise(["--nproc-per-node", "3"], fake_rank("--all", "loop", "--on", "1=doublefork"))
-    pids = _wait_ranks(supervise.mark, 4)
+
+    def grandchild() -> int | None:
+        """Rank 1's escaped grandchild: a marked process that does not lead its session (the ranks lead
+        theirs; the grandchild is a second fork after setsid)."""
+        for pid in set(marked_pids(supervise.mark)) - {run.proc.pid}:
+            try:
+                if os.getsid(pid) != pid:
+                    return pid
+            except ProcessLookupError:
+                continue
+        return None
+
+    # The supervisor, its three ranks and the escaped grandchild: all of them started before the kill.
+    escapee = wait_for(grandchild, 20.0, "rank 1's double-forked grandchild")
+    pids = _wait_ranks(supervise.mark, 5)
     time.sleep(0.5)
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait(timeout=10)  # not communicate(): the orphan holds the pipes
     left = wait_no_marked(supervise.mark, timeout=1.0)
     # The double-forked setsid grandchild is not a rank: it has no parent-death
     # signal.  Every rank must be gone within a second.
-    rank_pids = [p for p in pids if p != run.proc.pid]
+    rank_pids = [p for p in pids if p not in (run.proc.pid, escapee)]
     assert not [p for p in left if p in rank_pids], f"ranks survived the supervisor: {left}"
     # The next supervisor on the host sweeps what the dead one left behind:
     # the setsid grandchild (no parent-death signal) and the registry entry.

@@ -134,7 +134,8 @@ def test_status_shows_stopped_ranks_and_answers_while_the_main_loop_handles_the_
         assert grew >= (t_b - t_a) - 0.5, (before, after)
         assert after["heartbeat_age_seconds"] >= before["heartbeat_age_seconds"] + (t_b - t_a) - 0.5
         assert after["step"] == before["step"]
-    hung = [(t1 - t0, s) for t0, t1, s in replies if s["engine_state"] in ("hung", "tearing_down")]
+    # After the verdict (the hang, its teardown, the stopped group while the bundle is finished): still answered.
+    hung = [(t1 - t0, s) for t0, t1, s in replies if s["engine_state"] in ("hung", "tearing_down", "stopped")]
     assert hung, f"no status answered after the hang verdict: {[s['engine_state'] for _, _, s in replies]}"
     assert all(s["incident_open"] for _, s in hung)
     assert min(latency for latency, _ in hung) < 2.0
@@ -216,13 +217,23 @@ def test_the_table_marks_the_straggler_and_an_open_incident():
     assert "41.0ms/50.0ms 34%" in text
     assert "97%" in text and "3.0GiB/80.0GiB" in text
 
+    # An 80-column terminal (or COLUMNS=80): the wide columns give way, rank, pid and state stay whole.
+    narrow = Console(width=80, record=True, file=io.StringIO())
+    narrow.print(render(status, narrow.width))
+    shown = narrow.export_text()
+    rows = [line for line in shown.splitlines() if " 11 " in line or " 12 " in line]
+    assert len(rows) == 2, shown
+    assert "1 STRAGGLER" in rows[1] and "running" in rows[0] and "running" in rows[1], rows
+    assert "41.0ms/50.0ms 34%" in rows[1], "the lag column is kept before the GPU's"
+
 
 def _watch_in_a_terminal(registry, seconds: float) -> dict:
     """`supervise status --watch` on a pseudo-terminal for ``seconds``, then SIGINT (Ctrl-C)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 220, 0, 0))
     env = dict(os.environ, SUPERVISE_REGISTRY_DIR=str(registry), TERM="xterm-256color")
-    env.pop("NO_COLOR", None)
+    for inherited in ("NO_COLOR", "COLUMNS", "LINES"):  # the terminal's own size (set below) decides
+        env.pop(inherited, None)
     proc = subprocess.Popen(
         [*CLI, "status", "--watch", "--interval", "0.5"],
         cwd=ROOT,

@@ -219,7 +219,14 @@ class Group:
     def store_child(self) -> psutil.Process:
         """Node 0's store process (``supervisor.nodes.store_host``)."""
         node0 = psutil.Process(self.runs[0].proc.pid)
-        return wait_for(lambda: next((c for c in node0.children() if "store_host" in " ".join(c.cmdline())), None),
+
+        def is_store(child: psutil.Process) -> bool:
+            try:
+                return "store_host" in " ".join(child.cmdline())
+            except psutil.Error:  # a short-lived child that already ended (a zombie until reaped)
+                return False
+
+        return wait_for(lambda: next((c for c in node0.children() if is_store(c)), None),
                         JOIN_S, "node 0's store process")
 
     def inside(self):
