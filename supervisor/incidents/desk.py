@@ -57,6 +57,7 @@ from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
 from ..outcome import new_incident_id
 from ..processes import output_pump as output
 from ..processes.exits import ExitInfo
+from ..processes.pidfds import named_thread
 from ..processes.spawn import error_file
 from .error_file import last_traceback, read_error_file
 from .exchange import IncidentExchange
@@ -131,7 +132,7 @@ class _SoftWorker:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="dumper", daemon=True)
+        self._thread = named_thread(self._run, "dumper")
         self._started = False
 
     def submit(self, work: Callable[[], None]) -> None:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ..events import NodeLost, PeerFailed, PeerHangQuery, StoreKeySeen
+from ..processes.pidfds import named_thread
 from .gate import BEAT_S, NODE_LOST_S
 from .handshake import NodeGroup
 from .messages import BadValue, Fault, HangQuery, shown
@@ -104,7 +105,7 @@ class NodeLink:
             store.latency.attach(on_store_latency)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="node-link", daemon=True)
+        self._thread = named_thread(self._run, "node-link")
         self._seen: dict[int, tuple[int, float]] = {}  # node -> (beat count, when it last changed)
         self._store_ok_at = time.monotonic()
         self._reported: set[int] = set()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ..events import ConsensusAgreed, DivergenceFound
+from ..processes.pidfds import named_thread
 
 if TYPE_CHECKING:
     from tp_supervise.consensus.across_nodes import NodeDigests
@@ -55,7 +56,7 @@ class ConsensusThread:
         self.post = post
         self.attempt = attempt
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="consensus", daemon=True)
+        self._thread = named_thread(self._run, "consensus")
 
     def start(self) -> None:
         self._thread.start()
@@ -124,7 +125,7 @@ class NodeConsensusThread:
         self.exchange_attempt = 0
         self.store: Store | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="node-consensus", daemon=True)
+        self._thread = named_thread(self._run, "node-consensus")
 
     def start(self) -> None:
         self.monitor.keep_agreed()

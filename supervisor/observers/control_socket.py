@@ -39,6 +39,7 @@ import psutil
 import structlog
 
 from ..processes.cgroup import RunCgroup
+from ..processes.pidfds import named_thread
 
 log = structlog.get_logger("supervise.control")
 
@@ -332,7 +333,7 @@ class ControlServer:
         # accept() wakes this often to notice close(); requests never wait on it.
         self._sock.settimeout(ACCEPT_POLL_S)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="control-socket", daemon=True)
+        self._thread = named_thread(self._serve, "control-socket")
         entry = dict(
             info, run_id=run_id, pid=os.getpid(), pid_start=process_start(os.getpid()), socket=str(self.socket_path)
         )

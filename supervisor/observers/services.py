@@ -30,6 +30,7 @@ from tp_supervise.watchdogs.straggler import StragglerReport
 
 from .. import state as engine_state
 from ..events import ControlRequest, LoopTick
+from ..processes.pidfds import named_thread
 from ..rank.heartbeat import SlotSnapshot
 from .http_server import HealthCell, HealthServer, HealthStatus, Liveness
 from .metrics import SupervisorMetrics
@@ -76,7 +77,7 @@ class Services:
         # /livez: stale only past the longest legitimate pause of the loop (a teardown plus a fatal capture)
         self.liveness = Liveness(stale_after_s=spec.kill_grace + spec.dump_timeout + LIVEZ_MARGIN_S)
         self._ticking = threading.Event()
-        self._ticker = threading.Thread(target=self._tick, name="loop-ticker", daemon=True)
+        self._ticker = named_thread(self._tick, "loop-ticker")
         self.run_dir = run_dir
         self.post = post
         slot_ranks = [spec.rank_offset + i for i in range(spec.nproc_per_node)]

@@ -38,6 +38,7 @@ from tp_supervise.watchdogs.straggler import NAMED, StragglerConfig, StragglerDe
 from tp_supervise.watchdogs.straggler_nodes import NodeSummary, merge_nodes, summarize
 
 from ..events import StragglerAcrossNodes, StragglerCleared, StragglerNamed
+from ..processes.pidfds import named_thread
 
 if TYPE_CHECKING:
     from ..processes.attempt import AttemptView
@@ -99,7 +100,7 @@ class StragglerThread:
         self._next_sample = 0.0
         self._samples: deque[tuple[float, dict[int, SlownessSample]]] = deque()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="straggler", daemon=True)
+        self._thread = named_thread(self._run, "straggler")
 
     def start(self) -> None:
         self._thread.start()

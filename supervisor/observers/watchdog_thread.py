@@ -24,6 +24,7 @@ from tp_supervise.dumps.procinfo import proc_state
 from tp_supervise.watchdogs import policy
 
 from ..events import AllRanksReady, RankClaimed, WatchdogVerdict
+from ..processes.pidfds import named_thread
 from ..rank.heartbeat import SlotSnapshot, empty_slot
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class WatchdogThread:
         self.descends: dict[tuple[int, int], bool] = {}
         self._hang_query: tuple[int, int] | None = None  # (seq, node) another node asked about; any thread sets it
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._thread = named_thread(self._run, "watchdog")
         self.adapter = AdapterThread(spec.engine_metrics_url, spec.engine_kind) if spec.engine_metrics_url else None
         argv0 = os.path.basename(spec.rank_argv()[0])
         self.expect_claim = spec.zero_code_hook and "python" in argv0
@@ -250,7 +251,7 @@ class AdapterThread:
         self.scraper = PrometheusProgress(url, engine=engine, timeout=ADAPTER_TIMEOUT_S)
         self.latest: ExternalProgress | None = None  # None until the first scrape
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-adapter", daemon=True)
+        self._thread = named_thread(self._run, "engine-adapter")
 
     def start(self) -> None:
         self._thread.start()

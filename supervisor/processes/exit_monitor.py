@@ -36,7 +36,7 @@ import structlog
 from ..events import ProcessExited
 from . import pidfds as procs
 from .exits import ExitStatus
-from .pidfds import Pidfd
+from .pidfds import Pidfd, named_thread
 
 log = structlog.get_logger("supervise.monitor")
 
@@ -61,7 +61,7 @@ class ExitMonitor:
         self._kept: dict[int, Pidfd] = {}  # pid → watched process, until its owner released it
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="exit-monitor", daemon=True)
+        self._thread = named_thread(self._run, "exit-monitor")
         self._exited = threading.Condition(self._lock)
         self._pending: set[object] = set()
         self._reap_lock = threading.Lock()  # held by a sweep, and from a fork until its watch

@@ -54,6 +54,7 @@ import structlog
 
 from .. import logs
 from ..spec import OutputOptions
+from .pidfds import named_thread
 from .rank_logs import Closer, LogFile, LogPath, LogRefused
 
 log = structlog.get_logger("supervise.output")
@@ -207,7 +208,7 @@ class RankOutput:
         self._stop = threading.Event()
         self._failed_once = False
         self._closer = Closer()  # rotated files are closed off the pump thread
-        self._thread = threading.Thread(target=self._run, name="rank-output", daemon=True)
+        self._thread = named_thread(self._run, "rank-output")
         self._thread.start()
 
     # ------------------------------------------------------------ main thread

@@ -51,8 +51,28 @@ def make_subreaper() -> bool:
 
 
 def set_parent_death_signal(signum: int) -> int:
-    """Called in the child between fork and exec (see launch.py)."""
+    """Called in the child between fork and exec (see spawn.py)."""
     return _prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
+def name_this_thread(name: str) -> None:
+    """Name the calling OS thread ``tps-<name>`` (15 bytes at most), so that ``top -H``, ``ps -L`` and
+    ``/proc/<pid>/task/*/comm`` say which of the supervisor's threads uses the CPU.  Best effort."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(f"tps-{name}"[:15])
+    except OSError:
+        pass
+
+
+def named_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """A daemon thread called ``name`` in Python and ``tps-<name>`` for the kernel (see name_this_thread)."""
+
+    def run() -> None:
+        name_this_thread(name)
+        target()
+
+    return threading.Thread(target=run, name=name, daemon=True)
 
 
 @dataclass(frozen=True)

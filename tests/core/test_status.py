@@ -14,6 +14,7 @@ import subprocess
 import sys
 import termios
 import time
+from pathlib import Path
 
 from rich.console import Console
 
@@ -100,6 +101,9 @@ def test_status_json_table_and_watch_show_every_rank(supervise, tmp_path):
     assert watched["out"].count(entry["run_id"]) >= 2, "the live table must refresh"
 
     assert run.proc.poll() is None, "status must not disturb the job"
+    # `top -H` says which of the supervisor's threads uses the CPU: the long-lived ones carry their names.
+    threads = {(task / "comm").read_text().strip() for task in Path(f"/proc/{run.proc.pid}/task").iterdir()}
+    assert {"tps-watchdog", "tps-straggler", "tps-exit-monito", "tps-control-soc"} <= threads  # 15 bytes, threads
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(timeout=30) == 0
 
