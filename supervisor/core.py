@@ -309,6 +309,7 @@ class Supervisor(NodeGroupRules):
                     self.post,
                     self.services.on_straggler_report,
                     nodes=self._node_stragglers(),
+                    gpu=self.services.gpu.latest,
                 )
             )
         self.sources += [self.services, self.watchdog]

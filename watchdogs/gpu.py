@@ -58,6 +58,10 @@ class GpuSample:
     memory_used: int | None
     memory_total: int | None
     processes: tuple[GpuProcess, ...]
+    sm_clock_mhz: int | None = None
+    sm_clock_max_mhz: int | None = None
+    temperature_c: int | None = None
+    clock_reasons: tuple[str, ...] | None = None  # why the clocks are below their maximum (clock_event_reasons)
 
     def to_dict(self) -> dict:
         return {
@@ -68,7 +72,75 @@ class GpuSample:
             "memory_used_bytes": self.memory_used,
             "memory_total_bytes": self.memory_total,
             "processes": [{"pid": p.pid, "used_bytes": p.used_bytes} for p in self.processes],
+            "sm_clock_mhz": self.sm_clock_mhz,
+            "sm_clock_max_mhz": self.sm_clock_max_mhz,
+            "temperature_c": self.temperature_c,
+            "clock_reasons": None if self.clock_reasons is None else list(self.clock_reasons),
         }
+
+
+# NVML's clocks event (formerly "throttle") reasons, by bit (nvmlClocksEventReason*/nvmlClocksThrottleReason*).
+CLOCK_REASONS = (
+    (0x1, "idle"),
+    (0x2, "application clocks setting"),
+    (0x4, "software power cap"),
+    (0x8, "hardware slowdown"),
+    (0x10, "sync boost"),
+    (0x20, "software thermal slowdown"),
+    (0x40, "hardware thermal slowdown"),
+    (0x80, "power brake"),
+    (0x100, "display clock setting"),
+    (0x200, "board limit"),
+    (0x400, "reliability"),
+)
+# Reasons that slow a busy GPU down against its will (not idle, not a setting an operator chose).
+SLOWING_REASONS = frozenset(
+    {
+        "software power cap",
+        "hardware slowdown",
+        "software thermal slowdown",
+        "hardware thermal slowdown",
+        "power brake",
+        "board limit",
+        "reliability",
+    }
+)
+CLOCK_NOTABLE = 0.9  # an SM clock below this share of its maximum is worth a word
+
+
+def clock_event_reasons(mask: int) -> tuple[str, ...]:
+    """The names of the bits set in an NVML clocks event reasons mask (unknown bits as hex)."""
+    names = [name for bit, name in CLOCK_REASONS if mask & bit]
+    unknown = mask & ~sum(bit for bit, _ in CLOCK_REASONS)
+    if unknown:
+        names.append(f"reason {unknown:#x}")
+    return tuple(names)
+
+
+def explain_gpu(sample: GpuSample) -> str:
+    """A sentence fragment when the GPU runs slower than it can ("its GPU 1 ran at 1,110 of 1,980 MHz
+    (software thermal slowdown, 84 C, 298 W)"), else "" (the reasons an operator chose or idleness are no
+    slowdown)."""
+    slowing = [r for r in (sample.clock_reasons or ()) if r in SLOWING_REASONS]
+    low = (
+        sample.sm_clock_mhz is not None
+        and sample.sm_clock_max_mhz
+        and sample.sm_clock_mhz < CLOCK_NOTABLE * sample.sm_clock_max_mhz
+        and "idle" not in (sample.clock_reasons or ())
+    )
+    if not slowing and not low:
+        return ""
+    clock = (
+        f"ran at {sample.sm_clock_mhz:,} of {sample.sm_clock_max_mhz:,} MHz"
+        if sample.sm_clock_mhz is not None and sample.sm_clock_max_mhz
+        else "had its clocks lowered"
+    )
+    details = list(slowing)
+    if sample.temperature_c is not None:
+        details.append(f"{sample.temperature_c} C")
+    if sample.power_w is not None:
+        details.append(f"{sample.power_w:.0f} W")
+    return f"its GPU {sample.index} {clock}" + (f" ({', '.join(details)})" if details else "")
 
 
 def _text(value: Any) -> str:
@@ -130,6 +202,17 @@ class GpuTelemetry:
         util = self._call("nvmlDeviceGetUtilizationRates", nvml.nvmlDeviceGetUtilizationRates, handle)
         power = self._call("nvmlDeviceGetPowerUsage", nvml.nvmlDeviceGetPowerUsage, handle)
         mem = self._call("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, handle)
+        sm = getattr(nvml, "NVML_CLOCK_SM", 1)
+        clock = self._call("nvmlDeviceGetClockInfo", nvml.nvmlDeviceGetClockInfo, handle, sm)
+        clock_max = self._call("nvmlDeviceGetMaxClockInfo", nvml.nvmlDeviceGetMaxClockInfo, handle, sm)
+        temperature = self._call(
+            "nvmlDeviceGetTemperature", nvml.nvmlDeviceGetTemperature, handle, getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
+        )
+        # nvml-py 12.535+ names it "clocks event reasons"; older bindings only "throttle reasons".
+        reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
+        reasons = self._call("nvmlDeviceGetCurrentClocksEventReasons", reasons_fn, handle) if reasons_fn else None
         return GpuSample(
             index=index,
             uuid=_text(uuid) if uuid is not None else "",
@@ -138,6 +221,10 @@ class GpuTelemetry:
             memory_used=int(mem.used) if mem is not None else None,
             memory_total=int(mem.total) if mem is not None else None,
             processes=self._processes(handle),
+            sm_clock_mhz=int(clock) if clock is not None else None,
+            sm_clock_max_mhz=int(clock_max) if clock_max is not None else None,
+            temperature_c=int(temperature) if temperature is not None else None,
+            clock_reasons=clock_event_reasons(int(reasons)) if reasons is not None else None,
         )
 
     def sample(self) -> list[GpuSample]:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from tp_supervise.dumps.slowness import SlownessSample, explain, read_slowness, slowness_delta
+from tp_supervise.watchdogs.gpu import GpuReading, explain_gpu
 from tp_supervise.watchdogs.straggler import NAMED, StragglerConfig, StragglerDetector, StragglerReport
 from tp_supervise.watchdogs.straggler_nodes import NodeSummary, merge_nodes, summarize
 
@@ -83,8 +84,10 @@ class StragglerThread:
         post: Callable[[object], None],
         on_report: Callable[[StragglerReport], None],
         nodes: NodeStragglers | None = None,
+        gpu: Callable[[], GpuReading | None] | None = None,
     ):
         self.config = config
+        self.gpu = gpu  # the GPU sampler's latest reading (never NVML from this thread)
         self.heartbeat = heartbeat
         self.attempt = attempt
         self.post = post
@@ -158,19 +161,30 @@ class StragglerThread:
             self._samples.popleft()
 
     def _evidence(self, rank: int, pids: dict[int, int]) -> dict:
-        """The slow rank's and one peer's counters over the window: deltas, and a sentence fragment."""
+        """The slow rank's and one peer's counters over the window (deltas) and, where NVML is present, their
+        GPUs' clocks, clock event reasons, temperature and power; a sentence fragment for the verdict."""
         peer = next((r for r in sorted(pids) if r != rank), None)
-        out: dict = {"ranks": {}, "explanation": ""}
-        if not self._samples:
-            return out
-        before = self._samples[0][1]
+        out: dict = {"ranks": {}, "gpu": {}, "explanation": ""}
+        said = []
+        if self._samples:
+            before = self._samples[0][1]
+            for r in (rank, peer):
+                if r is None or r not in before:
+                    continue
+                delta = slowness_delta(before[r], read_slowness(pids[r]))
+                out["ranks"][str(r)] = delta.to_dict() if delta is not None else None
+                if r == rank:
+                    said.append(explain(delta))
+        reading = self.gpu() if self.gpu is not None else None
         for r in (rank, peer):
-            if r is None or r not in before:
-                continue
-            delta = slowness_delta(before[r], read_slowness(pids[r]))
-            out["ranks"][str(r)] = delta.to_dict() if delta is not None else None
-            if r == rank:
-                out["explanation"] = explain(delta)
+            sample = None
+            if reading is not None and r is not None:
+                sample = next((g for g in reading.samples if any(p.pid == pids[r] for p in g.processes)), None)
+            if sample is not None:
+                out["gpu"][str(r)] = sample.to_dict()
+                if r == rank:
+                    said.append(explain_gpu(sample))
+        out["explanation"] = "; ".join(part for part in said if part)
         return out
 
     # -- across nodes ----------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from tp_supervise.watchdogs.gpu import (
     GpuProcess,
     GpuSample,
     GpuTelemetry,
+    clock_event_reasons,
+    explain_gpu,
     gpus_busy_without_progress,
     holding_memory,
 )
@@ -63,6 +65,11 @@ def test_real_gpus_report_memory_and_utilisation():
         for s in samples:
             assert s.uuid and s.memory_total and s.memory_total > 0
             assert s.utilization_pct is None or 0.0 <= s.utilization_pct <= 100.0
+            # what a straggler verdict reads of the rank's GPU
+            assert s.sm_clock_max_mhz is None or s.sm_clock_max_mhz > 0
+            assert s.sm_clock_mhz is None or s.sm_clock_max_mhz is None or s.sm_clock_mhz <= s.sm_clock_max_mhz * 1.05
+            assert s.temperature_c is None or 0 < s.temperature_c < 120
+            assert s.clock_reasons is None or isinstance(s.clock_reasons, tuple)
     finally:
         t.close()
 
@@ -153,3 +160,33 @@ def test_holding_memory_filters_by_pid():
     assert holding_memory(samples, {11}) == [(0, 11, 1 << 30), (1, 11, None)]
     assert holding_memory(samples, {99}) == []
     assert samples[1].to_dict()["processes"] == [{"pid": 11, "used_bytes": None}]
+
+
+def test_clock_event_reasons_are_named_by_bit():
+    assert clock_event_reasons(0) == ()
+    assert clock_event_reasons(0x1) == ("idle",)
+    assert clock_event_reasons(0x20 | 0x4) == ("software power cap", "software thermal slowdown")
+    assert clock_event_reasons(0x40 | 0x800) == ("hardware thermal slowdown", "reason 0x800")
+
+
+def _gpu(**kw) -> GpuSample:
+    base = dict(index=1, uuid="GPU-1", utilization_pct=99.0, power_w=298.4, memory_used=1, memory_total=2,
+                processes=(), sm_clock_mhz=1980, sm_clock_max_mhz=1980, temperature_c=61, clock_reasons=())
+    base.update(kw)
+    return GpuSample(**base)
+
+
+def test_a_gpu_that_runs_slower_than_it_can_is_explained():
+    hot = _gpu(sm_clock_mhz=1110, temperature_c=84, clock_reasons=("software thermal slowdown",))
+    assert explain_gpu(hot) == "its GPU 1 ran at 1,110 of 1,980 MHz (software thermal slowdown, 84 C, 298 W)"
+    capped = _gpu(sm_clock_mhz=1900, clock_reasons=("software power cap",))  # near its maximum, still capped
+    assert "software power cap" in explain_gpu(capped)
+    low = _gpu(sm_clock_mhz=900)  # lower clocks with no reason NVML gives
+    assert explain_gpu(low).startswith("its GPU 1 ran at 900 of 1,980 MHz")
+
+
+def test_a_gpu_at_full_clock_idle_or_on_chosen_clocks_is_not_a_reason():
+    assert explain_gpu(_gpu()) == ""
+    assert explain_gpu(_gpu(sm_clock_mhz=210, clock_reasons=("idle",))) == ""
+    assert explain_gpu(_gpu(clock_reasons=("application clocks setting",))) == ""
+    assert explain_gpu(_gpu(sm_clock_mhz=None, sm_clock_max_mhz=None, clock_reasons=None)) == ""
