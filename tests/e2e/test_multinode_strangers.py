@@ -746,10 +746,16 @@ def test_j_a_flood_is_bounded_and_ends_in_84_on_both_nodes(open_group):
     assert big < FLOOD_VALUES, report  # the store's memory is bounded: it refused the rest
     assert rss.peak - rss.before < RSS_GROWTH_MAX, report
     if alive(child):  # the store still serves the group
-        assert group.running() and group.bundles() == [], (report, group.exits())
-        beats = int(read(inside, "beat/1") or 0)
-        wait_for(lambda: int(read(inside, "beat/1") or 0) > beats, 10.0, "node 1 beating after the flood")
-        report.append("the store child refused the rest and kept serving, both nodes running")
+        try:
+            assert group.running() and group.bundles() == [], (report, group.exits())
+            beats = int(read(inside, "beat/1") or 0)
+            wait_for(lambda: int(read(inside, "beat/1") or 0) > beats, 10.0, "node 1 beating after the flood")
+            report.append("the store child refused the rest and kept serving, both nodes running")
+        except (AssertionError, RuntimeError):  # DistNetworkError is a RuntimeError
+            if alive(child):
+                raise
+            # its memory cap ended it a moment after the flood did: the exits below are checked all the same
+            report.append("the store child reached its memory cap just after the flood")
     smaller = []
     for size in FLOOD_SMALLER:
         if not (alive(child) and group.running()):
