@@ -85,6 +85,7 @@ BENCHES = [
     Bench("bench.bench_early_detection"),
     Bench("bench.bench_hook_startup"),
     Bench("bench.bench_serving"),
+    Bench("bench.bench_straggler"),
     Bench("bench.bench_engine", needs=transformers_reason),
     Bench("bench.bench_alert_delivery", needs=prometheus_reason),
     # Without a GPU the full run records the CPU dry run of the script's plumbing (the section says so).

@@ -6,13 +6,12 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
+from bench.bench_straggler import cpu_quota_cgroup
 from tp_supervise.dumps.slowness import (
     SlownessDelta,
     explain,
@@ -21,7 +20,6 @@ from tp_supervise.dumps.slowness import (
     slowness_delta,
 )
 
-CPU_V1 = Path("/sys/fs/cgroup/cpu")
 BUSY = [sys.executable, "-c", "while True: pass"]
 WINDOW_S = 1.0  # at least; longer until the process has done enough to judge (a loaded host runs it less)
 DEADLINE_S = 30.0
@@ -56,28 +54,15 @@ def measure(pid: int, enough: Callable[[SlownessDelta], bool]) -> SlownessDelta:
 @contextmanager
 def cpu_cgroup_v1(quota_us: int, period_us: int = 100_000):
     """A cgroup v1 ``cpu`` controller child with a CFS quota, removed on exit (skips where there is none)."""
-    if not (CPU_V1 / "cpu.cfs_quota_us").exists():
-        pytest.skip("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
-    path = CPU_V1 / f"tp-supervise-test-{uuid.uuid4().hex[:12]}"
     try:
-        path.mkdir()
-        (path / "cpu.cfs_period_us").write_text(str(period_us))
-        (path / "cpu.cfs_quota_us").write_text(str(quota_us))
-    except OSError as exc:
-        if path.exists():
-            path.rmdir()
-        pytest.skip(f"cannot make a cgroup v1 cpu child with a quota here: {exc}")
+        made = cpu_quota_cgroup(quota_us, period_us)
+        path = made.__enter__()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
     try:
         yield path
     finally:
-        end = time.monotonic() + 5.0
-        while path.exists():
-            try:
-                path.rmdir()
-            except OSError:  # its last task is still leaving
-                if time.monotonic() > end:
-                    raise
-                time.sleep(0.05)
+        made.__exit__(None, None, None)
 
 
 def test_a_cgroup_cpu_quota_shows_as_throttling():
