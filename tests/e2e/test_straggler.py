@@ -50,6 +50,22 @@ def test_a_rank_slowed_by_20_percent_is_named_and_nothing_is_killed_while_an_une
     assert not [b for b in uneven.bundles() if "straggler" in b.name]
 
 
+def test_at_tp4_the_slow_rank_is_named_next_to_an_uneven_rank_0(supervise, tmp_path):
+    """TP=4: rank 0 does 30 % of the step as extra work from the start (a role uneven by design, before the
+    step's first collective), rank 3 turns slow later by 30 % of that 65 ms step (20 ms), before the step's fifth
+collective:
+    rank 3 is named, rank 0 never, and the run exits 0.  (Late at the same collective as rank 0 by less than
+    rank 0, rank 3 would cost the group nothing: nobody would wait for it.)"""
+    run = _serve(supervise, tmp_path, "tp4", 4,
+                 ["--seconds", str(SLOW_FROM_S + 30), "--uneven-rank", "0", "--uneven-share", "0.3",
+                  "--slow-rank", "3", "--slow-from", str(SLOW_FROM_S), "--slow-share", "0.4", "--slow-at", "4"])
+    assert run.wait(180) == 0, run.stderr[-4000:]
+    named = [e["rank"] for e in run.events("straggler_named")]
+    assert named and named[0] == 3 and 0 not in named, run.stderr[-3000:]
+    summary = run.summary("straggler")
+    assert summary["culprit_ranks"] == [3] and "rank 3 arrives" in summary["verdict"]
+
+
 def test_a_rank_throttled_by_its_cgroup_is_named_and_the_verdict_says_so(supervise, tmp_path):
     """The slowdown made by the operating system: rank 1 moved into a cgroup v1 cpu controller with a CFS quota
     of 15 % of a CPU while its steps need the CPU."""

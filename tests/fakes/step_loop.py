@@ -5,8 +5,8 @@
 
 Each step: N all_reduces of a small tensor, with compute (sleep) between them,
 ``--step`` seconds in all.  From ``--slow-from`` seconds on, ``--slow-rank``
-sleeps ``--slow-share`` of the step before the step's first collective (its
-peers wait for it there).  ``--uneven-rank`` does ``--uneven-share`` of the
+sleeps ``--slow-share`` of the step before the step's first collective (or
+collective ``--slow-at`` of the step; its peers wait for it there).  ``--uneven-rank`` does ``--uneven-share`` of the
 step as extra work *after* the step's last collective, from the start (a role
 that is uneven by design: rank 0 detokenising).  Runs ``--seconds`` (rank 0's clock, agreed every step) and exits 0.
 """
@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--slow-rank", type=int, default=-1)
     ap.add_argument("--slow-from", type=float, default=0.0)
     ap.add_argument("--slow-share", type=float, default=0.2)
+    ap.add_argument("--slow-at", type=int, default=0, help="the collective of the step the slow rank is late for")
     ap.add_argument("--uneven-rank", type=int, default=-1)
     ap.add_argument("--uneven-share", type=float, default=0.2)
     ap.add_argument("--busy", action="store_true", help="compute by spinning the CPU instead of sleeping")
@@ -45,12 +46,13 @@ def main() -> None:
         dist.all_reduce(go, op=dist.ReduceOp.MIN)
         if go.item() == 0.0:
             break
-        if rank == a.slow_rank and time.monotonic() - start >= a.slow_from:
-            if not slow_announced:
-                print(f"slow from {time.monotonic()}", flush=True)
-                slow_announced = True
-            time.sleep(a.slow_share * a.step)
-        for _ in range(a.colls):
+        slow = rank == a.slow_rank and time.monotonic() - start >= a.slow_from
+        if slow and not slow_announced:
+            print(f"slow from {time.monotonic()}", flush=True)
+            slow_announced = True
+        for i in range(a.colls):
+            if slow and i == a.slow_at:
+                time.sleep(a.slow_share * a.step)
             dist.all_reduce(t)
             if a.busy:
                 until = time.thread_time() + compute  # CPU time: a throttled or contended rank takes longer
