@@ -15,7 +15,9 @@ round trip measured (``clock_offset``, ``best_offset``).  Every node runs
   judged, its median arrival trails the other nodes' median by more than
   ``max(min_node_lag_s, 3 x the two clocks' uncertainty)`` at most of them:
   arrivals on two clocks are only compared beyond what the offset could
-  explain, never within a node.
+  explain, never within a node.  Once a node's baseline is learned
+  (``NodeBaselines``), the others must wait for it a threshold share of
+  their time more than usual.
 
 docs/watchdogs.md ("Stragglers", across nodes) has the long form.
 """
@@ -23,7 +25,7 @@ docs/watchdogs.md ("Stragglers", across nodes) has the long form.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .straggler import StragglerReport, _median, _ms, sentence
 
@@ -135,6 +137,7 @@ def _rate(refs: Mapping[int, Sequence[tuple[int, float]]]) -> float:
 class CrossNodeJudgement:
     named: tuple[tuple[int, int, str], ...]  # (node, global rank, sentence): named by its own node
     late_nodes: tuple[LateNode, ...]  # a whole node behind the others
+    shares: Mapping[int, float] = field(default_factory=dict)  # node -> the others' time waiting for it
 
     def sentences(self) -> list[str]:
         return [f"node {node}: {text}" for node, _rank, text in self.named] + [n.sentence() for n in self.late_nodes]
@@ -157,13 +160,20 @@ def merge_nodes(
     late_share: float = 0.8,
     min_compared: int = 3,
     share_threshold: float = 0.1,
+    baselines: Mapping[int, float | None] | None = None,
+    gross_share: float = 0.5,
 ) -> CrossNodeJudgement:
     """One judgement over every node's summary (each node runs it on what it received and its own).
 
     * ranks named by their own node (compared with their node's peers, one clock) are named for all;
     * a node as a whole is late when, at reference collectives every node judged, its median arrival
       trails the median of the other nodes' by at least ``max(min_node_lag_s, 3 x the clock
-      uncertainty of the two)`` at ``late_share`` of at least ``min_compared`` of them.
+      uncertainty of the two)`` at ``late_share`` of at least ``min_compared`` of them, or the others
+      spend ``share_threshold`` of their time waiting for it;
+    * with ``baselines`` (node -> its usual share, ``NodeBaselines.values``), a node whose baseline is
+      learned is late only when the others wait for it ``share_threshold`` of their time *more than
+      usual* (or ``gross_share`` of it): a node whose role is uneven by design (it hosts the scheduler) is
+      in its baseline.  While a baseline is being learned (``None``) the rules above apply.
     """
     named = tuple((s.node, r.rank, r.sentence) for s in summaries for r in s.ranks if r.named)
     by_node = {s.node: ({seq: pairs for seq, pairs in s.references}, s) for s in summaries}
@@ -173,6 +183,7 @@ def merge_nodes(
             if pairs:
                 common.setdefault(seq, {})[node] = _median([t for _r, t in pairs])
     late_nodes = []
+    shares: dict[int, float] = {}
     for node, (_refs, s) in by_node.items():
         lags, floors = [], []
         for arrivals in common.values():
@@ -192,9 +203,44 @@ def merge_nodes(
         # but a large share).
         waited = sum(lag for lag, floor in zip(lags, floors, strict=True) if lag >= floor) / len(lags)
         share = waited * _rate(by_node[node][0])
-        if (late >= late_share * len(lags) and median_lag >= _median(floors)) or share >= share_threshold:
+        shares[node] = share
+        usual = None if baselines is None else baselines.get(node)
+        if usual is None:
+            is_late = (late >= late_share * len(lags) and median_lag >= _median(floors)) or share >= share_threshold
+        else:
+            is_late = share - usual >= share_threshold or share >= gross_share
+        if is_late:
             ranks = tuple(r.rank for r in s.ranks) or tuple(
                 sorted({r for _seq, pairs in s.references for r, _t in pairs})
             )
             late_nodes.append(LateNode(node, ranks, median_lag, late, len(lags), share))
-    return CrossNodeJudgement(named, tuple(late_nodes))
+    return CrossNodeJudgement(named, tuple(late_nodes), shares)
+
+
+class NodeBaselines:
+    """Each node's usual share of the others' time spent waiting for it.  For ``learn_s`` after a node is
+    first seen every merge feeds its share (judged without a baseline meanwhile, so a node slow from the
+    start is still named, once); then ``values`` gives the median of what was learned, and only merges in
+    which the node is not judged late add to it.  Holds the last ``keep`` shares per node."""
+
+    def __init__(self, learn_s: float = 20.0, keep: int = 300):
+        self.learn_s = learn_s
+        self.keep = keep
+        self._first: dict[int, float] = {}
+        self._shares: dict[int, list[float]] = {}
+
+    def observe(self, now: float, judgement: CrossNodeJudgement) -> None:
+        late = {n.node for n in judgement.late_nodes}
+        for node, share in judgement.shares.items():
+            first = self._first.setdefault(node, now)
+            if node in late and now - first >= self.learn_s:
+                continue
+            kept = self._shares.setdefault(node, [])
+            kept.append(share)
+            del kept[: -self.keep]
+
+    def values(self, now: float) -> dict[int, float | None]:
+        return {
+            node: _median(self._shares[node]) if now - first >= self.learn_s and self._shares.get(node) else None
+            for node, first in self._first.items()
+        }

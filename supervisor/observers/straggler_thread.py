@@ -36,7 +36,7 @@ import structlog
 from tp_supervise.dumps.slowness import SlownessSample, explain, read_slowness, slowness_delta
 from tp_supervise.watchdogs.gpu import GpuReading, explain_gpu
 from tp_supervise.watchdogs.straggler import NAMED, StragglerConfig, StragglerDetector, StragglerReport
-from tp_supervise.watchdogs.straggler_nodes import NodeSummary, merge_nodes, summarize
+from tp_supervise.watchdogs.straggler_nodes import NodeBaselines, NodeSummary, merge_nodes, summarize
 
 from ..events import StragglerAcrossNodes, StragglerCleared, StragglerNamed
 from ..processes.pidfds import named_thread
@@ -52,6 +52,7 @@ SLOWNESS_EVERY_S = 2.0
 STEP_EVERY_S = 1.0
 THREAD_JOIN_S = 2.0
 PUBLISH_EVERY_S = 2.0
+FORGET_MERGES = 5  # a cross-node finding absent this many merges (10 s) is over: its next episode is posted again
 # Reference collectives for the cross-node comparison: one in REF_STRIDE, picked by a hash of its number (the
 # same on every node), so they fall at every position of a step, not always at the same one.
 REF_STRIDE = 64
@@ -95,7 +96,11 @@ class StragglerThread:
         self.nodes = nodes
         self._next_publish = 0.0
         self._refs: dict[int, dict[int, float]] = {}  # reference collective -> rank -> arrival (local clock)
-        self._said: set[str] = set()  # cross-node findings already posted this attempt
+        # Cross-node findings already posted, by what they are about (("rank", node, rank) or ("node", node)) ->
+        # the last merge that still found them: one log line per episode, a new one after FORGET_MERGES without.
+        self._said: dict[tuple, int] = {}
+        self._merges = 0
+        self._node_baselines = NodeBaselines(config.warmup_s + config.baseline_min_s)
         self.detector = StragglerDetector(config)
         self.watching: float | None = None  # started_at of the attempt watched
         self.step_s: float | None = None
@@ -131,6 +136,7 @@ class StragglerThread:
             self._samples.clear()
             self._refs.clear()
             self._said.clear()
+            self._node_baselines = NodeBaselines(self.config.warmup_s + self.config.baseline_min_s)
         live = {slot: r for slot, r in attempt.ranks.items() if r.alive and r.rank >= 0}
         windows = [self.heartbeat.arrivals(slot, since=self.detector.since(r.rank)) for slot, r in live.items()]
         if now >= self._next_step:
@@ -218,10 +224,28 @@ class StragglerThread:
                 continue  # not a summary (a stranger's value, an older format): ignored
             if summary.node == node:
                 summaries.append(summary)
-        judgement = merge_nodes(summaries, share_threshold=self.config.threshold or 1.0)
-        fresh = [s for s in judgement.sentences() if s not in self._said]
+        judgement = merge_nodes(
+            summaries,
+            share_threshold=self.config.threshold or 1.0,
+            baselines=self._node_baselines.values(report.at),
+            gross_share=self.config.gross_share,
+        )
+        self._node_baselines.observe(report.at, judgement)
+        self._merges += 1
+        findings: dict[tuple, str] = {
+            ("rank", node, rank): f"node {node}: {text}" for node, rank, text in judgement.named
+        }
+        findings.update({("node", late.node): late.sentence() for late in judgement.late_nodes})
+        fresh = {key: text for key, text in findings.items() if key not in self._said}
+        for key in findings:
+            self._said[key] = self._merges
+        for key, seen in list(self._said.items()):
+            if self._merges - seen > FORGET_MERGES:
+                del self._said[key]
         if fresh:
-            self._said.update(fresh)
-            ranks = sorted({r for _n, r, _s in judgement.named} | {r for n in judgement.late_nodes for r in n.ranks})
-            nodes = sorted({n for n, _r, _s in judgement.named} | {n.node for n in judgement.late_nodes})
-            self.post(StragglerAcrossNodes(tuple(fresh), tuple(ranks), tuple(nodes), attempt))
+            ranks = sorted(
+                {k[2] for k in fresh if k[0] == "rank"}
+                | {r for late in judgement.late_nodes if ("node", late.node) in fresh for r in late.ranks}
+            )
+            nodes = sorted({k[1] for k in fresh})
+            self.post(StragglerAcrossNodes(tuple(fresh.values()), tuple(ranks), tuple(nodes), attempt))

@@ -25,6 +25,7 @@ from tp_supervise.watchdogs.straggler import (
     sentence,
 )
 from tp_supervise.watchdogs.straggler_nodes import (
+    NodeBaselines,
     NodeSummary,
     best_offset,
     clock_offset,
@@ -347,6 +348,34 @@ def test_a_late_node_is_named_and_a_clock_offset_alone_is_not():
     # An offset known only to +-5 ms cannot tell 3 ms of lateness from the clocks.
     s1 = summarize(rep1, det1.references(), node=1, clock_offset_s=offset, offset_error_s=0.005)
     assert merge_nodes([summarize(rep0, det0.references(), node=0), s1]).late_nodes == ()
+
+
+def test_a_node_late_by_design_is_learned_and_a_node_that_turns_late_is_named():
+    """Node 1's ranks always arrive 3 ms late (its role is uneven: say it hosts the scheduler).  Once its
+    baseline is learned it is no longer late; when it becomes 8 ms later than that, it is."""
+    def summaries(extra_s: float) -> list[NodeSummary]:
+        arrivals = group(4, 40, extra=lambda r, k, j, t: extra_s if r >= 2 else 0.0)
+        det0, rep0 = _node_run(arrivals[:2], [0, 1])
+        det1, rep1 = _node_run(arrivals[2:], [2, 3])
+        return [summarize(rep0, det0.references(), node=0), summarize(rep1, det1.references(), node=1)]
+
+    usual = summaries(0.003)
+    assert [n.node for n in merge_nodes(usual).late_nodes] == [1], "without a baseline it reads as late"
+    baselines = NodeBaselines(learn_s=20.0)
+    for t in range(0, 31, 2):  # a merge every 2 s, as the straggler thread does
+        judgement = merge_nodes(usual, baselines=baselines.values(float(t)))
+        # while its baseline is learned it is judged without one (a node slow from the start is named once)
+        assert [n.node for n in judgement.late_nodes] == ([1] if t < 20 else []), t
+        baselines.observe(float(t), judgement)
+    learned = baselines.values(30.0)
+    assert learned[1] == pytest.approx(judgement.shares[1]) and learned[1] > 0.1 and learned[0] < 0.05
+    assert merge_nodes(usual, baselines=learned).late_nodes == ()
+
+    worse = summaries(0.011)  # 8 ms later than its usual 3 ms, at every collective
+    late = merge_nodes(worse, baselines=learned)
+    assert [(n.node, n.ranks) for n in late.late_nodes] == [(1, (2, 3))]
+    baselines.observe(32.0, late)
+    assert baselines.values(32.0)[1] == pytest.approx(learned[1]), "a late node's share is not learned"
 
 
 def test_clock_offset_from_a_round_trip():
