@@ -40,8 +40,10 @@ docs/watchdogs.md ("Stragglers") has the long form; in short:
   is in its baseline; a change every rank sees (longer steps, jitter) is in
   the peers' excess.
 * **Episode**: named once it was over for ``sustain_s`` of busy time
-  (each bucket counts at most ``bucket_s``; one bucket that is not over is
-  tolerated); cleared after ``clear_s`` of busy time below
+  (each bucket counts at most ``bucket_s``; once it is building up, a bucket
+  between the clear level and the threshold neither counts nor breaks the
+  run, and one bucket below the clear level is tolerated); cleared after
+  ``clear_s`` of busy time below
   ``clear_ratio * threshold``.
 
 Not stragglers, by construction: an idle group (no collective, no bucket),
@@ -554,6 +556,8 @@ class StragglerDetector:
                     rs.run_start = b.index
                 rs.over_s += contribution
                 rs.misses = 0
+            elif still and rs.over_s > 0.0:
+                pass  # between the clear level and the threshold while building up: neither counted nor learned
             else:
                 rs.baseline.append(share)
                 rs.misses += 1
