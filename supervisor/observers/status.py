@@ -183,6 +183,10 @@ class StatusBoard:
                     "memory_total_bytes": sample.memory_total,
                     "power_w": sample.power_w,
                     "process_used_bytes": proc.used_bytes,
+                    "sm_clock_mhz": sample.sm_clock_mhz,
+                    "sm_clock_max_mhz": sample.sm_clock_max_mhz,
+                    "temperature_c": sample.temperature_c,
+                    "clock_reasons": None if sample.clock_reasons is None else list(sample.clock_reasons),
                 }
         return out
 

@@ -17,6 +17,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from tp_supervise.watchdogs.gpu import SLOWING_REASONS
+
 from . import control_socket as control
 
 # A table printed to a pipe or a file is not wrapped at 80 columns.
@@ -67,7 +69,12 @@ def _gpu(rank: dict) -> str:
     util = "-" if gpu["utilization_pct"] is None else f"{gpu['utilization_pct']:.0f}%"
     mem = f"{_fmt_bytes(gpu['memory_used_bytes'])}/{_fmt_bytes(gpu['memory_total_bytes'])}"
     power = "" if gpu.get("power_w") is None else f" {gpu['power_w']:.0f}W"
-    return f"{gpu['index']}: {util} {mem}{power}"
+    clock = ""
+    if gpu.get("sm_clock_mhz") is not None and gpu.get("sm_clock_max_mhz"):
+        clock = f" {gpu['sm_clock_mhz']}/{gpu['sm_clock_max_mhz']}MHz"
+    slowing = [r for r in gpu.get("clock_reasons") or () if r in SLOWING_REASONS]
+    why = f" ({', '.join(slowing)})" if slowing else ""
+    return f"{gpu['index']}: {util} {mem}{power}{clock}{why}"
 
 
 _COLUMNS = (

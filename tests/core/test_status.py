@@ -193,6 +193,10 @@ def test_the_table_marks_the_straggler_and_an_open_incident():
             "memory_total_bytes": 80 << 30,
             "power_w": 300.0,
             "process_used_bytes": 3 << 30,
+            "sm_clock_mhz": 1110,
+            "sm_clock_max_mhz": 1980,
+            "temperature_c": 88,
+            "clock_reasons": ["hardware thermal slowdown"],
         },
     )
     status = {
@@ -220,6 +224,7 @@ def test_the_table_marks_the_straggler_and_an_open_incident():
     assert "rank 1 arrives 41 ms late" in text
     assert "41.0ms/50.0ms 34%" in text
     assert "97%" in text and "3.0GiB/80.0GiB" in text
+    assert "1110/1980MHz (hardware thermal slowdown)" in text
 
     # An 80-column terminal (or COLUMNS=80): the wide columns give way, rank, pid and state stay whole.
     narrow = Console(width=80, record=True, file=io.StringIO())
