@@ -59,6 +59,10 @@ REF_STRIDE = 64
 REF_KEEP = 128
 
 
+def _cgroup_path(sample: SlownessSample) -> str | None:
+    return sample.cgroup.path if sample.cgroup is not None else None
+
+
 def is_reference(seq: int) -> bool:
     return ((seq * 2654435761) & 0xFFFFFFFF) % REF_STRIDE == 0
 
@@ -172,15 +176,23 @@ class StragglerThread:
         peer = next((r for r in sorted(pids) if r != rank), None)
         out: dict = {"ranks": {}, "gpu": {}, "explanation": ""}
         said = []
-        if self._samples:
-            before = self._samples[0][1]
-            for r in (rank, peer):
-                if r is None or r not in before:
-                    continue
-                delta = slowness_delta(before[r], read_slowness(pids[r]))
-                out["ranks"][str(r)] = delta.to_dict() if delta is not None else None
-                if r == rank:
-                    said.append(explain(delta))
+        for r in (rank, peer):
+            if r is None:
+                continue
+            now = read_slowness(pids[r])
+            # From the oldest reading in the window that was in the cgroup the rank is in now: a rank moved into
+            # a CPU-limited cgroup during the window has its throttling counted since the move (counters of two
+            # cgroups do not subtract).
+            readings = [sample[r] for _at, sample in self._samples if sample.get(r) is not None]
+            before = next(
+                (b for b in readings if _cgroup_path(b) == _cgroup_path(now)), readings[0] if readings else None
+            )
+            if before is None:
+                continue
+            delta = slowness_delta(before, now)
+            out["ranks"][str(r)] = delta.to_dict() if delta is not None else None
+            if r == rank:
+                said.append(explain(delta))
         reading = self.gpu() if self.gpu is not None else None
         for r in (rank, peer):
             sample = None

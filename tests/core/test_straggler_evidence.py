@@ -50,3 +50,26 @@ def test_the_evidence_names_the_slow_ranks_gpu_clocks_and_its_cpu_counters(tmp_p
     assert evidence["gpu"]["1"]["sm_clock_mhz"] == 1110 and evidence["gpu"]["0"]["index"] == 0
     assert "its GPU 1 ran at 1,110 of 1,980 MHz (hardware thermal slowdown, 88 C, 700 W)" in evidence["explanation"]
     assert without["gpu"] == {} and "GPU" not in without["explanation"]
+
+
+def test_a_rank_moved_into_a_cpu_limited_cgroup_during_the_window_is_said_to_be_throttled(tmp_path):
+    """Readings before the move are of another cgroup: the throttling is counted from the first reading in the
+    cgroup the rank is in now (the benchmark's quota trials read "CPU contention" before this)."""
+    from tests.dumps.test_slowness import busy, cpu_cgroup_v1
+
+    seg = hb.HeartbeatSegment(tmp_path / "hb", 2, uuid.uuid4().hex, time.monotonic())
+    try:
+        with cpu_cgroup_v1(quota_us=10_000) as cgroup, busy() as slow, busy() as peer:
+            pids = {0: peer.pid, 1: slow.pid}
+            thread = StragglerThread(StragglerConfig(), seg, attempt=lambda: None, post=lambda _e: None,
+                                     on_report=lambda _r: None)
+            thread._sample(pids, time.monotonic())  # before the move: the root cgroup
+            time.sleep(0.3)
+            (cgroup / "cgroup.procs").write_text(str(slow.pid))
+            thread._sample(pids, time.monotonic())  # in the limited cgroup
+            time.sleep(1.5)
+            evidence = thread._evidence(1, pids)
+    finally:
+        seg.close()
+    assert "throttled by its cgroup" in evidence["explanation"], evidence
+    assert evidence["ranks"]["1"]["cgroup_throttled_share"] > 0.3, evidence["ranks"]["1"]
