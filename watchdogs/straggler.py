@@ -30,9 +30,11 @@ docs/watchdogs.md ("Stragglers") has the long form; in short:
   wait by more than ``idle_gap_s`` is idle, not counted).  A rank late by
   ``L`` once per step of ``T`` has a share of ``L / T``: the share is its lag
   relative to the step, summed over the step's collectives.
-* **Baseline**: each rank's normal share, the median of its past buckets
-  (after ``warmup_s``; buckets in which it was over the threshold are not
-  learned).  Its **excess** is its share minus its baseline.
+* **Baseline**: each rank's normal share, a low quantile (``BASELINE_QUANTILE``)
+  of its past buckets (after ``warmup_s``; buckets in which it was over the
+  threshold are not learned): a slowdown that starts while the baseline is
+  learned is not taken for the rank's normal pace unless it filled nearly all
+  of the learning time.  Its **excess** is its share minus its baseline.
 * **Over** (one bucket): ``excess >= threshold`` and ``excess - median of the
   peers' excess >= threshold``: the rank costs the group a ``threshold``
   share of its time more than it usually does, and more than its peers'
@@ -68,6 +70,7 @@ from dataclasses import dataclass, field
 from tp_supervise.supervisor.rank.heartbeat import ARRIVAL_DEPTH, ArrivalWindow
 
 NAMED = "named"
+BASELINE_QUANTILE = 0.1  # of the learned buckets' shares: a rank's baseline
 CLEARED = "cleared"
 LAG_SAMPLES = 32  # lags kept per rank and bucket (systematic sampling)
 LATE_SAMPLES = 16  # lags-when-late kept per rank and bucket
@@ -309,6 +312,13 @@ def _median(values: Sequence[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
+def _baseline(learned: Sequence[float]) -> float:
+    """A rank's usual share: a low quantile of its learned buckets, so that a slowdown that began while the
+    baseline was being learned is not all taken for its normal pace (a role uneven by design costs its share in
+    every bucket, so its low quantile is that share)."""
+    return _quantile(sorted(learned), BASELINE_QUANTILE)
+
+
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
     if not sorted_values:
         return 0.0
@@ -525,7 +535,7 @@ class StragglerDetector:
                 continue  # warm-up: neither judged nor learned
             shares[r] = b.wait.get(r, 0.0) / b.span
             if len(rs.baseline) >= self._baseline_min:
-                excess[r] = shares[r] - _median(rs.baseline)
+                excess[r] = shares[r] - _baseline(rs.baseline)
         f = cfg.threshold
         contribution = min(b.span, cfg.bucket_s)
         for r, share in shares.items():
@@ -588,7 +598,7 @@ class StragglerDetector:
             late_lags.extend(b.late_lags.get(rank, ()))
         lags.sort()
         rs = self._ranks.get(rank)
-        baseline = _median(rs.baseline) if rs is not None and len(rs.baseline) >= self._baseline_min else None
+        baseline = _baseline(rs.baseline) if rs is not None and len(rs.baseline) >= self._baseline_min else None
         return RankLag(
             rank=rank,
             collectives=colls,

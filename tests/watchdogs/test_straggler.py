@@ -120,6 +120,15 @@ def test_a_rank_slowed_by_a_fifth_of_the_step_is_named_within_the_window(n):
         assert run.reports[-1].ranks[r].wait_share < 0.02
 
 
+@pytest.mark.parametrize("start", [13, 16])
+def test_a_slowdown_that_starts_while_the_baseline_is_learned_is_named(start):
+    """Warm-up is the first 10 s, the baseline is learned over the next 10: a rank that turns slow in between is
+    not taken at its slow pace (its baseline is a low quantile of what was learned)."""
+    run = watch(group(2, 90, extra=slow(1, 0.2 * STEP, start=start)), step_s=STEP)
+    assert run.kinds() == [(NAMED, 1)]
+    assert run.events[0].at - T0 <= start + 30
+
+
 def test_cpu_contention_late_at_every_collective_is_named():
     extra = lambda r, k, j, t: 0.0015 if (r == 1 and t >= 40) else 0.0  # noqa: E731
     run = watch(group(2, 90, extra=extra))
