@@ -397,3 +397,13 @@ def test_a_node_summary_that_is_not_one_is_refused():
     for raw in ({}, {"node": 1}, {"node": "x", "at": 0, "ranks": [], "references": [], "offset_error_seconds": 0}):
         with pytest.raises(ValueError):
             NodeSummary.from_dict(raw)
+
+
+def test_the_lateness_in_the_sentence_is_where_the_waiting_is():
+    """Late by 8 ms at one collective of each step, by noise (0.3 ms) at two others: the sentence says 8 ms
+    (the wait-weighted median), not the plain median of the late arrivals (0.3 ms)."""
+    from tp_supervise.watchdogs.straggler import _wait_median
+
+    assert _wait_median([0.0003, 0.0003, 0.008] * 50) == 0.008
+    assert _wait_median([0.004] * 10) == 0.004
+    assert _wait_median([]) == 0.0
