@@ -456,10 +456,11 @@ def section(stamp: Stamp, args: argparse.Namespace, r: dict) -> str:
         share = None if cpu is None else cpu / (c["minutes"] * 60)
         per_rank = None if share is None else share / c["tp"]
         per_k = None if cpu is None or not c["collectives"] else cpu / (c["collectives"] / 1000) * 1000
+        per_k_text = "-" if per_k is None else f"{per_k:.2f} ms"
         out.append(f"| {desc.get(c['name'], c['name'])} | {c['minutes']:.1f} | {c['named'] or 'nobody'} | "
                    f"{c['exit_code']} | {fmt(cpu, 2)} s ({fmt(None if share is None else share * 100, 2)} % of a core)"
                    f" | {fmt(None if per_rank is None else per_rank * 100, 3)} % | "
-                   f"{fmt(per_k, 2)} ms |")
+                   f"{per_k_text} |")
     if r.get("scale"):
         sc = r["scale"]
         share = sc["cpu_s"] / sc["seconds"]
