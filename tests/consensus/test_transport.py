@@ -117,6 +117,10 @@ def test_stopped_culprit_still_has_its_events_read(ranks, tmp_path):
     verdicts = poll_until(monitor, lambda v: v)
     assert verdicts, "no verdict while the culprit is stopped"
     [v] = verdicts
+    # the verdict may come from events read a moment before the culprit's own SIGSTOP lands
+    deadline = time.monotonic() + 10.0
+    while proc_state(bad.pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert proc_state(bad.pid) == "T" and good.poll() is None and bad.poll() is None
     assert v.step == 15 and v.culprit_ranks == (1,)
     assert v.first_difference.values[1] == 17
