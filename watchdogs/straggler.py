@@ -70,8 +70,8 @@ from dataclasses import dataclass, field
 from tp_supervise.supervisor.rank.heartbeat import ARRIVAL_DEPTH, ArrivalWindow
 
 NAMED = "named"
-BASELINE_QUANTILE = 0.1  # of the learned buckets' shares: a rank's baseline
 CLEARED = "cleared"
+BASELINE_QUANTILE = 0.1  # of the learned buckets' shares: a rank's baseline
 LAG_SAMPLES = 32  # lags kept per rank and bucket (systematic sampling)
 LATE_SAMPLES = 16  # lags-when-late kept per rank and bucket
 REF_STRIDES = (64, 1024, 16384)  # reference collectives for the cross-node comparison

@@ -24,6 +24,7 @@ docs/watchdogs.md ("Stragglers", across nodes) has the long form.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -227,7 +228,7 @@ class NodeBaselines:
         self.learn_s = learn_s
         self.keep = keep
         self._first: dict[int, float] = {}
-        self._shares: dict[int, list[float]] = {}
+        self._shares: dict[int, deque[float]] = {}
 
     def observe(self, now: float, judgement: CrossNodeJudgement) -> None:
         late = {n.node for n in judgement.late_nodes}
@@ -235,9 +236,7 @@ class NodeBaselines:
             first = self._first.setdefault(node, now)
             if node in late and now - first >= self.learn_s:
                 continue
-            kept = self._shares.setdefault(node, [])
-            kept.append(share)
-            del kept[: -self.keep]
+            self._shares.setdefault(node, deque(maxlen=self.keep)).append(share)
 
     def values(self, now: float) -> dict[int, float | None]:
         return {

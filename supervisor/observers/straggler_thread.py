@@ -176,6 +176,7 @@ class StragglerThread:
         peer = next((r for r in sorted(pids) if r != rank), None)
         out: dict = {"ranks": {}, "gpu": {}, "explanation": ""}
         said = []
+        reading = self.gpu() if self.gpu is not None else None
         for r in (rank, peer):
             if r is None:
                 continue
@@ -187,21 +188,18 @@ class StragglerThread:
             before = next(
                 (b for b in readings if _cgroup_path(b) == _cgroup_path(now)), readings[0] if readings else None
             )
-            if before is None:
-                continue
-            delta = slowness_delta(before, now)
-            out["ranks"][str(r)] = delta.to_dict() if delta is not None else None
-            if r == rank:
-                said.append(explain(delta))
-        reading = self.gpu() if self.gpu is not None else None
-        for r in (rank, peer):
-            sample = None
-            if reading is not None and r is not None:
-                sample = next((g for g in reading.samples if any(p.pid == pids[r] for p in g.processes)), None)
-            if sample is not None:
-                out["gpu"][str(r)] = sample.to_dict()
+            if before is not None:
+                delta = slowness_delta(before, now)
+                out["ranks"][str(r)] = delta.to_dict() if delta is not None else None
                 if r == rank:
-                    said.append(explain_gpu(sample))
+                    said.append(explain(delta))
+            gpu = None
+            if reading is not None:
+                gpu = next((g for g in reading.samples if any(p.pid == pids[r] for p in g.processes)), None)
+            if gpu is not None:
+                out["gpu"][str(r)] = gpu.to_dict()
+                if r == rank:
+                    said.append(explain_gpu(gpu))
         out["explanation"] = "; ".join(part for part in said if part)
         return out
 
