@@ -3,9 +3,12 @@
 Supported fields: ``prompt`` (text, or a list of token ids, or a one-element
 list of either), ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
 ``stop`` (string or up to four strings), ``stream`` (+ ``stream_options.
-include_usage``), ``n`` (1 only), ``model`` (must match when given) and two
-extensions: ``ignore_eos`` and ``return_token_ids`` (choices carry
-``token_ids``).  Unknown fields are ignored, as OpenAI clients send many.
+include_usage``), ``n`` (1 only), ``model`` (must match when given) and three
+extensions: ``ignore_eos``, ``return_token_ids`` (choices carry
+``token_ids``) and ``resume_token_ids`` (:func:`parse_resume`: continue a
+generation the engine's relay already sent part of; docs/engine.md,
+"Serving through faults").  Unknown fields are ignored, as OpenAI clients
+send many.
 
 The generation fields (everything but the prompt) are shared with
 ``/v1/chat/completions`` (engine/chat_api.py): :func:`parse_generation`.
@@ -13,13 +16,16 @@ The generation fields (everything but the prompt) are shared with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
 MAX_STOP_STRINGS = 4
 MAX_TEMPERATURE = 2.0
 SEED_RANGE = 2**63
+# error.code of every 503 the engine answers when it stops serving (its group failed, a shutdown): the
+# relay (engine/relay.py) sends such a request again to the next attempt
+UNAVAILABLE_CODE = "engine_unavailable"
 
 
 class ApiError(Exception):
@@ -64,6 +70,9 @@ class GenerationSpec:
     include_usage: bool
     ignore_eos: bool
     return_token_ids: bool
+    # tokens already generated (and sent) for this request by an attempt that failed: the engine
+    # generates the rest; not a sampling parameter (the fingerprint ignores it)
+    resume_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -190,6 +199,24 @@ def parse_generation(body: dict, *, max_tokens_field: str = "max_tokens") -> Gen
     )
 
 
+def parse_resume(body: dict, gen: GenerationSpec, vocab_size: int) -> GenerationSpec:
+    """``resume_token_ids``: the tokens an earlier attempt generated for this request (the relay sends them).
+
+    Counted in ``max_tokens`` and in the context; at least one token must be left to generate.
+    """
+    value = body.get("resume_token_ids")
+    if value is None or value == []:
+        return gen
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise _bad("'resume_token_ids' must be a list of token ids", "resume_token_ids")
+    bad = [v for v in value if not 0 <= v < vocab_size]
+    if bad:
+        raise _bad(f"resume token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "resume_token_ids")
+    if len(value) >= gen.max_tokens:
+        raise _bad("'resume_token_ids' must be shorter than 'max_tokens'", "resume_token_ids")
+    return replace(gen, resume_ids=tuple(value))
+
+
 def parse_completion(body, *, model_name: str, vocab_size: int) -> CompletionSpec:
     """Validate a request body; raises :class:`ApiError` (400/404) with an OpenAI-style message."""
     if not isinstance(body, dict):
@@ -198,7 +225,7 @@ def parse_completion(body, *, model_name: str, vocab_size: int) -> CompletionSpe
     if "prompt" not in body:
         raise _bad("'prompt' is required", "prompt")
     text, ids = _prompt(body["prompt"], vocab_size)
-    gen = parse_generation(body)
+    gen = parse_resume(body, parse_generation(body), vocab_size)
     if body.get("logprobs") is not None:
         raise _bad("'logprobs' is not supported", "logprobs")
     if _flag(body, "echo"):

@@ -21,6 +21,10 @@ step fails the group, the supervisor sees it as the only request the failing
 step started, so a request that merely arrived with the poison is never
 blamed with it.
 
+A resumed request (``resume_ids``: tokens an attempt that failed already
+generated) is prefilled with its prompt and those tokens and counts them as
+output: the sequence continues where the client's stream stopped.
+
 Stop rules, checked after each sampled token: the sampler failed for this
 sequence -> "error"; EOS (unless ``ignore_eos``) -> "stop"; ``max_tokens``
 generated -> "length"; the context is full -> "length".
@@ -56,6 +60,13 @@ class Request:
     params: SamplingParams
     fingerprint: str = ""  # engine/runfiles.py: hex digest of model + prompt + sampling parameters, never the text
     isolate: bool = False  # a suspect of a failed attempt: prefilled alone in its step
+    # Tokens an earlier attempt already generated (and the client received): prefilled after the
+    # prompt, counted as output (max_tokens, usage); the sequence continues from them.
+    resume_ids: tuple[int, ...] = ()
+
+    @property
+    def prefill_ids(self) -> tuple[int, ...]:
+        return self.prompt_ids + self.resume_ids if self.resume_ids else self.prompt_ids
 
 
 @dataclass(frozen=True)
@@ -144,9 +155,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if not request.prompt_ids:
             raise ValueError("empty prompt")
-        if len(request.prompt_ids) >= self.config.max_context:
-            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens does not fit the context")
-        self._waiting.append(_Seq(request))
+        if len(request.prefill_ids) >= self.config.max_context:
+            raise ValueError(f"prompt of {len(request.prefill_ids)} tokens does not fit the context")
+        self._waiting.append(_Seq(request, output=list(request.resume_ids)))
 
     def abort(self, seq_id: str) -> bool:
         """Drop a sequence wherever it is; True when it was known.
@@ -189,14 +200,15 @@ class Scheduler:
         for seq in self._waiting:
             if len(items) >= self.config.max_batch:
                 break
-            n = len(seq.request.prompt_ids)
+            ids = seq.request.prefill_ids
+            n = len(ids)
             if seq.request.isolate:
                 if not prefills:  # its own step: no other prefill, no decode
-                    items = [BatchItem(seq.request.request_id, 0, seq.request.prompt_ids, seq.request.params)]
+                    items = [BatchItem(seq.request.request_id, 0, ids, seq.request.params)]
                 break
             if n > budget and prefills:
                 break
-            items.append(BatchItem(seq.request.request_id, 0, seq.request.prompt_ids, seq.request.params))
+            items.append(BatchItem(seq.request.request_id, 0, ids, seq.request.params))
             budget -= n
             prefills += 1
         if not items:

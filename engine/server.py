@@ -50,12 +50,14 @@ from .listen import listen_backlog
 from .log import get_logger
 from .openai_api import (
     COMPLETION,
+    UNAVAILABLE_CODE,
     ApiError,
     GenerationSpec,
     StopMatcher,
     check_context,
     check_prompt,
     parse_completion,
+    parse_resume,
     usage_body,
 )
 from .runfiles import Quarantine, fingerprint, read_incident
@@ -116,7 +118,8 @@ def _error(exc: ApiError, headers: dict | None = None) -> web.Response:
 
 
 def _unavailable(message: str) -> ApiError:
-    return ApiError(503, message, None, "server_error", retry_after=RETRY_AFTER_S)
+    """The engine stops serving (its group failed, or a shutdown): the relay (engine/relay.py) sends it again."""
+    return ApiError(503, message, None, "server_error", code=UNAVAILABLE_CODE, retry_after=RETRY_AFTER_S)
 
 
 class _OneLineLog(logging.LoggerAdapter):
@@ -376,11 +379,12 @@ class Frontend:
         try:
             body = await _read_json(request, self.limits.read_timeout_s)
             spec = parse_chat(body, model_name=self.model_name)
+            gen = parse_resume(body, spec.gen, self.spec.vocab_size)
             text = self.chat_template.render(spec.messages)
             ids = self.tokenizer.encode(text, add_special_tokens=self.chat_template.add_special_tokens)
         except ApiError as exc:
             return _error(exc)
-        return await self._serve_generation(request, ids, spec.gen, CHAT)
+        return await self._serve_generation(request, ids, gen, CHAT)
 
     def _admit(self, ids: list[int], gen: GenerationSpec) -> str:
         """Checks before a request reaches the engine; returns its fingerprint (raises ApiError)."""
@@ -434,8 +438,9 @@ class Frontend:
             tuple(ids),
             params,
             fingerprint=fp,
-            isolate=self._quarantine.suspected(fp),
-        )  # a suspect of a failed attempt: prefilled alone
+            isolate=self._quarantine.suspected(fp),  # a suspect of a failed attempt: prefilled alone
+            resume_ids=gen.resume_ids,
+        )
         try:
             queue = self.bridge.submit(req, asyncio.get_running_loop())
         except RuntimeError as exc:
@@ -464,6 +469,8 @@ class Frontend:
         """Yields (text_delta, new_token_ids, finish_reason|None); raises ApiError on engine errors."""
         decoder = IncrementalDecoder(self.tokenizer)
         matcher = StopMatcher(gen.stop)
+        if req.resume_ids:  # the client has this text already; what the matcher holds back it has not
+            matcher.feed(decoder.push(list(req.resume_ids)))
         while True:
             item = await outputs.get()
             if isinstance(item, EngineError):
@@ -506,7 +513,7 @@ class Frontend:
             text="".join(parts),
             finish_reason=finish,
             token_ids=token_ids if gen.return_token_ids else None,
-            usage=usage_body(len(req.prompt_ids), len(token_ids)),
+            usage=usage_body(len(req.prompt_ids), len(req.resume_ids) + len(token_ids)),
         )
         return web.json_response(body), True
 
@@ -514,14 +521,14 @@ class Frontend:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         head = {"request_id": req.request_id, "created": int(time.time()), "model": self.model_name}
-        count = 0
+        count = len(req.resume_ids)
 
         async def send(payload) -> None:
             data = payload if isinstance(payload, str) else json.dumps(payload)
             await response.write(f"data: {data}\n\n".encode())
 
         try:
-            first = shape.first_chunk(**head)
+            first = shape.first_chunk(**head) if not req.resume_ids else None  # a resumed stream has begun
             if first is not None:
                 await send(first)
             async for text, ids, reason in self._generate(req, gen, outputs):

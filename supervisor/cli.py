@@ -492,39 +492,59 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .observers import control_socket as control
 
     logs.configure(args.log_format, level=logging.getLevelName(args.log_level.upper()))
-    listener = None
+    ports = ServingPorts()
     try:
         spec = spec_from_args(args)
         preflight(spec)
         control.registry_dir()  # a registry another user controls is refused before anything starts
-        spec, listener = bind_serving_port(spec)
+        spec, ports = bind_serving_port(spec)
     except (UsageError, control.RegistryError) as exc:
+        ports.close()
         say_error(str(exc))
         return EXIT_USAGE
     try:
-        return _serve(spec, args, listener)
+        return _serve(spec, args, ports)
     finally:
-        if listener is not None:
-            listener.close()
+        ports.close()
 
 
-def bind_serving_port(spec: LaunchSpec) -> tuple[LaunchSpec, ListenSocket | None]:
-    """The port rank 0 serves on, bound once for the whole run (supervisor/processes/listen_socket.py): the
-    built-in engine's --host/--port, or --listen for a COMMAND; only on the node that holds global rank 0.
-    A port that is taken is a usage error (64) before anything starts."""
+@dataclasses.dataclass
+class ServingPorts:
+    """The sockets bound once for the whole run: ``rank0`` is handed to rank 0 of every attempt; ``public``,
+    with the built-in engine, is the relay's (supervisor/processes/relay_process.py) and ``rank0`` is then on loopback."""
+
+    rank0: ListenSocket | None = None
+    public: ListenSocket | None = None
+
+    def close(self) -> None:
+        for sock in (self.rank0, self.public):
+            if sock is not None:
+                sock.close()
+
+
+def bind_serving_port(spec: LaunchSpec) -> tuple[LaunchSpec, ServingPorts]:
+    """The serving port, bound once for the whole run (supervisor/processes/listen_socket.py): the built-in
+    engine's --host/--port (the relay's; rank 0 gets a loopback port), or --listen for a COMMAND (rank 0's);
+    only on the node that holds global rank 0.  A port that is taken is a usage error (64) before anything
+    starts."""
     if spec.rank_offset != 0:
-        return spec, None
+        return spec, ServingPorts()
     if spec.builtin:
-        listener = ListenSocket.bind(spec.engine.host, spec.engine.port, "--port")
+        public = ListenSocket.bind(spec.engine.host, spec.engine.port, "--port")
         if spec.engine.port == 0:  # the port the kernel picked is the one the ready line names
-            spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, port=listener.port))
-        return spec, listener
+            spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, port=public.port))
+        try:
+            rank0 = ListenSocket.bind("127.0.0.1", 0, "the relay's upstream port")
+        except UsageError:
+            public.close()
+            raise
+        return spec, ServingPorts(rank0=rank0, public=public)
     if spec.listen is not None:
-        return spec, ListenSocket.bind(spec.listen[0], spec.listen[1], "--listen", systemd=True)
-    return spec, None
+        return spec, ServingPorts(rank0=ListenSocket.bind(spec.listen[0], spec.listen[1], "--listen", systemd=True))
+    return spec, ServingPorts()
 
 
-def _serve(spec: LaunchSpec, args: argparse.Namespace, listener: ListenSocket | None) -> int:
+def _serve(spec: LaunchSpec, args: argparse.Namespace, ports: ServingPorts) -> int:
     from .core import Supervisor
     from .processes import output_pump as output
 
@@ -543,7 +563,7 @@ def _serve(spec: LaunchSpec, args: argparse.Namespace, listener: ListenSocket | 
             return 0
     run_id = link[1].run_id if link else spec.run_id
     with output.install(spec.output, spec.log_format):  # the ranks' stdout/stderr: pipes, read by one thread
-        code = Supervisor(spec, base_env, run_id=run_id, nodes=link, listener=listener).run()
+        code = Supervisor(spec, base_env, run_id=run_id, nodes=link, listener=ports.rank0, public=ports.public).run()
     if link is not None:
         # Multi-node: a daemon thread may still sit in a TCPStore call (bounded by the store's timeout) and
         # torch's store objects must not meet the interpreter's finalisation: on a loaded host that ended in

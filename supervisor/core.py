@@ -87,6 +87,7 @@ from .processes.cgroup import RunCgroup
 from .processes.exit_monitor import ExitMonitor
 from .processes.exits import ExitInfo
 from .processes.listen_socket import ListenSocket
+from .processes.relay_process import RelayProcess
 from .processes.spawn import RankHandle, RankSpec, RunContext
 from .processes.teardown import KillPolicy, TeardownResult, teardown
 from .rank.heartbeat import HeartbeatSegment
@@ -132,11 +133,14 @@ class Supervisor(NodeGroupRules):
         run_id: str | None = None,
         nodes: tuple[NodeTransport, handshake.NodeGroup] | None = None,
         listener: ListenSocket | None = None,
+        public: ListenSocket | None = None,
     ):
         self.spec = spec
         self.listener = (
             listener  # rank 0's listening socket, the caller's for the whole run (processes/listen_socket.py)
         )
+        self.public = public  # the built-in engine's public port: the relay's (processes/relay_process.py)
+        self.relay: RelayProcess | None = None
         self.base_env = dict(base_env)
         self.run_id = run_id or new_run_id()
         # What this node's run owns on this host (run dir, cgroup, registry entry, process marker): the run id
@@ -315,6 +319,9 @@ class Supervisor(NodeGroupRules):
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
             source.start()
+        if self.public is not None and self.listener is not None:
+            self.relay = RelayProcess(self.public, self.listener, str(self.run_dir), self.spec.log_format)
+            self.relay.start()
         for signum in signals.HANDLED:
             signal.signal(signum, self._on_signal)
 
@@ -327,7 +334,8 @@ class Supervisor(NodeGroupRules):
         self.post(SignalReceived(signum))
 
     def _cleanup(self) -> None:
-        closers = [source.stop for source in reversed(self.sources)]
+        closers = [self.relay.stop] if self.relay is not None else []
+        closers += [source.stop for source in reversed(self.sources)]
         closers += [part.close for part in (self._desk, self._heartbeat) if part is not None]
         for closer in closers:
             try:
@@ -402,6 +410,8 @@ class Supervisor(NodeGroupRules):
         code = outcome.code
         if self.last_teardown is not None and not self.last_teardown.complete:
             code = EXIT_TEARDOWN
+        if self.relay is not None:
+            self.relay.stop()  # no attempt follows: what it holds gets its 503 now, naming the incident
         log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restart.restarts)
         linger = self.spec.metrics_linger
         if linger is None:  # the default: only while someone scrapes, until the final state was scraped

@@ -2,8 +2,9 @@
 
 ::
 
-    restartable outcome (rank exit, hang,      ─▶ restart after
-    divergence, startup timeout), no stop          min(BASE · 2^restarts, MAX) seconds
+    restartable outcome (rank exit, hang,      ─▶ restart at once the first time (a client of the
+    divergence, startup timeout), no stop          built-in engine's relay is waiting), then after
+                                                   min(BASE · 2^(restarts-1), MAX) seconds: 1, 2, 4 ...
     signal, restarts < --max-restarts
     an attempt that stayed up RESTART_STABLE_S ─▶ was no crash loop: the count starts over
     restartable, but out of restarts           ─▶ "crash loop: giving up" (with --max-restarts > 0)
@@ -54,7 +55,9 @@ class RestartPolicy:
                     last_reason=outcome.reason,
                 )
             return None
-        delay = min(RESTART_BACKOFF_BASE_S * (2**self.restarts), RESTART_BACKOFF_MAX_S)
+        delay = (
+            0.0 if not self.restarts else min(RESTART_BACKOFF_BASE_S * 2 ** (self.restarts - 1), RESTART_BACKOFF_MAX_S)
+        )
         self.restarts += 1
         log.warning(
             "restarting the group",

@@ -152,24 +152,24 @@ def test_restart_backoff_doubles_up_to_the_cap_then_gives_up():
     policy = RestartPolicy(max_restarts=7)
     fail = Outcome(EXIT_RANK, "rank_exit")
     delays = [policy.after(fail, stopping=False, uptime_s=1.0) for _ in range(7)]
-    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_MAX_S]
+    assert delays == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, RESTART_BACKOFF_MAX_S]
     assert policy.after(fail, stopping=False, uptime_s=1.0) is None
 
 
 def test_backoff_starts_over_after_a_stable_run():
     policy = RestartPolicy(max_restarts=3)
     fail = Outcome(EXIT_RANK, "rank_exit")
+    assert policy.after(fail, stopping=False, uptime_s=1.0) == 0.0
     assert policy.after(fail, stopping=False, uptime_s=1.0) == 1.0
-    assert policy.after(fail, stopping=False, uptime_s=1.0) == 2.0
-    assert policy.after(fail, stopping=False, uptime_s=RESTART_STABLE_S) == 1.0
+    assert policy.after(fail, stopping=False, uptime_s=RESTART_STABLE_S) == 0.0
     assert policy.restarts == 1
 
 
 def test_a_stable_run_gets_the_whole_budget_again_even_after_using_it_up():
     policy = RestartPolicy(max_restarts=1)
     fail = Outcome(EXIT_RANK, "rank_exit")
-    assert policy.after(fail, stopping=False, uptime_s=1.0) == 1.0
-    assert policy.after(fail, stopping=False, uptime_s=RESTART_STABLE_S) == 1.0  # hours later: not a crash loop
+    assert policy.after(fail, stopping=False, uptime_s=1.0) == 0.0
+    assert policy.after(fail, stopping=False, uptime_s=RESTART_STABLE_S) == 0.0  # hours later: not a crash loop
     assert policy.after(fail, stopping=False, uptime_s=1.0) is None  # a quick repeat is
 
 

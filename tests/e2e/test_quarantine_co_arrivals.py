@@ -4,8 +4,9 @@
 in every step that prefills a ``TPS_POISON`` prompt), with ``slow@0:1`` so
 that every decode step lasts 200 ms: a long stream keeps the engine stepping,
 and a burst sent during a step is drained and scheduled in one step, so the
-co-arrival is made, not left to chance.  Twice, a poison request and three
-innocent ones arrive together:
+co-arrival is made, not left to chance.  A poison request and three
+innocent ones arrive together; the relay (engine/relay.py) sends what was in
+flight at a failure again, so the four come back together too:
 
 * first failure: the four are scheduled in the failing step, all four are
   suspects (the bundle says so: otherwise the test tested nothing), and the
@@ -14,10 +15,10 @@ innocent ones arrive together:
   failing step started only the poison request: it alone is a suspect, and
   it alone is quarantined.
 
-Then the poison request is answered 400 ``request_quarantined`` and the three
-innocent ones 200.  With the scheduler ignoring ``isolate``, the second
-failing step starts the four together again and all four are quarantined:
-this test fails.
+The poison request is answered 400 ``request_quarantined`` and the three
+innocent ones 200, in that same round, and again when sent afresh.  With the
+scheduler ignoring ``isolate``, the second failing step starts the four
+together again and all four are quarantined: this test fails.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Background:
 
     def __init__(self, port: int, name: str) -> None:
         self.started = threading.Event()
+        self.stopping = threading.Event()
         self.api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                                  timeout=REQUEST_TIMEOUT_S * 3)
         self.thread = threading.Thread(target=self._run, args=(name,), name="test-background", daemon=True)
@@ -70,8 +72,10 @@ class Background:
                                                  max_tokens=BACKGROUND_TOKENS, temperature=0,
                                                  extra_body={"ignore_eos": True}):
                 self.started.set()
+                if self.stopping.is_set():
+                    break  # closes the stream: the engine aborts it
         except openai.APIError:
-            pass  # the group failed under it: its stream ends with the error event
+            pass
         finally:
             self.started.set()
             self.api.close()
@@ -94,19 +98,12 @@ def burst(port: int, prompts: list[str]) -> list[tuple[int, dict]]:
     return answers
 
 
-def wait_ready(served: Served, attempts: int) -> None:
-    deadline = time.monotonic() + RESTART_TIMEOUT_S
-    while len(served.events("engine_ready")) < attempts and time.monotonic() < deadline:
-        assert served.proc.poll() is None, served.log_path.read_text()[-3000:]
-        time.sleep(0.2)
-    assert len(served.events("engine_ready")) >= attempts, served.log_path.read_text()[-3000:]
-
-
 def co_arrive(served: Served, prompts: list[str], round_: int) -> list[tuple[int, dict]]:
     background = Background(served.port, f"round {round_}")
     assert background.started.wait(REQUEST_TIMEOUT_S), "the background stream never started"
     time.sleep(0.3)  # inside a 200 ms decode step: the burst waits for the next drain together
     answers = burst(served.port, prompts)
+    background.stopping.set()
     background.thread.join(REQUEST_TIMEOUT_S)
     return answers
 
@@ -116,10 +113,8 @@ def test_only_the_poison_request_is_quarantined_when_innocent_requests_arrive_wi
     poison = f"please {POISON_MARKER} now"
     prompts = [poison, *(f"innocent request {i}: the quick brown fox" for i in range(INNOCENT))]
     try:
+        # two failures (the relay resent the four after the first); the answers come from the third attempt
         first = co_arrive(served, prompts, 1)
-        wait_ready(served, 2)
-        second = co_arrive(served, prompts, 2)
-        wait_ready(served, 3)
         after = [post(served.port, p) for p in prompts]
     finally:
         code = served.stop()
@@ -127,8 +122,8 @@ def test_only_the_poison_request_is_quarantined_when_innocent_requests_arrive_wi
     assert not leaked, f"processes leaked: {leaked}"
     assert code == 0, served.log_path.read_text()[-3000:]
 
-    assert [status for status, _ in first] == [503] * len(prompts), first
-    assert second[0][0] == 503, second  # the poison request failed the group again
+    assert first[0][0] == 400 and first[0][1]["error"]["code"] == "request_quarantined", first[0]
+    assert [s for s, _ in first[1:]] == [200] * INNOCENT, first[1:]
     bundles = served.bundles("rank_exit")
     assert len(bundles) == 2, [b["incident_id"] for b in bundles]
     suspects = [b["requests"]["suspects"] for b in bundles]
@@ -143,4 +138,4 @@ def test_only_the_poison_request_is_quarantined_when_innocent_requests_arrive_wi
     assert status == 400 and body["error"]["code"] == "request_quarantined", after[0]
     assert [s for s, _ in after[1:]] == [200] * INNOCENT, after[1:]
     print(f"\nfirst failure: {len(suspects[0])} suspects; second: {len(suspects[1])}; "
-          f"second round answers {[s for s, _ in second]}; quarantined {len(quarantined)}")
+          f"quarantined {len(quarantined)}")

@@ -138,6 +138,28 @@ def test_streaming_matches_non_streaming(engines):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_resumed_stream_continues_where_its_tokens_end(engines, path):
+    """resume_token_ids (the relay's retry after a failed attempt): the engine prefills prompt + those tokens and
+    streams the rest; greedy, the rest is what the uninterrupted stream had; usage counts every token."""
+    url = engines["broadcast"].url
+    prompt = {"prompt": words([21, 22, 23])} if "chat" not in path else {
+        "messages": [{"role": "user", "content": words([21, 22, 23])}]}
+    body = dict(prompt, max_tokens=12, temperature=0, return_token_ids=True, ignore_eos=True,
+                stream_options={"include_usage": True})
+    full = stream(url, body, path=path)
+    ids = [t for c in full[:-2] for t in c["choices"][0].get("token_ids") or []]
+    assert len(ids) == 12
+    resumed = stream(url, dict(body, resume_token_ids=ids[:5]), path=path)
+    chunks = resumed[:-2]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids[5:]
+    assert all("role" not in c["choices"][0].get("delta", {}) for c in chunks), "a resumed stream has begun"
+    assert resumed[-2]["usage"]["completion_tokens"] == 12
+    assert resumed[-2]["usage"]["prompt_tokens"] == full[-2]["usage"]["prompt_tokens"]
+    status, error = post(url, dict(body, stream=False, resume_token_ids=ids), path=path)
+    assert status == 400 and error["error"]["param"] == "resume_token_ids"
+
+
 def test_client_disconnect_aborts_the_sequence(engines):
     """Closing a stream mid-way frees the sequence: the engine stops stepping it and goes idle."""
     import json

@@ -1,0 +1,441 @@
+"""The relay: the built-in engine's public port, in a process that outlives every attempt of the group.
+
+``supervise serve`` (built-in engine) starts it beside the ranks, not as one::
+
+    supervisor ─┬─ relay      public --host/--port (inherited: SUPERVISE_LISTEN_FDS), run-long
+                └─ rank 0..   rank 0 serves on a loopback socket the supervisor bound once (held across attempts)
+
+A restart of the group closes rank 0's connections; without the relay every
+request in flight, and every stream half sent, would end with an error the
+client has to handle.  The relay holds the client's connection instead and
+forwards each request to rank 0 over loopback.  When the answer it gets is
+the group's failure (a 503 with code ``engine_unavailable``, a stream's error
+event with that code, a connection reset or closed before the answer was
+complete), it sends the request again: the new connection waits in the
+loopback socket's backlog until the next attempt's rank 0 accepts it.
+
+- A request that is not streamed is simply sent again (nothing reached the client).
+- A stream continues: the relay asks rank 0 for the token ids of every chunk
+  (``return_token_ids``), and sends the retry with ``resume_token_ids`` = the
+  tokens the client already has; the engine prefills prompt + those tokens,
+  counts them in ``max_tokens`` and usage, and streams only what follows.  The
+  relay keeps the first attempt's ``id`` and ``created`` in every chunk and
+  strips ``token_ids`` unless the client asked for them, so the client reads one
+  uninterrupted stream.  A sampled (temperature > 0) continuation draws from a
+  generator seeded afresh, so it is a valid sample, not the one the failed
+  attempt would have drawn.
+- The quarantine still applies: the retry has the fingerprint of the original
+  request (``resume_token_ids`` is not part of it), so a poison request is
+  answered 400 after two failed attempts (a stream gets the 400 as its final
+  error event).
+- A request is held at most ``HOLD_S`` from its arrival while no answer
+  comes, and resent at most ``MAX_RESENDS`` times; then, or when the run ends
+  (the supervisor's SIGTERM), the client gets the 503 (a stream: an error event
+  and ``[DONE]``) naming the incident, with ``Retry-After``.
+
+Everything else (``/health``, ``/v1/models``, unknown paths) is forwarded once
+with a deadline; no answer in that time is a 503 (``/health`` of a dead or
+restarting group is never OK).  Bodies are capped at the engine's limit
+(413) and read within its read timeout (408).
+
+Run as ``python -m tp_supervise.engine.relay --upstream 127.0.0.1:PORT
+[--run-dir DIR]`` with the public socket named by ``SUPERVISE_LISTEN_FDS``
+(engine/listen.py).  It ends with its parent (parent-death signal, and the end
+of its stdin).  docs/engine.md, "Serving through faults".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+import aiohttp
+from aiohttp import web
+
+from .listen import ListenError, listen_backlog, take_listen_socket
+from .log import configure, get_logger
+from .openai_api import DEFAULT_MAX_TOKENS, UNAVAILABLE_CODE
+from .runfiles import read_incident
+
+HOLD_S = 90.0  # a request waits this long at most for an attempt that answers it
+MAX_RESENDS = 8  # and is sent again at most this often (the quarantine stops a poison after 2)
+RESEND_PAUSE_S = 0.05  # between a failed answer and the resend (the failing rank 0 may still be accepting)
+FORWARD_TIMEOUT_S = 5.0  # /health, /v1/models, anything that is not a generation
+CONNECT_TIMEOUT_S = 5.0  # loopback connect: the kernel completes it from the backlog
+MAX_BODY_BYTES = 1 << 20  # the engine's own limit (engine/server.py)
+READ_TIMEOUT_S = 15.0
+DRAIN_S = 2.0  # at SIGTERM: handlers answering their 503 get this long
+RETRY_AFTER_S = 1
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+PASSED_HEADERS = ("content-type", "retry-after", "allow")
+RELAY_RANK = -1  # the relay's log lines carry rank=-1: not a rank
+
+log = get_logger()
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it went away (never a reason to send the request again)."""
+
+
+def _error_body(status: int, message: str, code: str | None = None) -> dict:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _is_unavailable(body) -> bool:
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("code") == UNAVAILABLE_CODE
+
+
+def _max_tokens(body: dict) -> int:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return DEFAULT_MAX_TOKENS
+
+
+class Relay:
+    def __init__(self, upstream: str, run_dir: str | None):
+        self.upstream = f"http://{upstream}"
+        self.run_dir = run_dir
+        self.ending = asyncio.Event()
+        self.session: aiohttp.ClientSession | None = None
+        self.counts = {"requests": 0, "resent": 0, "resumed_streams": 0, "given_up": 0}
+
+    # -- plumbing ----------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        for path in GENERATION_PATHS:
+            app.router.add_post(path, self.generation)
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _app) -> None:
+        connector = aiohttp.TCPConnector(force_close=True, limit=0)  # every request its own connection
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+    async def _close(self, _app) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def _unavailable_text(self) -> str:
+        incident = read_incident(self.run_dir)
+        where = f" (incident {incident})" if incident else ""
+        if self.ending.is_set():
+            return f"the engine stopped{where}; retry the request"
+        return f"the engine's group did not come back within {HOLD_S:g} s{where}; retry the request"
+
+    def _unavailable(self) -> web.Response:
+        self.counts["given_up"] += 1
+        body = _error_body(503, self._unavailable_text(), UNAVAILABLE_CODE)
+        response = web.json_response(body, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        response.force_close()
+        return response
+
+    async def _send(self, method: str, path: str, deadline: float, **kw) -> aiohttp.ClientResponse:
+        """One upstream request, its answer's headers within ``deadline``; the run's end interrupts the wait."""
+        assert self.session is not None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or self.ending.is_set():
+            raise TimeoutError
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+        sending = asyncio.ensure_future(self.session.request(method, self.upstream + path, timeout=timeout, **kw))
+        ending = asyncio.ensure_future(self.ending.wait())
+        try:
+            done, _ = await asyncio.wait({sending, ending}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ending.cancel()
+        if sending not in done:
+            sending.cancel()
+            raise TimeoutError
+        return sending.result()
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        try:
+            return await asyncio.wait_for(request.read(), READ_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise web.HTTPRequestTimeout(
+                reason=f"the request body did not arrive within {READ_TIMEOUT_S:g} s"
+            ) from None
+
+    # -- everything but generations: once, with a deadline -------------------------
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        try:
+            data = await self._read_body(request) if request.can_read_body else None
+        except web.HTTPException as exc:
+            return web.json_response(_error_body(exc.status, exc.reason), status=exc.status)
+        try:
+            async with await self._send(
+                request.method,
+                request.path_qs,
+                time.monotonic() + FORWARD_TIMEOUT_S,
+                data=data,
+                headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
+            ) as up:
+                body = await asyncio.wait_for(up.read(), FORWARD_TIMEOUT_S)
+                return web.Response(status=up.status, body=body, headers=self._headers(up))
+        except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError):
+            if request.path == "/health":
+                return web.json_response({"status": "unavailable"}, status=503)
+            return self._unavailable()
+
+    @staticmethod
+    def _headers(up: aiohttp.ClientResponse) -> dict[str, str]:
+        return {k: v for k, v in up.headers.items() if k.lower() in PASSED_HEADERS}
+
+    # -- generations ---------------------------------------------------------------
+    async def generation(self, request: web.Request) -> web.StreamResponse:
+        self.counts["requests"] += 1
+        deadline = time.monotonic() + HOLD_S
+        try:
+            raw = await self._read_body(request)
+        except web.HTTPRequestEntityTooLarge:
+            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+            return web.json_response(_error_body(413, message), status=413)
+        except web.HTTPException as exc:
+            return web.json_response(_error_body(exc.status, exc.reason), status=exc.status)
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            body = None
+        if isinstance(body, dict) and body.get("stream") is True:
+            return await self._stream(request, body, deadline)
+        return await self._unary(request, raw, deadline)
+
+    async def _unary(self, request: web.Request, raw: bytes, deadline: float) -> web.StreamResponse:
+        """Sent again, whole, until an attempt answers it (nothing reached the client yet)."""
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        for sent in range(MAX_RESENDS + 1):
+            if sent:
+                self.counts["resent"] += 1
+                await asyncio.sleep(RESEND_PAUSE_S)
+            try:
+                async with await self._send("POST", request.path, deadline, data=raw, headers=headers) as up:
+                    body = await up.read()
+                    if up.status == 503 and not self.ending.is_set() and _is_unavailable(_json(body)):
+                        continue
+                    return web.Response(status=up.status, body=body, headers=self._headers(up))
+            except (TimeoutError, asyncio.TimeoutError):
+                break
+            except (aiohttp.ClientError, OSError):
+                continue
+        return self._unavailable()
+
+    async def _stream(self, request: web.Request, body: dict, deadline: float) -> web.StreamResponse:
+        stream = _Stream(request, body)
+        for sent in range(MAX_RESENDS + 1):
+            if sent:
+                self.counts["resent"] += 1
+                if stream.ids:
+                    self.counts["resumed_streams"] += 1
+                await asyncio.sleep(RESEND_PAUSE_S)
+            try:
+                if stream.ids and len(stream.ids) >= stream.max_tokens:  # cut after its last token, before the end
+                    return await stream.finish_length()
+                try:
+                    async with await self._send("POST", request.path, deadline, json=stream.payload()) as up:
+                        if up.status != 200:
+                            data = await up.read()
+                            if up.status == 503 and not self.ending.is_set() and _is_unavailable(_json(data)):
+                                continue
+                            return await stream.refuse(up.status, data, self._headers(up))
+                        if await stream.relay(up, retry=not self.ending.is_set()):
+                            return stream.done()
+                        continue  # the attempt failed mid-stream: resume
+                except (TimeoutError, asyncio.TimeoutError):
+                    break
+                except (aiohttp.ClientError, OSError):
+                    continue
+            except _ClientGone:
+                raise asyncio.CancelledError from None  # aiohttp's way for a handler whose client left
+        if stream.response is None:
+            return self._unavailable()
+        self.counts["given_up"] += 1
+        try:
+            await stream.fail(_error_body(503, self._unavailable_text(), UNAVAILABLE_CODE))
+        except _ClientGone:
+            raise asyncio.CancelledError from None
+        return stream.done()
+
+    # -- run -----------------------------------------------------------------------
+    async def serve(self, sock) -> None:
+        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=DRAIN_S)
+        await runner.setup()
+        site = web.SockSite(runner, sock, backlog=listen_backlog())
+        await site.start()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.ending.set)
+        loop.add_signal_handler(signal.SIGINT, self.ending.set)
+        loop.add_reader(sys.stdin.fileno(), self._stdin_readable)
+        log.info("relay serving", address=str(runner.addresses[0][:2]), upstream=self.upstream)
+        await self.ending.wait()
+        await site.stop()  # closes our copy; the supervisor's copy keeps the port until the run ends
+        await runner.cleanup()  # handlers get DRAIN_S to write their 503s
+        log.info("relay stopped", **self.counts)
+
+    def _stdin_readable(self) -> None:
+        try:
+            data = os.read(sys.stdin.fileno(), 4096)
+        except OSError:
+            data = b""
+        if not data:  # the supervisor closed it, or died
+            asyncio.get_running_loop().remove_reader(sys.stdin.fileno())
+            self.ending.set()
+
+
+def _json(data: bytes):
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+
+
+class _Stream:
+    """One client stream across the attempts that serve it."""
+
+    def __init__(self, request: web.Request, body: dict):
+        self.request = request
+        self.body = body
+        self.wants_ids = body.get("return_token_ids") is True
+        self.max_tokens = _max_tokens(body)
+        self.ids: list[int] = []
+        self.response: web.StreamResponse | None = None
+        self.head: dict | None = None  # id, object, created, model of the first chunk
+
+    def payload(self) -> dict:
+        payload = dict(self.body, return_token_ids=True)
+        if self.ids:
+            payload["resume_token_ids"] = list(self.ids)
+        return payload
+
+    async def _start(self) -> web.StreamResponse:
+        if self.response is None:
+            self.response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await self.response.prepare(self.request)
+        return self.response
+
+    def done(self) -> web.StreamResponse:
+        assert self.response is not None, "a stream ends only after it began"
+        return self.response
+
+    async def _send(self, payload) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        try:
+            response = await self._start()
+            await response.write(f"data: {data}\n\n".encode())
+        except (ConnectionError, OSError) as exc:
+            raise _ClientGone from exc
+
+    async def _end(self) -> web.StreamResponse:
+        await self._send("[DONE]")
+        try:
+            await self.done().write_eof()
+        except (ConnectionError, OSError) as exc:
+            raise _ClientGone from exc
+        return self.done()
+
+    async def relay(self, up: aiohttp.ClientResponse, retry: bool) -> bool:
+        """Relay one attempt's events; True when the stream ended ([DONE]), False when the attempt failed."""
+        async for line in up.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                await self._end()
+                return True
+            event = _json(data)
+            if not isinstance(event, dict):
+                continue
+            if "error" in event:
+                if retry and _is_unavailable(event):
+                    return False
+                await self.fail(event)
+                return True
+            await self._chunk(event)
+        return False  # cut without [DONE]: rank 0 is gone
+
+    async def _chunk(self, event: dict) -> None:
+        choices = event.get("choices") or []
+        choice = choices[0] if choices and isinstance(choices[0], dict) else None
+        if self.head is None:
+            self.head = {k: event.get(k) for k in ("id", "created")}
+        event.update(self.head)
+        if choice is not None:
+            ids = choice.get("token_ids") or []
+            self.ids.extend(i for i in ids if isinstance(i, int))
+            if not self.wants_ids:
+                choice.pop("token_ids", None)
+                # the engine sends a chunk per token when asked for ids; without them it sends only text
+                if choice.get("finish_reason") is None and not _has_text(choice) and "usage" not in event:
+                    return
+        await self._send(event)
+
+    async def finish_length(self) -> web.StreamResponse:
+        """Every token was sent, the finishing chunk was not: end it as the engine would have."""
+        head = self.head or {}
+        delta_key = "delta" if "chat" in self.request.path else None
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": "length"}
+        if delta_key:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        kind = "chat.completion.chunk" if delta_key else "text_completion"
+        await self._send({**head, "object": kind, "model": self.body.get("model"), "choices": [choice]})
+        return await self._end()
+
+    async def refuse(self, status: int, data: bytes, headers: dict[str, str]) -> web.StreamResponse:
+        """An attempt refused the request (e.g. 400 quarantined): as is before the stream began, else its last event."""
+        if self.response is None:
+            return web.Response(status=status, body=data, headers=headers)
+        body = _json(data)
+        await self.fail(body if isinstance(body, dict) and "error" in body else _error_body(status, "request refused"))
+        return self.done()
+
+    async def fail(self, event: dict) -> None:
+        await self._send(event)
+        await self._end()
+
+
+def _has_text(choice: dict) -> bool:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content")) or "role" in delta
+    return bool(choice.get("text"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tp_supervise.engine.relay")
+    parser.add_argument("--upstream", required=True, help="HOST:PORT rank 0 serves on (loopback)")
+    parser.add_argument("--run-dir", default=os.environ.get("SUPERVISE_RUN_DIR"))
+    args = parser.parse_args(argv)
+    configure(RELAY_RANK)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the supervisor
+    except (OSError, AttributeError):
+        pass
+    try:
+        sock = take_listen_socket(os.environ, os.getpid(), use=True)
+    except ListenError as exc:
+        print(f"relay: {exc}", file=sys.stderr)
+        return 2
+    if sock is None:
+        print("relay: no listening socket (SUPERVISE_LISTEN_FDS)", file=sys.stderr)
+        return 2
+    asyncio.run(Relay(args.upstream, args.run_dir).serve(sock))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

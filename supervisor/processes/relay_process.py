@@ -1,0 +1,115 @@
+"""The built-in engine's relay process: the public port, held across every attempt (engine/relay.py).
+
+Started once per run, before the first attempt, on the node that serves
+HTTP; it accepts on the public socket (``--host``/``--port``, bound once by
+``supervise serve``) and forwards to rank 0's loopback socket (bound once
+too, handed to rank 0 of every attempt).  It is not a rank: no teardown of
+an attempt signals it (``OWN_HELPERS``), it carries no run marker and joins
+no run cgroup.  If it dies on its own, it is started again at once (a
+bounded number of times: ``MAX_RESTARTS`` in ``RESTART_WINDOW_S``); the
+public socket stays with the supervisor, so connections wait in its backlog
+meanwhile.  At the end of the run ``stop()`` sends SIGTERM (the relay answers
+what it still holds with 503s naming the incident), waits ``STOP_S``, then
+SIGKILL.  It also ends with the supervisor: parent-death signal, and the end
+of its stdin.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import structlog
+
+from .listen_socket import SUPERVISE_LISTEN_FDS, ListenSocket
+from .pidfds import OWN_HELPERS, named_thread
+
+log = structlog.get_logger("supervise")
+
+MODULE = "tp_supervise.engine.relay"
+STOP_S = 3.0  # the relay's own drain is 2 s (engine/relay.py DRAIN_S)
+RESTART_PAUSE_S = 0.2
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+
+
+class RelayProcess:
+    def __init__(self, public: ListenSocket, upstream: ListenSocket, run_dir: str, log_format: str):
+        self.public = public
+        self.upstream = upstream.address
+        self.run_dir = run_dir
+        self.log_format = log_format
+        self.proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._restarts: list[float] = []
+        self._watcher: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._spawn()
+        self._watcher = named_thread(self._watch, "relay")
+        self._watcher.start()
+
+    def _spawn(self) -> None:
+        fd = self.public.fd
+        env = dict(os.environ, **{SUPERVISE_LISTEN_FDS: str(fd), "SUPERVISE_LOG_FORMAT": self.log_format})
+        argv = [sys.executable, "-m", MODULE, "--upstream", self.upstream, "--run-dir", self.run_dir]
+        with self._lock:
+            self.proc = subprocess.Popen(
+                argv, pass_fds=(fd,), stdin=subprocess.PIPE, stdout=sys.stderr, env=env, start_new_session=True
+            )
+            OWN_HELPERS.add(self.proc.pid)
+        log.info("relay started", pid=self.proc.pid, upstream=self.upstream)
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            proc = self.proc
+            if proc is None:
+                return
+            code = proc.wait()
+            OWN_HELPERS.discard(proc.pid)
+            if self._stopping.is_set():
+                return
+            now = time.monotonic()
+            self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
+            if len(self._restarts) >= MAX_RESTARTS:
+                log.error(
+                    "relay keeps dying: not started again; the serving port queues connections no one answers",
+                    event_name="relay_given_up",
+                    code=code,
+                    restarts=len(self._restarts),
+                )
+                return
+            log.error("relay exited: starting it again", event_name="relay_exited", code=code)
+            self._restarts.append(now)
+            if self._stopping.wait(RESTART_PAUSE_S):
+                return
+            try:
+                self._spawn()
+            except OSError as exc:
+                log.error("relay could not be started again", error=repr(exc))
+                return
+
+    def stop(self) -> None:
+        """SIGTERM, ``STOP_S`` for its 503s, then SIGKILL (idempotent)."""
+        self._stopping.set()
+        with self._lock:
+            proc = self.proc
+        if proc is None:
+            return
+        if proc.stdin is not None:
+            try:
+                proc.stdin.close()  # the relay's second way to learn the run ends
+            except OSError:
+                pass
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(1.0)
+        OWN_HELPERS.discard(proc.pid)

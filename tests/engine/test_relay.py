@@ -1,0 +1,251 @@
+"""The relay (engine/relay.py) as a real process, in front of a scripted upstream that plays rank 0.
+
+The upstream here is a small aiohttp server in the test process on a socket the
+test bound once (as the supervisor binds rank 0's), whose answers the test
+scripts: a stream cut after some tokens (rank 0 SIGKILLed), the engine's own
+503 ``engine_unavailable`` (its group failed), nobody accepting (a restart).
+The relay is what is tested; the real engine behind it is covered by
+tests/e2e/test_serving_through_faults.py and the resume extension by
+tests/engine/test_engine_serve.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from aiohttp import web
+
+from tp_supervise.engine.listen import listen_backlog
+
+STREAM_TOKENS = 10
+START_TIMEOUT_S = 30.0
+
+
+class Upstream:
+    """A scripted rank 0: ``plan`` is popped per generation request (default: answer in full)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=listen_backlog())
+        self.port = self.sock.getsockname()[1]
+        self.plan: list[str] = []
+        self.bodies: list[dict] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._started = threading.Event()
+        self._thread.start()
+        assert self._started.wait(10)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5, handler_cancellation=True)
+        self._loop.run_until_complete(self.runner.setup())
+        self.site = web.SockSite(self.runner, self.sock)
+        self._loop.run_until_complete(self.site.start())
+        self._started.set()
+        self._loop.run_forever()
+
+    async def health(self, _request):
+        return web.json_response({"status": "ok"})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        step = self.plan.pop(0) if self.plan else "full"
+        if step == "unavailable":
+            error = {"message": "the engine's group failed (incident X); retry the request", "type": "server_error",
+                     "param": None, "code": "engine_unavailable"}
+            return web.json_response({"error": error}, status=503, headers={"Retry-After": "1"})
+        if step == "quarantined":
+            error = {"message": "this request is quarantined", "type": "invalid_request_error", "param": None,
+                     "code": "request_quarantined"}
+            return web.json_response({"error": error}, status=400)
+        if step == "hold":
+            await asyncio.sleep(3600)
+        done = len(body.get("resume_token_ids") or [])
+        cut = int(step.split(":")[1]) if step.startswith("cut:") else None
+        if not body.get("stream"):
+            return web.json_response({"id": "cmpl-up", "object": "text_completion", "created": 1, "model": "m",
+                                      "choices": [{"index": 0, "text": "x" * STREAM_TOKENS, "finish_reason": "length"}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(done, STREAM_TOKENS):
+            if cut is not None and i == cut:
+                request.transport.close()  # rank 0 died mid-stream: no [DONE], no error event
+                return response
+            choice = {"index": 0, "text": f"t{i} ", "finish_reason": "length" if i == STREAM_TOKENS - 1 else None}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = [100 + i]
+            chunk = {"id": f"cmpl-{len(self.bodies)}", "object": "text_completion", "created": len(self.bodies),
+                     "model": "m", "choices": [choice]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def relay(tmp_path):
+    upstream = Upstream()
+    public = socket.create_server(("127.0.0.1", 0), backlog=listen_backlog())
+    port = public.getsockname()[1]
+    env = dict(os.environ, SUPERVISE_LISTEN_FDS=str(public.fileno()))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tp_supervise.engine.relay", "--upstream", f"127.0.0.1:{upstream.port}",
+         "--run-dir", str(tmp_path)],
+        pass_fds=(public.fileno(),), env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    public.close()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if get(port, "/health")[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.1)
+    yield proc, port, upstream
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+    upstream.close()
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def post(port: int, body: dict, path: str = "/v1/completions", timeout: float = 30) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def events(raw: bytes) -> list:
+    out = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_a_stream_cut_mid_way_continues_from_the_tokens_the_client_has(relay):
+    _proc, port, upstream = relay
+    upstream.plan = ["cut:4", "unavailable", "cut:7"]  # rank 0 dies, the next attempt fails at once, dies again
+    status, raw = post(port, {"prompt": "p", "max_tokens": STREAM_TOKENS, "stream": True})
+    assert status == 200
+    got = events(raw)
+    assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
+    chunks = got[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(f"t{i} " for i in range(STREAM_TOKENS))
+    assert {c["id"] for c in chunks} == {"cmpl-1"} and {c["created"] for c in chunks} == {1}, "one stream"
+    assert all("token_ids" not in c["choices"][0] for c in chunks), "ids only when the client asked"
+    sent = upstream.bodies
+    assert [b.get("resume_token_ids") for b in sent] == [None, [100, 101, 102, 103], [100, 101, 102, 103],
+                                                        [100 + i for i in range(7)]]
+    assert all(b["return_token_ids"] is True and b["prompt"] == "p" for b in sent)
+
+
+def test_token_ids_stay_when_the_client_asked_for_them(relay):
+    _proc, port, upstream = relay
+    upstream.plan = ["cut:3"]
+    _status, raw = post(port, {"prompt": "p", "max_tokens": STREAM_TOKENS, "stream": True, "return_token_ids": True})
+    ids = [i for e in events(raw)[:-1] for i in e["choices"][0]["token_ids"]]
+    assert ids == [100 + i for i in range(STREAM_TOKENS)]
+
+
+def test_a_request_answered_by_a_failing_group_is_sent_again_whole(relay):
+    _proc, port, upstream = relay
+    upstream.plan = ["unavailable", "unavailable"]
+    status, raw = post(port, {"prompt": "p", "max_tokens": 4})
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == "x" * STREAM_TOKENS
+    assert len(upstream.bodies) == 3 and all("resume_token_ids" not in b for b in upstream.bodies)
+
+
+def test_a_refusal_is_passed_on_before_and_after_the_stream_began(relay):
+    _proc, port, upstream = relay
+    upstream.plan = ["quarantined"]
+    status, raw = post(port, {"prompt": "p", "max_tokens": 4})
+    assert status == 400 and json.loads(raw)["error"]["code"] == "request_quarantined"
+    upstream.plan = ["cut:2", "quarantined"]
+    status, raw = post(port, {"prompt": "p", "max_tokens": STREAM_TOKENS, "stream": True})
+    got = events(raw)
+    assert status == 200 and got[-1] == "[DONE]" and got[-2]["error"]["code"] == "request_quarantined", got
+
+
+def test_requests_held_when_the_run_ends_get_a_503_naming_the_incident(relay, tmp_path):
+    proc, port, upstream = relay
+    upstream.plan = ["hold", "hold"]
+    (tmp_path / "incident").write_text("20261201T000000Z-rank_exit\n")
+    results: dict = {}
+
+    def send(kind: str, body: dict) -> None:
+        results[kind] = post(port, body)
+
+    threads = [threading.Thread(target=send, args=("unary", {"prompt": "p"})),
+               threading.Thread(target=send, args=("stream", {"prompt": "p", "stream": True}))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(upstream.bodies) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sent_at = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(15)
+    assert time.monotonic() - sent_at < 5.0, "the relay answers what it holds at once"
+    for kind in ("unary", "stream"):
+        status, raw = results[kind]
+        body = json.loads(raw)
+        assert status == 503 and body["error"]["code"] == "engine_unavailable", (kind, status, raw)
+        assert "20261201T000000Z-rank_exit" in body["error"]["message"]
+    assert proc.wait(10) == 0
+
+
+def test_health_of_a_group_that_does_not_answer_is_503(relay):
+    _proc, port, upstream = relay
+    assert get(port, "/health")[0] == 200
+    asyncio.run_coroutine_threadsafe(upstream.site.stop(), upstream._loop).result(10)
+    status, body = get(port, "/health")  # the upstream's socket is closed: connection refused
+    assert status == 503 and json.loads(body)["status"] == "unavailable"
+
+
+def test_a_client_that_leaves_is_not_sent_again(relay):
+    _proc, port, upstream = relay
+    upstream.plan = ["hold"]
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        body = json.dumps({"prompt": "p", "stream": True}).encode()
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 10
+        while not upstream.bodies and time.monotonic() < deadline:
+            time.sleep(0.05)
+    time.sleep(1.0)
+    assert len(upstream.bodies) == 1, upstream.bodies
