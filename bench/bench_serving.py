@@ -11,8 +11,8 @@ completions back to back (every prompt distinct), a stream and a non-stream
 in turn, ``max_tokens`` 16, with the client's default retries (2, honouring
 ``Retry-After``).  Faults, every ``--fault-every`` seconds of serving:
 
-* ``sigkill``: the bench SIGKILLs rank 1 that long after the group is
-  serving (the supervisor's ``engine_ready`` line);
+* ``sigkill``: the bench SIGKILLs rank 1, then rank 0, then rank 1 ..., that
+  long after the group is serving (the supervisor's ``engine_ready`` line);
 * ``crash`` / ``segfault``: the engine's injection ``KIND@1:STEP`` with STEP
   the decode steps the no-fault run made in that long (the injection fires
   at a step, not a time; it fires again in every attempt), so the faults
@@ -68,10 +68,15 @@ HEADING = "## Serving through faults (issue 21)"
 MODULE = "bench.bench_serving"
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE_REF = "10c4cee"  # the commit before issue 21's serving work
+BEFORE_NOTE = {BEFORE_REF: " (before issue 21's serving work)",
+               "6b9940a": " (before the relay: no stream resumed, restarts after a 1 s backoff)"}
 MARK_VAR = "TP_SUPERVISE_BENCH_MARK"
 PACKAGES = ("supervisor", "engine", "watchdogs", "consensus", "dumps")  # the tree's folders under tp_supervise
 TP = 2
 FAULT_RANK = 1
+# SIGKILL alternates: rank 1 (rank 0 answers 503 / an SSE error for what it had in flight), then rank 0 (its
+# connections are cut without an answer: the relay sees resets and half streams)
+SIGKILL_VICTIMS = (1, 0)
 MAX_TOKENS = 16
 PROBE_EVERY_S = 0.2
 PROBE_TOKENS = 1
@@ -420,7 +425,7 @@ def one_run(name: str, tree: Tree, base: Path, clients: int, duration_s: float, 
                 ready = served.events("engine_ready")
                 if len(ready) > kills and time.time() - wall(ready[-1]["timestamp"]) >= fault_every_s \
                         and time.monotonic() - t0 + 1.0 < duration_s:
-                    pid = served.rank_pid(FAULT_RANK)
+                    pid = served.rank_pid(SIGKILL_VICTIMS[kills % len(SIGKILL_VICTIMS)])
                     if pid is not None:
                         os.kill(pid, signal.SIGKILL)
                         kills += 1
@@ -570,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         f"CPU), {args.clients} threads of the official `openai` client (default retries) sending completions back "
         f"to back, a stream and a non-stream in turn ({MAX_TOKENS} tokens, every prompt distinct), "
         f"{args.baseline_duration:.0f} s without faults, then {args.duration:.0f} s per fault kind with a fault "
-        f"every {args.fault_every:.0f} s of serving: SIGKILL of rank {FAULT_RANK} by the bench, or the engine's "
+        f"every {args.fault_every:.0f} s of serving: SIGKILL of rank 1, rank 0, rank 1 ... by the bench, or the engine's "
         f"`crash`/`segfault` injection at decode step {step} (the no-fault run's "
         f"{fmt(rate, 1)} engine steps/s x {args.fault_every:.0f} s; it fires in every attempt). Errors are what "
         "the SDK raised after its retries; the hidden attempts are the ones its retries absorbed; added latency "
@@ -578,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         "attempt's `engine ready` line (the supervisor's backoff of 1 s, 2 s, 4 s ... included); serving again is from each fault's ruling to the first "
         f"successful answer to a probe sent after it (one {PROBE_TOKENS}-token completion at a time, every "
         f"{PROBE_EVERY_S} s, no retries). The before rows run the same load, without faults and with SIGKILLs, "
-        f"against the tree at `{args.before}` (before issue 21's serving work), imported from a `git archive` "
+        f"against the tree at `{args.before}`{BEFORE_NOTE.get(args.before, '')}, imported from a `git archive` "
         "copy. Latency is over the successful requests only.", "",
         render(summaries), "",
         reading(summaries, before_note), ""])

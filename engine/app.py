@@ -40,6 +40,7 @@ from .log import get_logger
 from .model_config import ModelConfig
 
 READY_PREFIX = "engine ready: "
+RELAY_URL_ENV = "SUPERVISE_RELAY_URL"  # set for rank 0 when a relay holds the public port
 SUBSCRIBE_TIMEOUT_S = 60.0
 SHUTDOWN_GRACE_S = 5.0
 FORCED_EXIT_CODE = 1
@@ -119,8 +120,11 @@ class ShutdownGuard:
 def _print_ready(cfg: EngineConfig, host: str, port: int, world_size: int) -> None:
     host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    relay = os.environ.get(RELAY_URL_ENV)  # clients reach rank 0 through the supervisor's relay (engine/relay.py)
+    where = f" (through the relay; rank 0 serves {url})" if relay else ""
+    url = relay or url
     print(
-        f"{READY_PREFIX}{url} (model {cfg.model_name}, tp {world_size}, control plane {cfg.control_plane}, "
+        f"{READY_PREFIX}{url}{where} (model {cfg.model_name}, tp {world_size}, control plane {cfg.control_plane}, "
         f"device {cfg.device})",
         flush=True,
     )

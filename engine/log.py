@@ -27,27 +27,27 @@ def _timestamp(created: float) -> str:
 
 
 class _Formatter(logging.Formatter):
-    def __init__(self, as_json: bool, rank: int):
+    def __init__(self, as_json: bool, rank: int, logger: str | None = None):
         super().__init__()
         self.as_json = as_json
         self.rank = rank
+        self.logger = logger
 
     def format(self, record: logging.LogRecord) -> str:
         fields: dict[str, Any] = getattr(record, "fields", {})
         level = record.levelname.lower()
+        text = record.getMessage()
+        if self.as_json and self.logger is not None:  # not a rank: the supervisor's own record shape
+            head = {"message": text, "level": level, "timestamp": _timestamp(record.created), "logger": self.logger}
+            return json.dumps({**head, "event": "_".join(text.split()), **fields}, default=repr)
         if self.as_json:
             return json.dumps(
-                {
-                    "timestamp": _timestamp(record.created),
-                    "level": level,
-                    "event": record.getMessage(),
-                    "rank": self.rank,
-                    **fields,
-                },
+                {"timestamp": _timestamp(record.created), "level": level, "event": text, "rank": self.rank, **fields},
                 default=repr,
             )
-        text = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items())
-        return f"{_timestamp(record.created)} [{level:<8}] {record.getMessage():<30} {text} rank={self.rank}"
+        values = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items())
+        who = f"rank={self.rank}" if self.logger is None else f"logger={self.logger}"
+        return f"{_timestamp(record.created)} [{level:<8}] {text:<30} {values} {who}"
 
 
 class Log:
@@ -77,11 +77,31 @@ def get_logger() -> Log:
     return Log(logging.getLogger(LOGGER_NAME))
 
 
-def configure(rank: int, environ=os.environ) -> None:
-    """Send the engine's events to stderr in the format the supervisor asked for (once per process)."""
+def configure(rank: int, environ=os.environ, process: str | None = None) -> None:
+    """Send the engine's events to stderr in the format the supervisor asked for (once per process).
+
+    ``process``: a process of the engine that is not a rank (the relay) writes straight to the supervisor's
+    stderr, so its JSON records take the supervisor's shape (message, level, timestamp, logger ``process``,
+    event: the message in snake case; docs/logs.md).
+    """
     logger = logging.getLogger(LOGGER_NAME)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter(environ.get(ENV_FORMAT) == "json", rank))
+    handler.setFormatter(_Formatter(environ.get(ENV_FORMAT) == "json", rank, process))
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+class OneLineHttpLog(logging.LoggerAdapter):
+    """aiohttp's server logger: a protocol error becomes one structured line with the peer, no traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+
+    def exception(self, msg, *args, exc_info=None, **_kw) -> None:
+        peer = args[0] if args else None
+        error = f"{type(exc_info).__name__}: {exc_info}" if isinstance(exc_info, BaseException) else str(msg)
+        get_logger().warning("http protocol error", peer=str(peer), error=" ".join(error.split())[:300])
+
+    def error(self, msg, *args, **kw) -> None:
+        self.exception(msg, *args, **kw)

@@ -57,23 +57,28 @@ import time
 import aiohttp
 from aiohttp import web
 
+from tp_supervise.supervisor.rank.net import is_loopback
+
 from .listen import ListenError, listen_backlog, take_listen_socket
-from .log import configure, get_logger
+from .log import OneLineHttpLog, configure, get_logger
 from .openai_api import DEFAULT_MAX_TOKENS, UNAVAILABLE_CODE
 from .runfiles import read_incident
 
 HOLD_S = 90.0  # a request waits this long at most for an attempt that answers it
 MAX_RESENDS = 8  # and is sent again at most this often (the quarantine stops a poison after 2)
 RESEND_PAUSE_S = 0.05  # between a failed answer and the resend (the failing rank 0 may still be accepting)
-FORWARD_TIMEOUT_S = 5.0  # /health, /v1/models, anything that is not a generation
+FORWARD_TIMEOUT_S = 5.0  # /v1/models, anything that is not a generation
+HEALTH_TIMEOUT_S = 2.0  # /health: a restarting group is 503 quickly (probes time out at 1-2 s)
 CONNECT_TIMEOUT_S = 5.0  # loopback connect: the kernel completes it from the backlog
 MAX_BODY_BYTES = 1 << 20  # the engine's own limit (engine/server.py)
-READ_TIMEOUT_S = 15.0
+DEFAULT_READ_TIMEOUT_S = 15.0  # the engine's --read-timeout default; the supervisor passes the engine's value
+LINGER_S = 1.0
 DRAIN_S = 2.0  # at SIGTERM: handlers answering their 503 get this long
 RETRY_AFTER_S = 1
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 PASSED_HEADERS = ("content-type", "retry-after", "allow")
-RELAY_RANK = -1  # the relay's log lines carry rank=-1: not a rank
+RELAY_RANK = -1  # not a rank
+LOGGER = "tp_supervise.engine.relay"
 
 log = get_logger()
 
@@ -101,16 +106,28 @@ def _max_tokens(body: dict) -> int:
 
 
 class Relay:
-    def __init__(self, upstream: str, run_dir: str | None):
+    def __init__(self, upstream: str, run_dir: str | None, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
         self.upstream = f"http://{upstream}"
+        self.read_timeout_s = read_timeout_s
         self.run_dir = run_dir
         self.ending = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
         self.counts = {"requests": 0, "resent": 0, "resumed_streams": 0, "given_up": 0}
 
     # -- plumbing ----------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """A bug in a handler fails its request only: OpenAI JSON 500 and one log line, never a traceback."""
+        try:
+            return await handler(request)
+        except (web.HTTPException, asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as exc:
+            log.error("request failed", path=request.path, error=f"{type(exc).__name__}: {exc}"[:300])
+            return web.json_response(_error_body(500, "internal error in the relay"), status=500)
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
         for path in GENERATION_PATHS:
             app.router.add_post(path, self.generation)
         app.router.add_route("*", "/{tail:.*}", self.forward)
@@ -160,11 +177,10 @@ class Relay:
 
     async def _read_body(self, request: web.Request) -> bytes:
         try:
-            return await asyncio.wait_for(request.read(), READ_TIMEOUT_S)
+            return await asyncio.wait_for(request.read(), self.read_timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
-            raise web.HTTPRequestTimeout(
-                reason=f"the request body did not arrive within {READ_TIMEOUT_S:g} s"
-            ) from None
+            message = f"the request body did not arrive within {self.read_timeout_s:g} s"
+            raise web.HTTPRequestTimeout(reason=message) from None
 
     # -- everything but generations: once, with a deadline -------------------------
     async def forward(self, request: web.Request) -> web.StreamResponse:
@@ -172,11 +188,12 @@ class Relay:
             data = await self._read_body(request) if request.can_read_body else None
         except web.HTTPException as exc:
             return web.json_response(_error_body(exc.status, exc.reason), status=exc.status)
+        limit_s = HEALTH_TIMEOUT_S if request.path == "/health" else FORWARD_TIMEOUT_S
         try:
             async with await self._send(
                 request.method,
                 request.path_qs,
-                time.monotonic() + FORWARD_TIMEOUT_S,
+                time.monotonic() + limit_s,
                 data=data,
                 headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
             ) as up:
@@ -267,7 +284,15 @@ class Relay:
 
     # -- run -----------------------------------------------------------------------
     async def serve(self, sock) -> None:
-        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=DRAIN_S)
+        runner = web.AppRunner(
+            self.app(),
+            access_log=None,
+            handler_cancellation=True,
+            shutdown_timeout=DRAIN_S,
+            logger=OneLineHttpLog(),
+            keepalive_timeout=self.read_timeout_s,  # also closes a connection whose headers never complete
+            lingering_time=LINGER_S,
+        )
         await runner.setup()
         site = web.SockSite(runner, sock, backlog=listen_backlog())
         await site.start()
@@ -275,7 +300,15 @@ class Relay:
         loop.add_signal_handler(signal.SIGTERM, self.ending.set)
         loop.add_signal_handler(signal.SIGINT, self.ending.set)
         loop.add_reader(sys.stdin.fileno(), self._stdin_readable)
-        log.info("relay serving", address=str(runner.addresses[0][:2]), upstream=self.upstream)
+        host, port = runner.addresses[0][:2]
+        log.info("relay serving", address=f"{host}:{port}", upstream=self.upstream)
+        if not is_loopback(host):
+            log.warning(
+                "the completions API has no authentication and binds a non-loopback address; "
+                "put it behind an authenticating proxy or bind 127.0.0.1",
+                host=host,
+                port=port,
+            )
         await self.ending.wait()
         await site.stop()  # closes our copy; the supervisor's copy keeps the port until the run ends
         await runner.cleanup()  # handlers get DRAIN_S to write their 503s
@@ -417,8 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tp_supervise.engine.relay")
     parser.add_argument("--upstream", required=True, help="HOST:PORT rank 0 serves on (loopback)")
     parser.add_argument("--run-dir", default=os.environ.get("SUPERVISE_RUN_DIR"))
+    parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, help="the engine's")
     args = parser.parse_args(argv)
-    configure(RELAY_RANK)
+    configure(RELAY_RANK, process=LOGGER)
     try:
         import ctypes
 
@@ -433,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     if sock is None:
         print("relay: no listening socket (SUPERVISE_LISTEN_FDS)", file=sys.stderr)
         return 2
-    asyncio.run(Relay(args.upstream, args.run_dir).serve(sock))
+    asyncio.run(Relay(args.upstream, args.run_dir, args.read_timeout).serve(sock))
     return 0
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-import logging
 import random
 import socket
 import threading
@@ -47,7 +46,7 @@ from tp_supervise.supervisor.rank.net import is_loopback
 from .bridge import EngineBridge, EngineError
 from .chat_api import CHAT, PlainTemplate, parse_chat
 from .listen import listen_backlog
-from .log import get_logger
+from .log import OneLineHttpLog, get_logger
 from .openai_api import (
     COMPLETION,
     UNAVAILABLE_CODE,
@@ -120,21 +119,6 @@ def _error(exc: ApiError, headers: dict | None = None) -> web.Response:
 def _unavailable(message: str) -> ApiError:
     """The engine stops serving (its group failed, or a shutdown): the relay (engine/relay.py) sends it again."""
     return ApiError(503, message, None, "server_error", code=UNAVAILABLE_CODE, retry_after=RETRY_AFTER_S)
-
-
-class _OneLineLog(logging.LoggerAdapter):
-    """aiohttp's server logger: a protocol error becomes one structured line with the peer, no traceback."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.getLogger("aiohttp.server"), {})
-
-    def exception(self, msg, *args, exc_info=None, **_kw) -> None:
-        peer = args[0] if args else None
-        error = f"{type(exc_info).__name__}: {exc_info}" if isinstance(exc_info, BaseException) else str(msg)
-        log.warning("http protocol error", peer=str(peer), error=" ".join(error.split())[:300])
-
-    def error(self, msg, *args, **kw) -> None:
-        self.exception(msg, *args, **kw)
 
 
 async def _read_json(request: web.Request, timeout_s: float):
@@ -232,7 +216,7 @@ class Frontend:
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=HANDLER_DRAIN_S,
-            logger=_OneLineLog(),
+            logger=OneLineHttpLog(),
             keepalive_timeout=self.limits.read_timeout_s,
             lingering_time=LINGER_S,
         )

@@ -87,7 +87,7 @@ from .processes.cgroup import RunCgroup
 from .processes.exit_monitor import ExitMonitor
 from .processes.exits import ExitInfo
 from .processes.listen_socket import ListenSocket
-from .processes.relay_process import RelayProcess
+from .processes.relay_process import RELAY_URL_ENV, RelayProcess
 from .processes.spawn import RankHandle, RankSpec, RunContext
 from .processes.teardown import KillPolicy, TeardownResult, teardown
 from .rank.heartbeat import HeartbeatSegment
@@ -320,7 +320,9 @@ class Supervisor(NodeGroupRules):
         for source in self.sources:
             source.start()
         if self.public is not None and self.listener is not None:
-            self.relay = RelayProcess(self.public, self.listener, str(self.run_dir), self.spec.log_format)
+            self.relay = RelayProcess(
+                self.public, self.listener, str(self.run_dir), self.spec.log_format, self.spec.engine.read_timeout
+            )
             self.relay.start()
         for signum in signals.HANDLED:
             signal.signal(signum, self._on_signal)
@@ -496,6 +498,8 @@ class Supervisor(NodeGroupRules):
             argv, fds = tuple(self.spec.rank_argv()), ()
             if rank == 0 and self.listener is not None:  # the serving port outlives the attempt
                 argv, env, fds = self.listener.hand_to(argv, env, keep=(self.ctx.death_fd,))
+                if self.relay is not None:  # the ready line names the port clients use
+                    env[RELAY_URL_ENV] = f"http://{self.public.address}" if self.public is not None else ""
             spec = RankSpec(slot=slot, rank=rank, argv=argv, env=env, pass_fds=fds)
             with self.monitor.spawning():
                 handle, proc = self._spawn(spec)

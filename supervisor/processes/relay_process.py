@@ -30,6 +30,7 @@ from .pidfds import OWN_HELPERS, named_thread
 log = structlog.get_logger("supervise")
 
 MODULE = "tp_supervise.engine.relay"
+RELAY_URL_ENV = "SUPERVISE_RELAY_URL"  # rank 0's ready line names this URL (engine/app.py)
 STOP_S = 3.0  # the relay's own drain is 2 s (engine/relay.py DRAIN_S)
 RESTART_PAUSE_S = 0.2
 MAX_RESTARTS = 5
@@ -37,7 +38,10 @@ RESTART_WINDOW_S = 60.0
 
 
 class RelayProcess:
-    def __init__(self, public: ListenSocket, upstream: ListenSocket, run_dir: str, log_format: str):
+    def __init__(
+        self, public: ListenSocket, upstream: ListenSocket, run_dir: str, log_format: str, read_timeout: float | None
+    ):
+        self.read_timeout = read_timeout  # the engine's --read-timeout (None: its default)
         self.public = public
         self.upstream = upstream.address
         self.run_dir = run_dir
@@ -57,6 +61,8 @@ class RelayProcess:
         fd = self.public.fd
         env = dict(os.environ, **{SUPERVISE_LISTEN_FDS: str(fd), "SUPERVISE_LOG_FORMAT": self.log_format})
         argv = [sys.executable, "-m", MODULE, "--upstream", self.upstream, "--run-dir", self.run_dir]
+        if self.read_timeout is not None:
+            argv += ["--read-timeout", repr(self.read_timeout)]
         with self._lock:
             self.proc = subprocess.Popen(
                 argv, pass_fds=(fd,), stdin=subprocess.PIPE, stdout=sys.stderr, env=env, start_new_session=True

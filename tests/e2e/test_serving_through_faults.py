@@ -345,7 +345,7 @@ def test_the_relay_hides_the_failed_attempt_from_every_client(kill_run):
     assert [a for a in run.load.attempts if a[0] == "status"] == [], "no client saw an error status"
     (bundle,) = run.served.bundles("rank_exit")
     assert bundle["requests"]["attempt"] == 0 and bundle["requests"]["in_flight"], bundle.get("requests")
-    (relay,) = [line for line in run.served.lines() if line.get("event") == "relay stopped"]
+    (relay,) = [line for line in run.served.lines() if line.get("event") == "relay_stopped"]
     assert relay["resent"] >= 1 and relay["resumed_streams"] >= 1, relay  # in flight at the fault, then served
     assert relay["given_up"] == 0, relay
 

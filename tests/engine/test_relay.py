@@ -78,6 +78,7 @@ class Upstream:
             await asyncio.sleep(3600)
         done = len(body.get("resume_token_ids") or [])
         cut = int(step.split(":")[1]) if step.startswith("cut:") else None
+        fail = int(step.split(":")[1]) if step.startswith("fail:") else None
         if not body.get("stream"):
             return web.json_response({"id": "cmpl-up", "object": "text_completion", "created": 1, "model": "m",
                                       "choices": [{"index": 0, "text": "x" * STREAM_TOKENS, "finish_reason": "length"}]})
@@ -86,6 +87,12 @@ class Upstream:
         for i in range(done, STREAM_TOKENS):
             if cut is not None and i == cut:
                 request.transport.close()  # rank 0 died mid-stream: no [DONE], no error event
+                return response
+            if fail is not None and i == fail:  # rank 1 died: rank 0 ends the stream with the engine's error event
+                error = {"message": "the engine's group failed (incident X); retry the request",
+                         "type": "server_error", "param": None, "code": "engine_unavailable"}
+                await response.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
+                await response.write_eof()
                 return response
             choice = {"index": 0, "text": f"t{i} ", "finish_reason": "length" if i == STREAM_TOKENS - 1 else None}
             if body.get("return_token_ids"):
@@ -156,9 +163,10 @@ def events(raw: bytes) -> list:
     return out
 
 
-def test_a_stream_cut_mid_way_continues_from_the_tokens_the_client_has(relay):
+def test_a_failed_stream_continues_from_the_tokens_the_client_has(relay):
     _proc, port, upstream = relay
-    upstream.plan = ["cut:4", "unavailable", "cut:7"]  # rank 0 dies, the next attempt fails at once, dies again
+    # rank 1 dies (rank 0's error event), the next attempt fails at once (503), the one after fails mid-stream
+    upstream.plan = ["fail:4", "unavailable", "fail:7"]
     status, raw = post(port, {"prompt": "p", "max_tokens": STREAM_TOKENS, "stream": True})
     assert status == 200
     got = events(raw)
@@ -173,9 +181,25 @@ def test_a_stream_cut_mid_way_continues_from_the_tokens_the_client_has(relay):
     assert all(b["return_token_ids"] is True and b["prompt"] == "p" for b in sent)
 
 
+def test_a_stream_cut_without_an_answer_continues_from_what_the_client_received(relay):
+    """Rank 0 SIGKILLed: the connection closes mid-stream.  Chunks still in flight when it closed may be lost
+    (aiohttp reports the broken payload before buffered lines); the client never saw them either, so the resend
+    carries exactly the tokens relayed, and the text stays whole."""
+    _proc, port, upstream = relay
+    upstream.plan = ["cut:4", "cut:7"]
+    status, raw = post(port, {"prompt": "p", "max_tokens": STREAM_TOKENS, "stream": True})
+    got = events(raw)
+    assert status == 200 and got[-1] == "[DONE]", got
+    assert "".join(c["choices"][0]["text"] for c in got[:-1]) == "".join(f"t{i} " for i in range(STREAM_TOKENS))
+    resumed = [b.get("resume_token_ids") or [] for b in upstream.bodies]
+    assert len(resumed) >= 3 and resumed[0] == []
+    assert all(r == [100 + i for i in range(len(r))] for r in resumed), resumed
+    assert all(len(a) <= len(b) for a, b in zip(resumed, resumed[1:])), resumed
+
+
 def test_token_ids_stay_when_the_client_asked_for_them(relay):
     _proc, port, upstream = relay
-    upstream.plan = ["cut:3"]
+    upstream.plan = ["fail:3"]
     _status, raw = post(port, {"prompt": "p", "max_tokens": STREAM_TOKENS, "stream": True, "return_token_ids": True})
     ids = [i for e in events(raw)[:-1] for i in e["choices"][0]["token_ids"]]
     assert ids == [100 + i for i in range(STREAM_TOKENS)]
@@ -194,7 +218,7 @@ def test_a_refusal_is_passed_on_before_and_after_the_stream_began(relay):
     upstream.plan = ["quarantined"]
     status, raw = post(port, {"prompt": "p", "max_tokens": 4})
     assert status == 400 and json.loads(raw)["error"]["code"] == "request_quarantined"
-    upstream.plan = ["cut:2", "quarantined"]
+    upstream.plan = ["fail:2", "quarantined"]
     status, raw = post(port, {"prompt": "p", "max_tokens": STREAM_TOKENS, "stream": True})
     got = events(raw)
     assert status == 200 and got[-1] == "[DONE]" and got[-2]["error"]["code"] == "request_quarantined", got
