@@ -1,6 +1,6 @@
 """Issue 21 acceptance: serving through faults, against `supervise serve` with real ranks and the official client.
 
-* A rank SIGKILLed mid-run under 16 concurrent official ``openai`` clients
+* Rank 0 SIGKILLed mid-run under 16 concurrent official ``openai`` clients
   (completions and chat, streamed and not, default retries), ``--tp 2
   --max-restarts 3``: every request completes, streams that were half sent
   included (the relay resumes them on the new attempt: engine/relay.py); no
@@ -303,7 +303,7 @@ def kill_run(tmp_path_factory) -> KillRun:
     load = Load(served.port, CLIENTS).start()
     try:
         time.sleep(LOAD_BEFORE_FAULT_S)
-        victim = served.rank_pid(1)
+        victim = served.rank_pid(0)  # its connections die unanswered (rank 1: the poison run, and the bench)
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + RESTART_TIMEOUT_S
