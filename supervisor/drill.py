@@ -144,8 +144,9 @@ class Traffic:
             self.probes.append((sent, time.time(), status == 200))
 
     def served_after(self, at: float) -> float | None:
-        """When the first probe sent at or after ``at`` was answered 200 (wall clock), or None."""
-        return min((done for sent, done, ok in self.probes if ok and sent >= at), default=None)
+        """When the first probe answered 200 after ``at`` was answered (wall clock), or None.  A probe in flight at
+        the fault counts: the relay holds it across the restart and the new attempt answers it."""
+        return min((done for _sent, done, ok in self.probes if ok and done > at), default=None)
 
     def wait_served_after(self, at: float, timeout_s: float) -> float | None:
         deadline = time.monotonic() + timeout_s

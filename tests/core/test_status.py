@@ -277,7 +277,15 @@ def _watch_in_a_terminal(registry, seconds: float) -> dict:
                 out += chunk
             elif proc.poll() is not None and interrupted:
                 break
-        rc = proc.wait(timeout=30)
+        # keep draining the terminal while it exits: a child blocked writing its last frame to a full pty never would
+        end = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < end:
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    out += os.read(master, 65536)
+                except OSError:
+                    pass
+        rc = proc.wait(timeout=1)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -108,6 +108,15 @@ class Served:
                 return pid
         raise AssertionError(f"rank {rank} not found")
 
+    def relay_pid(self) -> int:
+        for pid in marked_pids(self.mark):
+            try:
+                if b"tp_supervise.engine.relay" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            except OSError:
+                continue
+        raise AssertionError("relay not found")
+
     def get_metrics(self, path: str = "/metrics") -> tuple[int, str]:
         return http_get(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=5)
 
@@ -143,6 +152,16 @@ def serve(tmp: Path, *args: str) -> Served:
         time.sleep(0.2)
     served.stop()
     raise AssertionError(f"the engine never became ready:\n{log_path.read_text()[-3000:]}")
+
+
+def post_status(port: int, body: dict, timeout: float = CLIENT_TIMEOUT_S) -> int:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def finish(served: Served) -> None:
@@ -385,6 +404,7 @@ class PoisonRun:
     alive_after: bool
     metrics_after: str
     exit_code: int
+    after_relay_killed: tuple[int, float]  # a request's status, and its latency, sent right after the relay died
 
 
 @pytest.fixture(scope="module")
@@ -411,12 +431,16 @@ def poison_run(tmp_path_factory) -> PoisonRun:
         time.sleep(3.0)  # the others go on being served
         alive = served.proc.poll() is None
         metrics = served.get_metrics()[1] if alive else ""
+        os.kill(served.relay_pid(), signal.SIGKILL)  # the supervisor starts it again; the port never closes
+        started = time.monotonic()
+        status = post_status(served.port, {"prompt": "after the relay died", "max_tokens": 2})
+        after_relay = (status, time.monotonic() - started)
     finally:
         load.stop()
         code = served.stop()
     leaked = wait_no_marked(served.mark, timeout=5.0)
     assert not leaked, f"processes leaked: {leaked}"
-    return PoisonRun(served, load, error, attempts, answered_at, alive, metrics, code)
+    return PoisonRun(served, load, error, attempts, answered_at, alive, metrics, code, after_relay)
 
 
 def test_a_poison_request_is_quarantined_after_at_most_two_group_failures(poison_run):
@@ -453,6 +477,15 @@ def test_other_requests_keep_being_served_around_the_quarantine(poison_run):
     assert others == [], others[:5]  # what was in flight at the failures was resent by the relay
     print(f"\n{sum(o.ok for o in outcomes)} other requests ok, {len(innocent_400)} quarantined with the poison, "
           f"group failures {len(run.served.events('rank_exited'))}")
+
+
+def test_a_relay_that_dies_is_started_again_and_no_client_is_refused(poison_run):
+    run = poison_run
+    status, took = run.after_relay_killed
+    assert status == 200, status  # sent the moment it died: it waited in the port's backlog for the new relay
+    assert [e["code"] for e in run.served.events("relay_exited")] == [-signal.SIGKILL]
+    assert len(run.served.events("relay_started")) == 2
+    print(f"\nanswered {took:.2f} s after the relay was SIGKILLed")
 
 
 # -- prompt exit when nobody scrapes -------------------------------------------------------------------------------
