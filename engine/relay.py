@@ -77,6 +77,8 @@ DRAIN_S = 2.0  # at SIGTERM: handlers answering their 503 get this long
 RETRY_AFTER_S = 1
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 PASSED_HEADERS = ("content-type", "retry-after", "allow")
+COUNTS_FILE = "relay.json"  # in $SUPERVISE_RUN_DIR: the counts below, for the supervisor's metrics
+COUNTS_EVERY_S = 0.5  # written at most this often, when they changed
 RELAY_RANK = -1  # not a rank
 LOGGER = "tp_supervise.engine.relay"
 
@@ -113,6 +115,35 @@ class Relay:
         self.ending = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
         self.counts = {"requests": 0, "resent": 0, "resumed_streams": 0, "given_up": 0}
+        self._dirty = False
+        self._write_failed = False
+
+    # -- counts: $SUPERVISE_RUN_DIR/relay.json, read by the supervisor for its metrics -------------
+    def _count(self, key: str) -> None:
+        self.counts[key] += 1
+        self._dirty = True
+
+    def _publish_counts(self) -> None:
+        """Write the counts (temporary file + rename: a reader never sees half of it); tmpfs, so cheap."""
+        self._dirty = False
+        if not self.run_dir:
+            return
+        path = os.path.join(self.run_dir, COUNTS_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"version": 1, "pid": os.getpid(), **self.counts}, f)
+            os.replace(tmp, path)
+        except OSError as exc:
+            if not self._write_failed:
+                log.warning("relay counts not written", path=path, error=str(exc))
+            self._write_failed = True
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(COUNTS_EVERY_S)
+            if self._dirty:
+                self._publish_counts()
 
     # -- plumbing ----------------------------------------------------------------
     @web.middleware
@@ -151,7 +182,7 @@ class Relay:
         return f"the engine's group did not come back within {HOLD_S:g} s{where}; retry the request"
 
     def _unavailable(self) -> web.Response:
-        self.counts["given_up"] += 1
+        self._count("given_up")
         body = _error_body(503, self._unavailable_text(), UNAVAILABLE_CODE)
         response = web.json_response(body, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         response.force_close()
@@ -210,7 +241,7 @@ class Relay:
 
     # -- generations ---------------------------------------------------------------
     async def generation(self, request: web.Request) -> web.StreamResponse:
-        self.counts["requests"] += 1
+        self._count("requests")
         deadline = time.monotonic() + HOLD_S
         try:
             raw = await self._read_body(request)
@@ -232,7 +263,7 @@ class Relay:
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         for sent in range(MAX_RESENDS + 1):
             if sent:
-                self.counts["resent"] += 1
+                self._count("resent")
                 await asyncio.sleep(RESEND_PAUSE_S)
             try:
                 async with await self._send("POST", request.path, deadline, data=raw, headers=headers) as up:
@@ -250,9 +281,9 @@ class Relay:
         stream = _Stream(request, body)
         for sent in range(MAX_RESENDS + 1):
             if sent:
-                self.counts["resent"] += 1
+                self._count("resent")
                 if stream.ids:
-                    self.counts["resumed_streams"] += 1
+                    self._count("resumed_streams")
                 await asyncio.sleep(RESEND_PAUSE_S)
             try:
                 if stream.ids and len(stream.ids) >= stream.max_tokens:  # cut after its last token, before the end
@@ -275,7 +306,7 @@ class Relay:
                 raise asyncio.CancelledError from None  # aiohttp's way for a handler whose client left
         if stream.response is None:
             return self._unavailable()
-        self.counts["given_up"] += 1
+        self._count("given_up")
         try:
             await stream.fail(_error_body(503, self._unavailable_text(), UNAVAILABLE_CODE))
         except _ClientGone:
@@ -309,9 +340,12 @@ class Relay:
                 host=host,
                 port=port,
             )
+        publisher = asyncio.ensure_future(self._publish_loop())
         await self.ending.wait()
+        publisher.cancel()
         await site.stop()  # closes our copy; the supervisor's copy keeps the port until the run ends
         await runner.cleanup()  # handlers get DRAIN_S to write their 503s
+        self._publish_counts()
         log.info("relay stopped", **self.counts)
 
     def _stdin_readable(self) -> None:

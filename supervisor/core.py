@@ -324,6 +324,7 @@ class Supervisor(NodeGroupRules):
                 self.public, self.listener, str(self.run_dir), self.spec.log_format, self.spec.engine.read_timeout
             )
             self.relay.start()
+            self.services.relay_counts = self.relay.counts
         for signum in signals.HANDLED:
             signal.signal(signum, self._on_signal)
 
@@ -414,6 +415,7 @@ class Supervisor(NodeGroupRules):
             code = EXIT_TEARDOWN
         if self.relay is not None:
             self.relay.stop()  # no attempt follows: what it holds gets its 503 now, naming the incident
+            self.services.metrics.set_relay_counts(self.relay.counts())  # its last counts, for the final scrape
         log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restart.restarts)
         linger = self.spec.metrics_linger
         if linger is None:  # the default: only while someone scrapes, until the final state was scraped

@@ -270,6 +270,27 @@ class SupervisorMetrics:
         self.teardown_seconds = Gauge(
             name("teardown_seconds"), "Duration of the last teardown; NaN before the first.", registry=reg
         )
+        self.relay_requests = Counter(
+            name("relay_requests_total"),
+            "Generation requests the built-in engine's relay took from clients.",
+            registry=reg,
+        )
+        self.relay_resends = Counter(
+            name("relay_resends_total"),
+            "Requests the relay sent again after a failed attempt's answer (resumed streams included).",
+            registry=reg,
+        )
+        self.relay_resumed_streams = Counter(
+            name("relay_resumed_streams_total"),
+            "Streams the relay continued on a new attempt from the tokens the client already had.",
+            registry=reg,
+        )
+        self.relay_gave_up = Counter(
+            name("relay_gave_up_total"),
+            "Requests the relay answered 503: no attempt answered within 90 s, or the run ended.",
+            registry=reg,
+        )
+        self._relay_seen: dict[str, int] = {}
         self.teardowns = Counter(name("teardowns_total"), "Teardowns by outcome.", ["result"], registry=reg)
         self.dumps = Counter(
             name("dumps_total"), "Incident bundles by reason and outcome.", ["reason", "result"], registry=reg
@@ -430,6 +451,22 @@ class SupervisorMetrics:
             self.consensus_comparisons.inc(comparisons - seen_cmp)
             self.consensus_mismatches.inc(mismatches - seen_mis)
             self._consensus_seen = (comparisons, mismatches)
+
+    def set_relay_counts(self, counts: Mapping[str, int]) -> None:
+        """Feed the relay's cumulative counts (supervisor/processes/relay_process.py); counters advance by the difference."""
+        counters = {
+            "requests": self.relay_requests,
+            "resent": self.relay_resends,
+            "resumed_streams": self.relay_resumed_streams,
+            "given_up": self.relay_gave_up,
+        }
+        with self._lock:
+            for key, counter in counters.items():
+                value = counts.get(key, 0)
+                seen = self._relay_seen.get(key, 0)
+                if value > seen:
+                    counter.inc(value - seen)
+                    self._relay_seen[key] = value
 
     # -- lifecycle -------------------------------------------------------------------
     def record_rank_exit(self, reason: str) -> None:

@@ -102,6 +102,7 @@ class Services:
         self._gpu_seen = 0  # seq of the last reading put into the metrics
         self._gpu_unverified_logged = False
         self.consensus_monitor: ConsensusMonitor | None = None
+        self.relay_counts: Callable[[], Mapping[str, int]] | None = None  # the relay's counts (built-in engine)
         self.consensus_thread: ConsensusThread | None = None
         self.node_consensus: NodeConsensusThread | None = None
         if spec.consensus != "off":
@@ -282,6 +283,8 @@ class Services:
         if self.consensus_monitor is not None:
             comparisons, mismatches = self.consensus_monitor.counts()
             self.metrics.set_consensus_counts(comparisons, mismatches)
+        if self.relay_counts is not None:
+            self.metrics.set_relay_counts(self.relay_counts())
         reading = self.gpu.latest()  # the cache only: NVML is called on the gpu-sampler thread
         if reading is not None and reading.seq != self._gpu_seen:
             self._gpu_seen = reading.seq

@@ -16,6 +16,7 @@ of its stdin.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from .pidfds import OWN_HELPERS, named_thread
 log = structlog.get_logger("supervise")
 
 MODULE = "tp_supervise.engine.relay"
+COUNTS_FILE = "relay.json"  # the relay's counts in the run dir (docs/engine.md, "The relay")
+COUNT_KEYS = ("requests", "resent", "resumed_streams", "given_up")
 RELAY_URL_ENV = "SUPERVISE_RELAY_URL"  # rank 0's ready line names this URL (engine/app.py)
 STOP_S = 3.0  # the relay's own drain is 2 s (engine/relay.py DRAIN_S)
 RESTART_PAUSE_S = 0.2
@@ -51,6 +54,32 @@ class RelayProcess:
         self._stopping = threading.Event()
         self._restarts: list[float] = []
         self._watcher: threading.Thread | None = None
+        self._counts_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the file last read
+        self._counts_pid = 0
+        self._counts_last: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)  # the current relay process's
+        self._counts_base: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)  # earlier relay processes' (restarts)
+
+    def counts(self) -> dict[str, int]:
+        """The relay's counts over the run, every relay process summed (tmpfs: one stat, a read when changed).
+        A file that does not parse keeps the last counts."""
+        path = os.path.join(self.run_dir, COUNTS_FILE)
+        try:
+            st = os.stat(path)
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp != self._counts_stamp:
+                self._counts_stamp = stamp
+                with open(path, "rb") as f:
+                    data = json.loads(f.read(4096))
+                pid = int(data["pid"])
+                values = {key: max(0, int(data.get(key, 0))) for key in COUNT_KEYS}
+                if pid != self._counts_pid:
+                    for key in COUNT_KEYS:
+                        self._counts_base[key] += self._counts_last[key]
+                    self._counts_pid = pid
+                self._counts_last = values
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return {key: self._counts_base[key] + self._counts_last[key] for key in COUNT_KEYS}
 
     def start(self) -> None:
         self._spawn()

@@ -313,6 +313,7 @@ class KillRun:
     killed_at: float
     ready_again_at: float  # wall clock: the second "engine ready"
     exit_code: int
+    metrics: str  # scraped after the load, before the stop
 
 
 @pytest.fixture(scope="module")
@@ -334,10 +335,12 @@ def kill_run(tmp_path_factory) -> KillRun:
     finally:
         load.stop()
         readyz.stop()
+        time.sleep(1.0)  # the relay writes its counts every 0.5 s; the watchdog tick reads them
+        metrics = served.get_metrics()[1] if served.proc.poll() is None else ""
         code = served.stop()
     leaked = wait_no_marked(served.mark, timeout=5.0)
     assert not leaked, f"processes leaked: {leaked}"
-    return KillRun(served, load, readyz, killed_at, wall(ready[1]["timestamp"]), code)
+    return KillRun(served, load, readyz, killed_at, wall(ready[1]["timestamp"]), code, metrics)
 
 
 def test_every_request_completes_across_a_sigkilled_rank_and_no_client_is_refused(kill_run):
@@ -367,6 +370,10 @@ def test_the_relay_hides_the_failed_attempt_from_every_client(kill_run):
     (relay,) = [line for line in run.served.lines() if line.get("event") == "relay_stopped"]
     assert relay["resent"] >= 1 and relay["resumed_streams"] >= 1, relay  # in flight at the fault, then served
     assert relay["given_up"] == 0, relay
+    assert metric_value(run.metrics, "supervise_relay_requests_total") == len(run.load.outcomes)
+    assert metric_value(run.metrics, "supervise_relay_resends_total") == relay["resent"]
+    assert metric_value(run.metrics, "supervise_relay_resumed_streams_total") == relay["resumed_streams"]
+    assert metric_value(run.metrics, "supervise_relay_gave_up_total") == 0
 
 
 def test_latency_is_bounded_by_the_restart(kill_run):
