@@ -514,6 +514,12 @@ def reading(summaries: list[dict], before_note: str | None) -> str:
         text += (f" Before (same load, {s['fault']}, {s['faults']} fault{'' if s['faults'] == 1 else 's'}): "
                  f"{s['ok']} of {s['requests']} succeeded ({s['success_pct']:.1f} %), errors {errors}; refused connections, seen or retried: "
                  f"{refused}.")
+    calm = {("before" if s["tree"].startswith("before") else "after"): s for s in summaries if s["fault"] == "none"}
+    if len(calm) == 2:  # the same load without faults on both trees: what holding the connections costs
+        a, b = calm["after"], calm["before"]
+        text += (f" Without faults: {a['requests']} requests in the run against {b['requests']} before "
+                 f"({(a['requests'] / b['requests'] - 1) * 100:+.1f} %), p50 {fmt(a['p50_s'])} s against "
+                 f"{fmt(b['p50_s'])} s, p99 {fmt(a['p99_s'])} s against {fmt(b['p99_s'])} s.")
     if before_note:
         text += f" {before_note}"
     return text
@@ -580,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{fmt(rate, 1)} engine steps/s x {args.fault_every:.0f} s; it fires in every attempt). Errors are what "
         "the SDK raised after its retries; the hidden attempts are the ones its retries absorbed; added latency "
         "is against the same tree's no-fault run of this invocation; restart is each fault's ruling to the next "
-        "attempt's `engine ready` line (the supervisor's backoff of 1 s, 2 s, 4 s ... included); serving again is from each fault's ruling to the first "
+        "attempt's `engine ready` line (the supervisor's backoff included: none before the first restart of a crash loop, then 1 s, 2 s ...; the tree before waits 1 s, 2 s, 4 s ...); serving again is from each fault's ruling to the first "
         f"successful answer to a probe sent after it (one {PROBE_TOKENS}-token completion at a time, every "
         f"{PROBE_EVERY_S} s, no retries). The before rows run the same load, without faults and with SIGKILLs, "
         f"against the tree at `{args.before}`{BEFORE_NOTE.get(args.before, '')}, imported from a `git archive` "
