@@ -181,6 +181,18 @@ class Served:
         tops = [pid for pid, ppid in found.items() if ppid not in found]
         return tops[0] if tops else None
 
+    def relay_cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the relay process used so far, or None (no relay: the tree before)."""
+        for pid in self.marked():
+            try:
+                if b"tp_supervise.engine.relay" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return None
+
     def marked(self) -> list[int]:
         needle = f"{MARK_VAR}={self.mark}".encode()
         pids = []
@@ -375,6 +387,7 @@ class Run:
     restart_s: list[float]  # each fault's ruling -> the next attempt's engine_ready (the backoff included)
     exit_code: int
     steps_per_s: float | None = None
+    relay_cpu_pct: float | None = None  # no-fault runs: the relay's CPU over the load, % of one core
 
     @property
     def ok(self) -> list[Outcome]:
@@ -406,6 +419,7 @@ class Run:
             "serving_again_max_s": max(self.serving_again_s, default=None),
             "between_faults_median_s": statistics.median(self.between_faults_s) if self.between_faults_s else None,
             "exit_code": self.exit_code, "steps_per_s": self.steps_per_s if self.fault == "none" else None,
+            "relay_cpu_pct": self.relay_cpu_pct,
         }
 
 
@@ -418,6 +432,7 @@ def one_run(name: str, tree: Tree, base: Path, clients: int, duration_s: float, 
     load = Load(served.port, clients, name).start()
     t0 = time.monotonic()
     steps = [(time.monotonic(), engine_steps(served))]
+    relay_cpu = [served.relay_cpu_s()]
     kills = 0
     try:
         while time.monotonic() - t0 < duration_s and served.proc.poll() is None:
@@ -431,6 +446,7 @@ def one_run(name: str, tree: Tree, base: Path, clients: int, duration_s: float, 
                         kills += 1
             time.sleep(0.05)
         steps.append((time.monotonic(), engine_steps(served)))
+        relay_cpu.append(served.relay_cpu_s())
     finally:
         load.stop()
         code = served.stop()
@@ -453,8 +469,11 @@ def one_run(name: str, tree: Tree, base: Path, clients: int, duration_s: float, 
             between.append(at - before[-1])
     (t_a, s_a), (t_b, s_b) = steps
     rate = (s_b - s_a) / (t_b - t_a) if s_a is not None and s_b is not None and t_b > t_a else None
+    relay_pct = None
+    if fault == "none" and len(relay_cpu) == 2 and None not in relay_cpu and t_b > t_a:
+        relay_pct = 100.0 * (relay_cpu[1] - relay_cpu[0]) / (t_b - t_a)
     run = Run(name, tree.label, fault if not inject else inject[0], load.outcomes, load.attempts, rulings, again,
-              between, restart, code, rate)
+              between, restart, code, rate, relay_pct)
     print(f"[{name}] {json.dumps(run.summary(None), default=str)}", flush=True)
     return run
 
@@ -519,7 +538,10 @@ def reading(summaries: list[dict], before_note: str | None) -> str:
         a, b = calm["after"], calm["before"]
         text += (f" Without faults: {a['requests']} requests in the run against {b['requests']} before "
                  f"({(a['requests'] / b['requests'] - 1) * 100:+.1f} %), p50 {fmt(a['p50_s'])} s against "
-                 f"{fmt(b['p50_s'])} s, p99 {fmt(a['p99_s'])} s against {fmt(b['p99_s'])} s.")
+                 f"{fmt(b['p50_s'])} s, p99 {fmt(a['p99_s'])} s against {fmt(b['p99_s'])} s")
+        if a.get("relay_cpu_pct") is not None:
+            text += f"; the relay process used {a['relay_cpu_pct']:.1f} % of one core"
+        text += "."
     if before_note:
         text += f" {before_note}"
     return text
