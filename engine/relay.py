@@ -52,7 +52,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import aiohttp
 from aiohttp import web
@@ -61,12 +60,14 @@ from tp_supervise.supervisor.rank.net import is_loopback
 
 from .listen import ListenError, listen_backlog, take_listen_socket
 from .log import OneLineHttpLog, configure, get_logger
-from .openai_api import DEFAULT_MAX_TOKENS, UNAVAILABLE_CODE
+from .openai_api import UNAVAILABLE_CODE
 from .runfiles import read_incident
 
-HOLD_S = 90.0  # a request waits this long at most for an attempt that answers it
+HOLD_S = 90.0  # after a failure, a request waits this long at most for the next attempt to answer /health
 MAX_RESENDS = 8  # and is sent again at most this often (the quarantine stops a poison after 2)
-RESEND_PAUSE_S = 0.05  # between a failed answer and the resend (the failing rank 0 may still be accepting)
+PROBE_TIMEOUT_S = 10.0  # one /health probe of a restarting group (it waits in rank 0's backlog)
+PROBE_PAUSE_S = 0.1  # between probes answered without a 200
+RETRY_429_S = 1.0  # a resent request refused by a full queue (the restart's herd) waits this long, then again
 FORWARD_TIMEOUT_S = 5.0  # /v1/models, anything that is not a generation
 HEALTH_TIMEOUT_S = 2.0  # /health: a restarting group is 503 quickly (probes time out at 1-2 s)
 CONNECT_TIMEOUT_S = 5.0  # loopback connect: the kernel completes it from the backlog
@@ -89,6 +90,24 @@ class _ClientGone(Exception):
     """Writing to the client failed: it went away (never a reason to send the request again)."""
 
 
+class _Ended(Exception):
+    """The request is answered 503 here: the run ends, or no attempt answered within HOLD_S."""
+
+
+def _settle(task: asyncio.Future) -> None:
+    """Retrieve a send's exception, so that one abandoned (its client left, the run ended) is no traceback."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _abandon(sending: asyncio.Future) -> None:
+    """Stop a send nobody waits for: cancel it, or close the answer that already came."""
+    if not sending.done():
+        sending.cancel()
+    elif not sending.cancelled() and sending.exception() is None:
+        sending.result().close()
+
+
 def _error_body(status: int, message: str, code: str | None = None) -> dict:
     kind = "server_error" if status >= 500 else "invalid_request_error"
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
@@ -99,14 +118,6 @@ def _is_unavailable(body) -> bool:
     return isinstance(error, dict) and error.get("code") == UNAVAILABLE_CODE
 
 
-def _max_tokens(body: dict) -> int:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return DEFAULT_MAX_TOKENS
-
-
 class Relay:
     def __init__(self, upstream: str, run_dir: str | None, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
         self.upstream = f"http://{upstream}"
@@ -114,6 +125,9 @@ class Relay:
         self.run_dir = run_dir
         self.ending = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
+        self._ready = asyncio.Event()  # the group answers, as far as the relay knows (cleared at a failure)
+        self._ready.set()
+        self._probe: asyncio.Future | None = None
         self.counts = {"requests": 0, "resent": 0, "resumed_streams": 0, "given_up": 0}
         self._dirty = False
         self._write_failed = False
@@ -181,29 +195,73 @@ class Relay:
             return f"the engine stopped{where}; retry the request"
         return f"the engine's group did not come back within {HOLD_S:g} s{where}; retry the request"
 
-    def _unavailable(self) -> web.Response:
+    def _given_up(self, path: str, why: str) -> dict:
+        """The request ends here with a 503 of ours (counted and logged once); returns the error body."""
         self._count("given_up")
-        body = _error_body(503, self._unavailable_text(), UNAVAILABLE_CODE)
+        log.warning("request given up", path=path, why=why)
+        return _error_body(503, self._unavailable_text(), UNAVAILABLE_CODE)
+
+    def _unavailable(self, body: dict) -> web.Response:
         response = web.json_response(body, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         response.force_close()
         return response
 
-    async def _send(self, method: str, path: str, deadline: float, **kw) -> aiohttp.ClientResponse:
-        """One upstream request, its answer's headers within ``deadline``; the run's end interrupts the wait."""
+    # -- the group's state as the relay sees it ----------------------------------------
+    def _failed(self) -> None:
+        """An attempt failed under a request: resends wait until the next attempt answers /health 200."""
+        if self._ready.is_set():
+            self._ready.clear()
+            self._probe = asyncio.ensure_future(self._probe_ready())
+
+    async def _probe_ready(self) -> None:
+        """One probe at a time: its connection waits in rank 0's backlog until the next attempt answers it."""
         assert self.session is not None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or self.ending.is_set():
-            raise TimeoutError
+        while not self.ending.is_set():
+            try:
+                timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+                async with self.session.get(self.upstream + "/health", timeout=timeout) as up:
+                    if up.status == 200:
+                        self._ready.set()
+                        return
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(PROBE_PAUSE_S)
+
+    async def _await_ready(self) -> None:
+        """Until the group answers again; ``_Ended`` when the run ends or it does not within ``HOLD_S``."""
+        if self._ready.is_set():
+            return
+        if self.ending.is_set():
+            raise _Ended("the run ended")
+        waits = [asyncio.ensure_future(self._ready.wait()), asyncio.ensure_future(self.ending.wait())]
+        try:
+            done, _ = await asyncio.wait(waits, timeout=HOLD_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if not self._ready.is_set():
+            raise _Ended("the run ended" if self.ending.is_set() else f"no attempt answered within {HOLD_S:g} s")
+
+    async def _send(self, method: str, path: str, **kw) -> aiohttp.ClientResponse:
+        """One upstream request, until its answer's headers (no deadline: a generation takes what it takes; a hung
+        group is the supervisor's to end); the run's end interrupts the wait (``_Ended``)."""
+        assert self.session is not None
+        if self.ending.is_set():
+            raise _Ended("the run ended")
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         sending = asyncio.ensure_future(self.session.request(method, self.upstream + path, timeout=timeout, **kw))
+        sending.add_done_callback(_settle)
         ending = asyncio.ensure_future(self.ending.wait())
         try:
-            done, _ = await asyncio.wait({sending, ending}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({sending, ending}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the handler was cancelled (its client left): the request must not go on
+            _abandon(sending)
+            raise
         finally:
             ending.cancel()
         if sending not in done:
-            sending.cancel()
-            raise TimeoutError
+            _abandon(sending)
+            raise _Ended("the run ended")
         return sending.result()
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -220,20 +278,18 @@ class Relay:
         except web.HTTPException as exc:
             return web.json_response(_error_body(exc.status, exc.reason), status=exc.status)
         limit_s = HEALTH_TIMEOUT_S if request.path == "/health" else FORWARD_TIMEOUT_S
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+
+        async def once() -> web.Response:
+            async with await self._send(request.method, request.path_qs, data=data, headers=headers) as up:
+                return web.Response(status=up.status, body=await up.read(), headers=self._headers(up))
+
         try:
-            async with await self._send(
-                request.method,
-                request.path_qs,
-                time.monotonic() + limit_s,
-                data=data,
-                headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
-            ) as up:
-                body = await asyncio.wait_for(up.read(), FORWARD_TIMEOUT_S)
-                return web.Response(status=up.status, body=body, headers=self._headers(up))
-        except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError):
+            return await asyncio.wait_for(once(), limit_s)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, _Ended):
             if request.path == "/health":
                 return web.json_response({"status": "unavailable"}, status=503)
-            return self._unavailable()
+            return self._unavailable(_error_body(503, self._unavailable_text(), UNAVAILABLE_CODE))
 
     @staticmethod
     def _headers(up: aiohttp.ClientResponse) -> dict[str, str]:
@@ -242,7 +298,6 @@ class Relay:
     # -- generations ---------------------------------------------------------------
     async def generation(self, request: web.Request) -> web.StreamResponse:
         self._count("requests")
-        deadline = time.monotonic() + HOLD_S
         try:
             raw = await self._read_body(request)
         except web.HTTPRequestEntityTooLarge:
@@ -255,60 +310,81 @@ class Relay:
         except (UnicodeDecodeError, ValueError, RecursionError):
             body = None
         if isinstance(body, dict) and body.get("stream") is True:
-            return await self._stream(request, body, deadline)
-        return await self._unary(request, raw, deadline)
+            return await self._stream(request, body)
+        return await self._unary(request, raw)
 
-    async def _unary(self, request: web.Request, raw: bytes, deadline: float) -> web.StreamResponse:
+    def _resending(self, path: str, resend: int, resumed: int) -> None:
+        self._count("resent")
+        if resumed:
+            self._count("resumed_streams")
+        log.info("request resent", path=path, resend=resend, resumed_tokens=resumed)
+
+    async def _unary(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         """Sent again, whole, until an attempt answers it (nothing reached the client yet)."""
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        for sent in range(MAX_RESENDS + 1):
-            if sent:
-                self._count("resent")
-                await asyncio.sleep(RESEND_PAUSE_S)
-            try:
-                async with await self._send("POST", request.path, deadline, data=raw, headers=headers) as up:
-                    body = await up.read()
-                    if up.status == 503 and not self.ending.is_set() and _is_unavailable(_json(body)):
-                        continue
-                    return web.Response(status=up.status, body=body, headers=self._headers(up))
-            except (TimeoutError, asyncio.TimeoutError):
-                break
-            except (aiohttp.ClientError, OSError):
-                continue
-        return self._unavailable()
-
-    async def _stream(self, request: web.Request, body: dict, deadline: float) -> web.StreamResponse:
-        stream = _Stream(request, body)
-        for sent in range(MAX_RESENDS + 1):
-            if sent:
-                self._count("resent")
-                if stream.ids:
-                    self._count("resumed_streams")
-                await asyncio.sleep(RESEND_PAUSE_S)
-            try:
-                if stream.ids and len(stream.ids) >= stream.max_tokens:  # cut after its last token, before the end
-                    return await stream.finish_length()
+        try:
+            for sent in range(MAX_RESENDS + 1):
+                if sent:
+                    await self._await_ready()
+                    self._resending(request.path, sent, 0)
                 try:
-                    async with await self._send("POST", request.path, deadline, json=stream.payload()) as up:
+                    async with await self._send("POST", request.path, data=raw, headers=headers) as up:
+                        body = await up.read()
+                        if up.status == 503 and not self.ending.is_set() and _is_unavailable(_json(body)):
+                            self._failed()
+                            continue
+                        if up.status == 429 and sent:  # the restart's herd; the client never sent this one
+                            await asyncio.sleep(RETRY_429_S)
+                            continue
+                        return web.Response(status=up.status, body=body, headers=self._headers(up))
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError):  # cut, reset, connect timeout
+                    self._failed()
+            why = f"sent {MAX_RESENDS + 1} times"
+        except _Ended as exc:
+            why = str(exc)
+        return self._unavailable(self._given_up(request.path, why))
+
+    async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
+        stream = _Stream(request, body)
+        try:
+            for sent in range(MAX_RESENDS + 1):
+                if sent:
+                    await self._await_ready()
+                    self._resending(request.path, sent, len(stream.ids))
+                try:
+                    async with await self._send("POST", request.path, json=stream.payload()) as up:
                         if up.status != 200:
                             data = await up.read()
                             if up.status == 503 and not self.ending.is_set() and _is_unavailable(_json(data)):
+                                self._failed()
+                                continue
+                            if up.status == 429 and sent:
+                                await asyncio.sleep(RETRY_429_S)
                                 continue
                             return await stream.refuse(up.status, data, self._headers(up))
                         if await stream.relay(up, retry=not self.ending.is_set()):
                             return stream.done()
-                        continue  # the attempt failed mid-stream: resume
-                except (TimeoutError, asyncio.TimeoutError):
-                    break
-                except (aiohttp.ClientError, OSError):
-                    continue
-            except _ClientGone:
-                raise asyncio.CancelledError from None  # aiohttp's way for a handler whose client left
+                        self._failed()  # the attempt failed mid-stream: resume
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    self._failed()
+            why = f"sent {MAX_RESENDS + 1} times"
+        except _Ended as exc:
+            why = str(exc)
+        except _ClientGone:
+            raise asyncio.CancelledError from None  # aiohttp's way for a handler whose client left
+        except Exception as exc:
+            if stream.response is None:
+                raise  # the middleware answers a JSON 500
+            log.error("request failed", path=request.path, error=f"{type(exc).__name__}: {exc}"[:300])
+            why, error = "", _error_body(500, "internal error in the relay")
+        else:
+            error = {}
+        if why:
+            error = self._given_up(request.path, why)
         if stream.response is None:
-            return self._unavailable()
-        self._count("given_up")
+            return self._unavailable(error)
         try:
-            await stream.fail(_error_body(503, self._unavailable_text(), UNAVAILABLE_CODE))
+            await stream.fail(error)
         except _ClientGone:
             raise asyncio.CancelledError from None
         return stream.done()
@@ -372,15 +448,18 @@ class _Stream:
         self.request = request
         self.body = body
         self.wants_ids = body.get("return_token_ids") is True
-        self.max_tokens = _max_tokens(body)
-        self.ids: list[int] = []
+        given = body.get("resume_token_ids")  # the client's own (the engine checks them)
+        self.given: list = list(given) if isinstance(given, list) else []
+        self.ids: list[int] = []  # relayed to the client
         self.response: web.StreamResponse | None = None
-        self.head: dict | None = None  # id, object, created, model of the first chunk
+        self.head: dict | None = None  # id and created of the first chunk: every chunk carries them
+        self.finished = False  # a chunk with a finish_reason was relayed: only usage and [DONE] may follow
+        self.role_sent = False
 
     def payload(self) -> dict:
         payload = dict(self.body, return_token_ids=True)
         if self.ids:
-            payload["resume_token_ids"] = list(self.ids)
+            payload["resume_token_ids"] = self.given + self.ids
         return payload
 
     async def _start(self) -> web.StreamResponse:
@@ -413,22 +492,31 @@ class _Stream:
 
     async def relay(self, up: aiohttp.ClientResponse, retry: bool) -> bool:
         """Relay one attempt's events; True when the stream ended ([DONE]), False when the attempt failed."""
-        async for line in up.content:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                await self._end()
-                return True
-            event = _json(data)
-            if not isinstance(event, dict):
-                continue
-            if "error" in event:
-                if retry and _is_unavailable(event):
-                    return False
-                await self.fail(event)
-                return True
-            await self._chunk(event)
+        try:
+            async for line in up.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    await self._end()
+                    return True
+                event = _json(data)
+                if not isinstance(event, dict):
+                    continue
+                if "error" in event:
+                    if self.finished:  # every token is out; the usage chunk is all the failure cost
+                        await self._end()
+                        return True
+                    if retry and _is_unavailable(event):
+                        return False
+                    await self.fail(event)
+                    return True
+                await self._chunk(event)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            pass  # cut mid-body (rank 0 gone): aiohttp reports the broken payload
+        if self.finished:  # cut after its last token: nothing to resume
+            await self._end()
+            return True
         return False  # cut without [DONE]: rank 0 is gone
 
     async def _chunk(self, event: dict) -> None:
@@ -438,27 +526,20 @@ class _Stream:
             self.head = {k: event.get(k) for k in ("id", "created")}
         event.update(self.head)
         if choice is not None:
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and "role" in delta:
+                if self.role_sent:  # an attempt cut before its first token began the chat stream again
+                    return
+                self.role_sent = True
             ids = choice.get("token_ids") or []
             self.ids.extend(i for i in ids if isinstance(i, int))
+            self.finished = self.finished or choice.get("finish_reason") is not None
             if not self.wants_ids:
                 choice.pop("token_ids", None)
                 # the engine sends a chunk per token when asked for ids; without them it sends only text
                 if choice.get("finish_reason") is None and not _has_text(choice) and "usage" not in event:
                     return
         await self._send(event)
-
-    async def finish_length(self) -> web.StreamResponse:
-        """Every token was sent, the finishing chunk was not: end it as the engine would have."""
-        head = self.head or {}
-        delta_key = "delta" if "chat" in self.request.path else None
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": "length"}
-        if delta_key:
-            choice["delta"] = {}
-        else:
-            choice["text"] = ""
-        kind = "chat.completion.chunk" if delta_key else "text_completion"
-        await self._send({**head, "object": kind, "model": self.body.get("model"), "choices": [choice]})
-        return await self._end()
 
     async def refuse(self, status: int, data: bytes, headers: dict[str, str]) -> web.StreamResponse:
         """An attempt refused the request (e.g. 400 quarantined): as is before the stream began, else its last event."""

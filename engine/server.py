@@ -454,7 +454,11 @@ class Frontend:
         decoder = IncrementalDecoder(self.tokenizer)
         matcher = StopMatcher(gen.stop)
         if req.resume_ids:  # the client has this text already; what the matcher holds back it has not
-            matcher.feed(decoder.push(list(req.resume_ids)))
+            _, stopped = matcher.feed(decoder.push(list(req.resume_ids)))
+            if stopped:  # the tokens it resumes from already end in a stop string: nothing more to generate
+                self.bridge.abort(req.request_id)
+                yield "", [], "stop"
+                return
         while True:
             item = await outputs.get()
             if isinstance(item, EngineError):

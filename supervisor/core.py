@@ -416,6 +416,8 @@ class Supervisor(NodeGroupRules):
         if self.relay is not None:
             self.relay.stop()  # no attempt follows: what it holds gets its 503 now, naming the incident
             self.services.metrics.set_relay_counts(self.relay.counts())  # its last counts, for the final scrape
+            if self.public is not None:
+                self.public.close()  # from now on a client is refused at once, not held in a backlog no one reads
         log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restart.restarts)
         linger = self.spec.metrics_linger
         if linger is None:  # the default: only while someone scrapes, until the final state was scraped

@@ -56,12 +56,17 @@ class RelayProcess:
         self._watcher: threading.Thread | None = None
         self._counts_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the file last read
         self._counts_pid = 0
+        self._counts_lock = threading.Lock()
         self._counts_last: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)  # the current relay process's
         self._counts_base: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)  # earlier relay processes' (restarts)
 
     def counts(self) -> dict[str, int]:
         """The relay's counts over the run, every relay process summed (tmpfs: one stat, a read when changed).
-        A file that does not parse keeps the last counts."""
+        A file that does not parse keeps the last counts.  Any thread."""
+        with self._counts_lock:
+            return self._read_counts()
+
+    def _read_counts(self) -> dict[str, int]:
         path = os.path.join(self.run_dir, COUNTS_FILE)
         try:
             st = os.stat(path)
@@ -93,6 +98,8 @@ class RelayProcess:
         if self.read_timeout is not None:
             argv += ["--read-timeout", repr(self.read_timeout)]
         with self._lock:
+            if self._stopping.is_set():  # stop() ran while the watcher was about to start it again
+                return
             self.proc = subprocess.Popen(
                 argv, pass_fds=(fd,), stdin=subprocess.PIPE, stdout=sys.stderr, env=env, start_new_session=True
             )
@@ -112,11 +119,12 @@ class RelayProcess:
             self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
             if len(self._restarts) >= MAX_RESTARTS:
                 log.error(
-                    "relay keeps dying: not started again; the serving port queues connections no one answers",
+                    "relay keeps dying: not started again; the serving port is closed (clients are refused)",
                     event_name="relay_given_up",
                     code=code,
                     restarts=len(self._restarts),
                 )
+                self.public.close()  # refused at once rather than held in a backlog no one reads
                 return
             log.error("relay exited: starting it again", event_name="relay_exited", code=code)
             self._restarts.append(now)
@@ -129,9 +137,9 @@ class RelayProcess:
                 return
 
     def stop(self) -> None:
-        """SIGTERM, ``STOP_S`` for its 503s, then SIGKILL (idempotent)."""
-        self._stopping.set()
+        """SIGTERM, ``STOP_S`` for its 503s, then SIGKILL (idempotent, never raises)."""
         with self._lock:
+            self._stopping.set()
             proc = self.proc
         if proc is None:
             return
@@ -146,5 +154,8 @@ class RelayProcess:
                 proc.wait(STOP_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(1.0)
+                try:
+                    proc.wait(1.0)
+                except subprocess.TimeoutExpired:
+                    log.warning("relay did not end after SIGKILL", pid=proc.pid)
         OWN_HELPERS.discard(proc.pid)

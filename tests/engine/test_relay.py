@@ -79,6 +79,7 @@ class Upstream:
         done = len(body.get("resume_token_ids") or [])
         cut = int(step.split(":")[1]) if step.startswith("cut:") else None
         fail = int(step.split(":")[1]) if step.startswith("fail:") else None
+        unfinished = step == "no-done"  # every token and the finish, then the connection closes before [DONE]
         if not body.get("stream"):
             return web.json_response({"id": "cmpl-up", "object": "text_completion", "created": 1, "model": "m",
                                       "choices": [{"index": 0, "text": "x" * STREAM_TOKENS, "finish_reason": "length"}]})
@@ -100,6 +101,10 @@ class Upstream:
             chunk = {"id": f"cmpl-{len(self.bodies)}", "object": "text_completion", "created": len(self.bodies),
                      "model": "m", "choices": [choice]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if unfinished:
+            await asyncio.sleep(0.2)  # the chunks reach the relay before the close
+            request.transport.close()
+            return response
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -273,3 +278,50 @@ def test_a_client_that_leaves_is_not_sent_again(relay):
             time.sleep(0.05)
     time.sleep(1.0)
     assert len(upstream.bodies) == 1, upstream.bodies
+
+
+def test_a_stream_cut_after_its_last_token_is_ended_not_resumed(relay):
+    _proc, port, upstream = relay
+    upstream.plan = ["no-done"]
+    status, raw = post(port, {"prompt": "p", "max_tokens": STREAM_TOKENS, "stream": True})
+    got = events(raw)
+    assert status == 200 and got[-1] == "[DONE]", got
+    finishes = [c["choices"][0]["finish_reason"] for c in got[:-1]]
+    assert finishes.count("length") == 1 and finishes[-1] == "length", finishes
+    assert len(upstream.bodies) == 1, "nothing left to resume"
+
+
+def test_a_request_whose_client_left_during_a_restart_is_withdrawn(tmp_path):
+    """While no attempt accepts, the relay's request waits in rank 0's backlog; when its client leaves, the relay
+    closes that connection, so the next attempt reads a request whose sender is gone (never a live one)."""
+    upstream = socket.create_server(("127.0.0.1", 0), backlog=16)  # nobody accepts: a restart
+    public = socket.create_server(("127.0.0.1", 0), backlog=16)
+    port = public.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tp_supervise.engine.relay", "--upstream",
+         f"127.0.0.1:{upstream.getsockname()[1]}", "--run-dir", str(tmp_path)],
+        pass_fds=(public.fileno(),), env=dict(os.environ, SUPERVISE_LISTEN_FDS=str(public.fileno())),
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    public.close()
+    try:
+        body = json.dumps({"prompt": "p", "max_tokens": 4}).encode()
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        upstream.settimeout(30)
+        held, _ = upstream.accept()  # the relay's connection, queued in the backlog (the test plays the new attempt)
+        client.close()
+        held.settimeout(10)
+        data = b""
+        while True:  # the relay's request, then its close: EOF within the timeout, not a connection left waiting
+            chunk = held.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        assert data.startswith(b"POST /v1/completions") and body in data
+        held.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        upstream.close()
