@@ -109,6 +109,20 @@ def _threshold(value: float | None) -> float:
     return math.nan if value is None or not math.isfinite(value) else float(value)
 
 
+RELAY = {  # relay.json key -> (metric name between supervise_relay_ and _total, help)
+    "requests": ("requests", "Generation requests the built-in engine's relay took from clients."),
+    "resent": ("resends", "Requests the relay sent again after a failed attempt's answer (resumed streams included)."),
+    "resumed_streams": (
+        "resumed_streams",
+        "Streams the relay continued on a new attempt from the tokens the client already had.",
+    ),
+    "given_up": (
+        "gave_up",
+        "Requests the relay answered 503: no attempt answered within 90 s of a failure, or the run ended.",
+    ),
+}
+
+
 class GpuReading(Protocol):
     """What observe_gpus reads from one sample (watchdogs.gpu.GpuSample has these, read-only: it is frozen)."""
 
@@ -270,26 +284,10 @@ class SupervisorMetrics:
         self.teardown_seconds = Gauge(
             name("teardown_seconds"), "Duration of the last teardown; NaN before the first.", registry=reg
         )
-        self.relay_requests = Counter(
-            name("relay_requests_total"),
-            "Generation requests the built-in engine's relay took from clients.",
-            registry=reg,
-        )
-        self.relay_resends = Counter(
-            name("relay_resends_total"),
-            "Requests the relay sent again after a failed attempt's answer (resumed streams included).",
-            registry=reg,
-        )
-        self.relay_resumed_streams = Counter(
-            name("relay_resumed_streams_total"),
-            "Streams the relay continued on a new attempt from the tokens the client already had.",
-            registry=reg,
-        )
-        self.relay_gave_up = Counter(
-            name("relay_gave_up_total"),
-            "Requests the relay answered 503: no attempt answered within 90 s, or the run ended.",
-            registry=reg,
-        )
+        # the relay's counts (supervisor/processes/relay_process.py), by the key of its relay.json
+        self.relay = {
+            key: Counter(name(f"relay_{metric}_total"), text, registry=reg) for key, (metric, text) in RELAY.items()
+        }
         self._relay_seen: dict[str, int] = {}
         self.teardowns = Counter(name("teardowns_total"), "Teardowns by outcome.", ["result"], registry=reg)
         self.dumps = Counter(
@@ -454,14 +452,8 @@ class SupervisorMetrics:
 
     def set_relay_counts(self, counts: Mapping[str, int]) -> None:
         """Feed the relay's cumulative counts (supervisor/processes/relay_process.py); counters advance by the difference."""
-        counters = {
-            "requests": self.relay_requests,
-            "resent": self.relay_resends,
-            "resumed_streams": self.relay_resumed_streams,
-            "given_up": self.relay_gave_up,
-        }
         with self._lock:
-            for key, counter in counters.items():
+            for key, counter in self.relay.items():
                 value = counts.get(key, 0)
                 seen = self._relay_seen.get(key, 0)
                 if value > seen:
