@@ -335,8 +335,13 @@ def kill_run(tmp_path_factory) -> KillRun:
     finally:
         load.stop()
         readyz.stop()
-        time.sleep(1.0)  # the relay writes its counts every 0.5 s; the watchdog tick reads them
-        metrics = served.get_metrics()[1] if served.proc.poll() is None else ""
+        # the relay writes its counts every 0.5 s and the watchdog tick reads them: wait (bounded) for the last
+        metrics, deadline = "", time.monotonic() + 15
+        while served.proc.poll() is None and time.monotonic() < deadline:
+            metrics = served.get_metrics()[1]
+            if metric_value(metrics, "supervise_relay_requests_total") == len(load.outcomes):
+                break
+            time.sleep(0.2)
         code = served.stop()
     leaked = wait_no_marked(served.mark, timeout=5.0)
     assert not leaked, f"processes leaked: {leaked}"
