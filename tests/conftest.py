@@ -28,34 +28,6 @@ FAKE_RANK = ROOT / "tests" / "fakes" / "rank.py"
 MARK_VAR = "TP_SUPERVISE_TEST_MARK"
 
 
-# The files that take longest (`--durations` of a clean-clone CI run), run first: with two xdist workers taking
-# whole files in collection order, a two-minute file collected last (tests/test_bench_quick.py sorts after every
-# folder) keeps one worker busy while the other has long finished.  Longest first evens the two.
-LONGEST_FIRST = (
-    "tests/test_bench_quick.py",
-    "tests/e2e/test_straggler.py",
-    "tests/e2e/test_engine_supervised.py",
-    "tests/e2e/test_multinode_netns.py",
-    "tests/e2e/test_serving_through_faults.py",
-    "tests/e2e/test_hostile_api.py",
-    "tests/core/test_status.py",
-    "tests/e2e/test_adaptive_early.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-
-    def key(item) -> int:
-        path = Path(str(item.fspath)).resolve()
-        try:
-            return rank.get(path.relative_to(ROOT).as_posix(), len(rank))
-        except ValueError:
-            return len(rank)
-
-    items.sort(key=key)  # stable: the rest keep their order
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "alone: under pytest-xdist, no other worker runs a test meanwhile (tests whose "
                                        "seconds-long node timeouts a second busy test on 2 cores can break)")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 
 from rich.console import Console, Group
@@ -199,11 +201,16 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _watch(job: control.JobEntry, args: argparse.Namespace) -> int:
-    """Live table until Ctrl-C (exit 0); a job that ends says so and exits 0 too."""
+    """Live table until Ctrl-C or SIGTERM (exit 0); a job that ends says so and exits 0 too.
+
+    The signals set a flag the loop checks between frames (never a KeyboardInterrupt raised wherever the main
+    thread happens to be: one raised inside a finaliser is printed and swallowed, and the view went on)."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda _signum, _frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     console = Console()
     try:
         with Live(Text(f"asking job {job.run_id}..."), console=console, auto_refresh=False, screen=False) as live:
-            while True:
+            while not stop.is_set():
                 began = time.monotonic()
                 view: Group | Text
                 try:
@@ -214,7 +221,10 @@ def _watch(job: control.JobEntry, args: argparse.Namespace) -> int:
                         return 0
                     view = Text(f"job {job.run_id}: no status ({exc}); retrying", style="bold red")
                 live.update(view, refresh=True)
-                time.sleep(max(0.0, args.interval - (time.monotonic() - began)))
-    except KeyboardInterrupt:
+                stop.wait(max(0.0, args.interval - (time.monotonic() - began)))
+    except KeyboardInterrupt:  # a signal before the handlers above were installed
         pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
