@@ -314,12 +314,13 @@ def test_a_request_whose_client_left_during_a_restart_is_withdrawn(tmp_path):
         client.close()
         held.settimeout(10)
         data = b""
-        while True:  # the relay's request, then its close: EOF within the timeout, not a connection left waiting
+        while True:  # EOF within the timeout, not a connection left waiting for the next attempt's answer
             chunk = held.recv(65536)
             if not chunk:
                 break
             data += chunk
-        assert data.startswith(b"POST /v1/completions") and body in data
+        # the request, or nothing when the client left before the relay wrote it (a loaded host): closed either way
+        assert data == b"" or (data.startswith(b"POST /v1/completions") and body in data), data[:200]
         held.close()
     finally:
         proc.kill()
