@@ -105,7 +105,9 @@ def test_a_slow_rank_on_node_1_is_named_by_global_rank_and_node_on_both_nodes(su
                 "--nproc-per-node", "1", "--kill-grace", "2", "--straggler-window", str(WINDOW_S)]
         # 43 s slow after 12 s of learning: the per-node summaries (every 2 s) and their learned shares need a few
         # windows on a loaded 2-core host (a clean-clone CI run beside the benchmark smoke test missed it in 28 s)
-        loop = [sys.executable, LOOP, "--seconds", "55", "--slow-rank", "1", "--slow-from", "12", "--slow-share", "0.3"]
+        # 100 ms steps: rank 1's 30 % is 30 ms a step, well beyond the clocks' uncertainty of a loaded host's link
+        loop = [sys.executable, LOOP, "--seconds", "55", "--step", "0.1", "--slow-rank", "1", "--slow-from", "12",
+                "--slow-share", "0.3"]
         runs.append(supervise(args, loop, dump_dir=tmp_path / f"dumps-{node}"))
     for run in runs:
         assert run.wait(180) == 0, run.stderr[-4000:]
