@@ -34,7 +34,7 @@ def two_nodes(supervise, tmp_path, node_args, ranks_args, nnodes=2, node_ranks=N
     return runs
 
 
-def wait_joined(tmp_path, nodes: int, timeout: float = 60.0) -> None:
+def wait_joined(tmp_path, nodes: int, timeout: float = 120.0) -> None:
     """Every node passed the handshake and runs its ranks: each registered its control socket."""
     wait_for(lambda: len(list((tmp_path / "registry").glob("*.json"))) >= nodes, timeout, f"{nodes} nodes running")
     time.sleep(1.0)
