@@ -118,6 +118,21 @@ def take_listen_socket(environ: MutableMapping[str, str], pid: int, use: bool) -
     return _socket(fd, variable)
 
 
+def warn_if_exposed(host: str, port: int) -> None:
+    """The completions API has no authentication: say so once when it listens beyond loopback."""
+    from tp_supervise.supervisor.rank.net import is_loopback
+
+    from .log import get_logger
+
+    if not is_loopback(host):
+        get_logger().warning(
+            "the completions API has no authentication and binds a non-loopback address; "
+            "put it behind an authenticating proxy or bind 127.0.0.1",
+            host=host,
+            port=port,
+        )
+
+
 def listen_backlog() -> int:
     try:
         with open(SOMAXCONN_PATH) as f:

@@ -28,10 +28,11 @@ loopback socket's backlog until the next attempt's rank 0 accepts it.
   request (``resume_token_ids`` is not part of it), so a poison request is
   answered 400 after two failed attempts (a stream gets the 400 as its final
   error event).
-- A request is held at most ``HOLD_S`` from its arrival while no answer
-  comes, and resent at most ``MAX_RESENDS`` times; then, or when the run ends
-  (the supervisor's SIGTERM), the client gets the 503 (a stream: an error event
-  and ``[DONE]``) naming the incident, with ``Retry-After``.
+- After a failure a request waits at most ``HOLD_S`` for the next attempt to
+  answer ``/health`` (a generation itself has no deadline here), and is resent
+  at most ``MAX_RESENDS`` times; then, or when the run ends (the supervisor's
+  SIGTERM), the client gets the 503 (a stream: an error event and ``[DONE]``)
+  naming the incident, with ``Retry-After``.
 
 Everything else (``/health``, ``/v1/models``, unknown paths) is forwarded once
 with a deadline; no answer in that time is a 503 (``/health`` of a dead or
@@ -40,8 +41,8 @@ restarting group is never OK).  Bodies are capped at the engine's limit
 
 Run as ``python -m tp_supervise.engine.relay --upstream 127.0.0.1:PORT
 [--run-dir DIR]`` with the public socket named by ``SUPERVISE_LISTEN_FDS``
-(engine/listen.py).  It ends with its parent (parent-death signal, and the end
-of its stdin).  docs/engine.md, "Serving through faults".
+(engine/listen.py).  It ends with its parent (the parent-death signal its
+starter sets, and the end of its stdin).  docs/engine.md, "Serving through faults".
 """
 
 from __future__ import annotations
@@ -56,11 +57,9 @@ import sys
 import aiohttp
 from aiohttp import web
 
-from tp_supervise.supervisor.rank.net import is_loopback
-
-from .listen import ListenError, listen_backlog, take_listen_socket
+from .listen import ListenError, listen_backlog, take_listen_socket, warn_if_exposed
 from .log import OneLineHttpLog, configure, get_logger
-from .openai_api import UNAVAILABLE_CODE
+from .openai_api import UNAVAILABLE_CODE, ApiError
 from .runfiles import read_incident
 
 HOLD_S = 90.0  # after a failure, a request waits this long at most for the next attempt to answer /health
@@ -110,7 +109,7 @@ def _abandon(sending: asyncio.Future) -> None:
 
 def _error_body(status: int, message: str, code: str | None = None) -> dict:
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return ApiError(status, message, None, kind, code=code).body()
 
 
 def _is_unavailable(body) -> bool:
@@ -313,6 +312,17 @@ class Relay:
             return await self._stream(request, body)
         return await self._unary(request, raw)
 
+    async def _send_again(self, status: int, data: bytes, sent: int) -> bool:
+        """Whether an attempt's refusal is the relay's to retry (then after the pause it needs): the group's
+        failure (503 ``engine_unavailable``), or a full queue (429) meeting a send the client never made."""
+        if status == 503 and not self.ending.is_set() and _is_unavailable(_json(data)):
+            self._failed()
+            return True
+        if status == 429 and sent:  # the restart's herd of held requests
+            await asyncio.sleep(RETRY_429_S)
+            return True
+        return False
+
     def _resending(self, path: str, resend: int, resumed: int) -> None:
         self._count("resent")
         if resumed:
@@ -330,11 +340,7 @@ class Relay:
                 try:
                     async with await self._send("POST", request.path, data=raw, headers=headers) as up:
                         body = await up.read()
-                        if up.status == 503 and not self.ending.is_set() and _is_unavailable(_json(body)):
-                            self._failed()
-                            continue
-                        if up.status == 429 and sent:  # the restart's herd; the client never sent this one
-                            await asyncio.sleep(RETRY_429_S)
+                        if await self._send_again(up.status, body, sent):
                             continue
                         return web.Response(status=up.status, body=body, headers=self._headers(up))
                 except (aiohttp.ClientError, OSError, asyncio.TimeoutError):  # cut, reset, connect timeout
@@ -355,11 +361,7 @@ class Relay:
                     async with await self._send("POST", request.path, json=stream.payload()) as up:
                         if up.status != 200:
                             data = await up.read()
-                            if up.status == 503 and not self.ending.is_set() and _is_unavailable(_json(data)):
-                                self._failed()
-                                continue
-                            if up.status == 429 and sent:
-                                await asyncio.sleep(RETRY_429_S)
+                            if await self._send_again(up.status, data, sent):
                                 continue
                             return await stream.refuse(up.status, data, self._headers(up))
                         if await stream.relay(up, retry=not self.ending.is_set()):
@@ -409,13 +411,7 @@ class Relay:
         loop.add_reader(sys.stdin.fileno(), self._stdin_readable)
         host, port = runner.addresses[0][:2]
         log.info("relay serving", address=f"{host}:{port}", upstream=self.upstream)
-        if not is_loopback(host):
-            log.warning(
-                "the completions API has no authentication and binds a non-loopback address; "
-                "put it behind an authenticating proxy or bind 127.0.0.1",
-                host=host,
-                port=port,
-            )
+        warn_if_exposed(host, port)
         publisher = asyncio.ensure_future(self._publish_loop())
         await self.ending.wait()
         publisher.cancel()
@@ -568,12 +564,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, help="the engine's")
     args = parser.parse_args(argv)
     configure(RELAY_RANK, process=LOGGER)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the supervisor
-    except (OSError, AttributeError):
-        pass
     try:
         sock = take_listen_socket(os.environ, os.getpid(), use=True)
     except ListenError as exc:

@@ -41,11 +41,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from tp_supervise.supervisor.rank.net import is_loopback
-
 from .bridge import EngineBridge, EngineError
 from .chat_api import CHAT, PlainTemplate, parse_chat
-from .listen import listen_backlog
+from .listen import listen_backlog, warn_if_exposed
 from .log import OneLineHttpLog, get_logger
 from .openai_api import (
     COMPLETION,
@@ -235,13 +233,7 @@ class Frontend:
             loop.close()
             return
         self._started.set()
-        if not is_loopback(self.host):
-            log.warning(
-                "the completions API has no authentication and binds a non-loopback address; "
-                "put it behind an authenticating proxy or bind 127.0.0.1",
-                host=self.host,
-                port=self.port,
-            )
+        warn_if_exposed(self.host, self.port)
         try:
             loop.run_forever()
         finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ import time
 import structlog
 
 from .listen_socket import SUPERVISE_LISTEN_FDS, ListenSocket
-from .pidfds import OWN_HELPERS, named_thread
+from .pidfds import OWN_HELPERS, named_thread, set_parent_death_signal
 
 log = structlog.get_logger("supervise")
 
@@ -38,6 +39,11 @@ STOP_S = 3.0  # the relay's own drain is 2 s (engine/relay.py DRAIN_S)
 RESTART_PAUSE_S = 0.2
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+
+
+def _dies_with_us() -> None:
+    """Between fork and exec: the relay never outlives the supervisor (as the ranks, processes/spawn.py)."""
+    set_parent_death_signal(signal.SIGKILL)
 
 
 class RelayProcess:
@@ -101,7 +107,13 @@ class RelayProcess:
             if self._stopping.is_set():  # stop() ran while the watcher was about to start it again
                 return
             self.proc = subprocess.Popen(
-                argv, pass_fds=(fd,), stdin=subprocess.PIPE, stdout=sys.stderr, env=env, start_new_session=True
+                argv,
+                pass_fds=(fd,),
+                stdin=subprocess.PIPE,
+                stdout=sys.stderr,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_dies_with_us,
             )
             OWN_HELPERS.add(self.proc.pid)
         log.info("relay started", pid=self.proc.pid, upstream=self.upstream)
