@@ -99,6 +99,7 @@ class RankTarget:
     alive: bool
     exit: dict | None = None  # {"code", "signal", "core_dumped", "description"}
     heartbeat: SlotSnapshot | None = None
+    title: str = ""  # its process title when last seen (docs/bundle.md)
 
 
 def find_pyspy(environ: Mapping[str, str] | None = None) -> str | None:
@@ -437,6 +438,7 @@ def capture_all(
             error=error,
             attempts=tuple(attempts),
             capture_s=took,
+            title=proc.title if proc is not None and proc.title else t.title,
         )
     progress = {t.rank: (t.heartbeat.step, t.heartbeat.coll_seq) for t in targets if t.heartbeat is not None}
     samples = CpuSamples(at=samples_at, cpu_s=cpu, progress=progress)

@@ -393,6 +393,7 @@ def _rank_dict(p: _Place, group_of: Mapping[int, str], culprits: Sequence[int], 
     proc = ev.proc
     return {
         "pid": ev.pid,
+        "title": ev.title,
         "slot": ev.slot,
         "alive": not p.dead,
         "state": ev.state if ev.alive else None,

@@ -40,6 +40,7 @@ class ProcInfo:
     cpu_s: float
     num_threads: int
     thread_states: Mapping[str, int] = field(default_factory=dict)
+    title: str = ""  # its command line now (an engine's setproctitle shows here: VLLM::Worker_TP1)
 
     @property
     def stopped(self) -> bool:
@@ -48,6 +49,7 @@ class ProcInfo:
     def to_dict(self) -> dict:
         return {
             "pid": self.pid,
+            "title": self.title,
             "state": self.state,
             "state_name": STATE_NAMES.get(self.state, "unknown"),
             "wchan": self.wchan,
@@ -91,6 +93,7 @@ class RankEvidence:
     error: str | None = None  # why there are no (or partial) stacks
     attempts: tuple[str, ...] = ()
     capture_s: float = 0.0
+    title: str = ""  # the process title the supervisor last saw (a dead rank's too)
 
     @property
     def has_stacks(self) -> bool:

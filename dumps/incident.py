@@ -74,7 +74,14 @@ class IncidentResult:
 def _bare_evidence(targets: Sequence[RankTarget], error: str, started: float) -> Evidence:
     ranks = {
         t.rank: RankEvidence(
-            rank=t.rank, slot=t.slot, pid=t.pid, alive=t.alive, exit=t.exit, heartbeat=t.heartbeat, error=error
+            rank=t.rank,
+            slot=t.slot,
+            pid=t.pid,
+            alive=t.alive,
+            exit=t.exit,
+            heartbeat=t.heartbeat,
+            error=error,
+            title=t.title,
         )
         for t in targets
     }
@@ -124,7 +131,14 @@ def _evidence_json(evidence: Evidence) -> str:
 
 def _fallback_ranks(targets: Sequence[RankTarget]) -> dict:
     return {
-        str(t.rank): {"pid": t.pid, "state": None, "exit": t.exit, "stack_signature": "", "alive": t.alive}
+        str(t.rank): {
+            "pid": t.pid,
+            "title": t.title,
+            "state": None,
+            "exit": t.exit,
+            "stack_signature": "",
+            "alive": t.alive,
+        }
         for t in targets
     }
 

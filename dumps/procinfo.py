@@ -54,6 +54,27 @@ def _task_cpu_ns(pid: int, tid: str) -> int:
         return 0
 
 
+TITLE_LIMIT = 80
+
+
+def process_title(pid: int, limit: int = TITLE_LIMIT) -> str:
+    """What the process calls itself now: its command line as ``ps`` shows it (``VLLM::Worker_TP1`` once the
+    engine called setproctitle), else its kernel name; empty when it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read(4 * limit)
+    except OSError:
+        raw = b""
+    text = " ".join(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part).strip()
+    if not text:
+        try:
+            stat = _read(f"/proc/{pid}/stat")
+            text = stat[stat.find("(") + 1 : stat.rfind(")")]
+        except OSError:
+            text = ""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def read_proc(pid: int) -> ProcInfo | None:
     """``None`` when the process is gone (or never existed)."""
     try:
@@ -89,6 +110,7 @@ def read_proc(pid: int) -> ProcInfo | None:
         cpu_s=cpu_s,
         num_threads=int(fields[_STAT_THREADS]),
         thread_states=states,
+        title=process_title(pid),
     )
 
 

@@ -77,7 +77,7 @@ def classify_exit(
     if status is None:
         if said_finished:
             return ExitInfo(None, exits.CLEAN, "finished (its launcher owns the exit status)")
-        return exits.lost(handle.pid)
+        return exits.lost()
     return exits.classify(
         status,
         peers_running=bool(peers) and not said_finished,

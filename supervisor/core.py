@@ -661,7 +661,7 @@ class Supervisor(NodeGroupRules):
         self.attempt.first_failure = (first, first_info)
         who = "launcher" if first is self.attempt.launcher else f"rank {first.rank}"
         log.error(
-            f"{who} (pid {first.pid}) {first_info.description}",
+            f"{RankView.of(first).describe(who)} {first_info.description}",
             event_name="rank_exited",
             rank=None if first.rank < 0 else first.rank,
             pid=first.pid,
@@ -680,17 +680,21 @@ class Supervisor(NodeGroupRules):
             return
         spec = RankSpec(slot=ev.slot, rank=ev.rank, argv=(), env={})
         handle = RankHandle(spec=spec, pid=ev.pid, started_at=time.monotonic())
-        # Held by pidfd from the claim on: the process the pidfd names carries this run's marker.
-        marker = procs.run_marker(self.run_key)
-        handle.proc = procs.open_verified(ev.pid, lambda pid: procs.has_run_marker(pid, marker))
+        # Held by pidfd from the claim on: the process the pidfd names is the run's by its cgroup or its
+        # ancestry (an engine's setproctitle wipes the environment marker: docs/supervisor.md).
+        identity = procs.RunIdentity(self.run_key, in_cgroup=self.cgroup.holds if self.cgroup is not None else None)
+        handle.proc = procs.open_verified(ev.pid, identity.owns)
+        handle.read_title()
         self.attempt.add_rank(handle)
-        log.info("rank joined the group", rank=ev.rank, pid=ev.pid)
+        log.info("rank joined the group", rank=ev.rank, pid=ev.pid, title=handle.title)
         if handle.proc is None:  # gone already (or not ours): its exit is all there is to report
             self.post(ProcessExited(("tree-rank", ev.slot), ev.pid, None, time.monotonic(), self.attempt.number))
             return
         self.monitor.watch(("tree-rank", ev.slot), handle.proc, self.attempt.number)
 
     def _on_all_ready(self, ev: AllRanksReady) -> None:
+        for handle in self.attempt.ranks.values():
+            handle.read_title()  # an engine names its workers once they are set up (setproctitle)
         if self.attempt.outcome is None:
             self.transition(Event.ALL_READY)
             self.services.on_ready(len(self.attempt.ranks))

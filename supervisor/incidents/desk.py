@@ -237,6 +237,7 @@ class IncidentDesk:
                     alive=r.alive,
                     exit=None if r.exit is None else dict(r.exit.to_dict(), at=r.exited_at),
                     heartbeat=snaps.get(slot),
+                    title=r.title,
                 )
             )
         if self.spec.tree and not out:

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from tp_supervise.dumps.procinfo import process_title
+
 from .. import state as engine_state
 
 if TYPE_CHECKING:
@@ -160,6 +162,7 @@ class StatusBoard:
             try:
                 with proc.oneshot():
                     out[pid] = {
+                        "title": process_title(pid),
                         "state": proc.status(),
                         "cpu_percent": round(proc.cpu_percent(None), 1),
                         "rss_bytes": proc.memory_info().rss,
@@ -201,6 +204,7 @@ class StatusBoard:
         now: float,
     ) -> dict:
         out: dict = {"rank": r.rank, "slot": r.slot, "pid": r.pid, "alive": r.alive}
+        out["title"] = (proc or {}).get("title") or r.title
         if not r.alive:
             exit_ = r.exit.to_dict() if r.exit is not None else {}
             out["state"] = f"exited ({exit_.get('reason', '?')})"

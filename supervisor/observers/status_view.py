@@ -79,9 +79,19 @@ def _gpu(rank: dict) -> str:
     return f"{gpu['index']}: {util} {mem}{power}{clock}{why}"
 
 
+TITLE_WIDTH = 24
+
+
+def _title(title: str | None) -> str:
+    """The process's title, short (an engine's own name for it: VLLM::Worker_TP1)."""
+    text = title or "-"
+    return text if len(text) <= TITLE_WIDTH else text[: TITLE_WIDTH - 1] + "…"
+
+
 _COLUMNS = (
     "rank",
     "pid",
+    "title",
     "state",
     "step",
     "collective in flight",
@@ -91,7 +101,7 @@ _COLUMNS = (
     "rss",
     "gpu util mem",
 )
-_DROP_ORDER = ("gpu util mem", "rss", "heartbeat", "cpu", "step", "lag p50/p99 wait", "collective in flight")
+_DROP_ORDER = ("gpu util mem", "title", "rss", "heartbeat", "cpu", "step", "lag p50/p99 wait", "collective in flight")
 
 
 def render(status: dict, width: int | None = None) -> Group:
@@ -123,6 +133,7 @@ def render(status: dict, width: int | None = None) -> Group:
         cells = (
             label,
             str(rank.get("pid")),
+            _title(rank.get("title")),
             str(rank.get("state")),
             "-" if rank.get("step") is None else str(rank["step"]),
             _collective(rank),

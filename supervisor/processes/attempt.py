@@ -53,10 +53,17 @@ class RankView:
     started_at: float
     exit: ExitInfo | None = None
     exited_at: float | None = None
+    title: str = ""
 
     @classmethod
     def of(cls, handle: RankHandle) -> RankView:
-        return cls(handle.slot, handle.rank, handle.pid, handle.started_at, handle.exit, handle.exited_at)
+        return cls(handle.slot, handle.rank, handle.pid, handle.started_at, handle.exit, handle.exited_at, handle.title)
+
+    def describe(self, who: str) -> str:
+        """``rank 1 (pid 123, VLLM::Worker_TP1)``: who, by pid and by the name the process gave itself (a title
+        that is a name; a plain command line, a path and its arguments, says nothing the pid does not)."""
+        named = self.title and not any(c.isspace() or c == "/" for c in self.title)
+        return f"{who} (pid {self.pid}, {self.title})" if named else f"{who} (pid {self.pid})"
 
     @property
     def alive(self) -> bool:

@@ -112,8 +112,15 @@ def classify(status: ExitStatus, *, peers_running: bool, oom_kills_rose: bool = 
     return ExitInfo(status, SIGNALED, f"was killed by {name}{core}")
 
 
-def lost(pid: int) -> ExitInfo:
-    return ExitInfo(None, LOST, f"(pid {pid}) disappeared; it was not our child, so its exit status is unknown")
+def lost() -> ExitInfo:
+    """A tree-mode rank (not our child) ended without saying it was finishing: not by a clean return of its
+    program (the hook marks that), so a signal, ``os._exit`` or a native crash; its parent holds the status."""
+    return ExitInfo(
+        None,
+        LOST,
+        "vanished without a clean exit (killed by a signal, os._exit or a native crash); it was not our child, "
+        "so its exit status is unknown",
+    )
 
 
 class OomCounter:

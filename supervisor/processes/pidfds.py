@@ -1,12 +1,16 @@
 """Finding every process of a run, holding each by a pidfd, reaping what reparents to us.
 
-A process belongs to the run when it descends from the supervisor (we are a
-child subreaper, so double-forked and ``setsid`` escapees reparent to us),
-when it is in the run's cgroup, or when its environment carries
-``SUPERVISE_RUN_KEY=<run key>`` (covers processes that left the tree some
-other way; the key is the run id, plus the node rank when the run spans
-nodes, so two nodes of one run on one host never touch each other's
-processes).
+A process belongs to the run by what a rank cannot rewrite (``RunIdentity``):
+it is in the run's cgroup, or it descends from the supervisor (we are a
+child subreaper, so double-forked and ``setsid`` escapees reparent to us).
+Its environment carrying ``SUPERVISE_RUN_KEY=<run key>`` is the last and
+weakest signal (it covers a process that left both some other way): engines
+call ``setproctitle`` (vLLM's ``VLLM::Worker_TP0``, SGLang's
+``sglang::scheduler``), which overwrites the environment block that
+``/proc/<pid>/environ`` shows, so a process whose marker is gone stays the
+run's when either of the first two holds.  The key is the run id, plus the
+node rank when the run spans nodes, so two nodes of one run on one host never
+touch each other's processes.
 
 Every process found is held by a pidfd (``Pidfd``) and signalled through it
 (``pidfd_send_signal``): once a process is reaped its pidfd names nobody, so
@@ -128,6 +132,52 @@ def has_run_marker(pid: int, marker: bytes) -> bool:
 
 def run_marker(run_key: str) -> bytes:
     return f"SUPERVISE_RUN_KEY={run_key}".encode()  # supervisor.processes.spawn.ENV_RUN_KEY
+
+
+# Deeper than any launcher tree (torchrun → agent → rank, vLLM api_server → engine core → worker → helper).
+ANCESTRY_MAX_DEPTH = 64
+
+
+def descends_from(pid: int, root: int) -> bool:
+    """``root`` is an ancestor of ``pid`` now (the parent chain of /proc/<pid>/stat).
+
+    While the supervisor is a child subreaper, everything it started stays
+    below it: a process whose parent dies reparents to the supervisor.
+    """
+    for _ in range(ANCESTRY_MAX_DEPTH):
+        parsed = _stat(pid)
+        if parsed is None:
+            return False
+        ppid = int(parsed[1][1])
+        if ppid == root:
+            return True
+        if ppid <= 1:
+            return False
+        pid = ppid
+    return False
+
+
+class RunIdentity:
+    """Is this process one of the run's?  By what a rank cannot rewrite, best first.
+
+    ``in_cgroup``: membership of the run's cgroup (v2 or v1; only root moves a
+    process out); ancestry: the supervisor (``root``) above it; the run marker
+    in its environment last (``setproctitle`` wipes it, see the module
+    docstring).  Read each time: the caller opens the pidfd first
+    (``open_verified``), so what is read here is about the process it names.
+    """
+
+    __slots__ = ("marker", "root", "in_cgroup")
+
+    def __init__(self, run_key: str, root: int | None = None, in_cgroup: Callable[[int], bool] | None = None):
+        self.marker = run_marker(run_key)
+        self.root = root or os.getpid()
+        self.in_cgroup = in_cgroup
+
+    def owns(self, pid: int) -> bool:
+        if self.in_cgroup is not None and self.in_cgroup(pid):
+            return True
+        return descends_from(pid, self.root) or has_run_marker(pid, self.marker)
 
 
 class Pidfd:

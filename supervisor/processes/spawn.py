@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tp_supervise.dumps.procinfo import send_to_group
+from tp_supervise.dumps.procinfo import process_title, send_to_group
 
 from ..rank import runtime
 from ..rank.ptrace import allow_tracer
@@ -94,6 +94,12 @@ class RankHandle:
     exited_at: float | None = None
     # Held from the spawn (or the tree-mode claim) until the teardown reaped it: every signal goes through it.
     proc: procs.Pidfd | None = None
+    title: str = ""  # its process title as last read (an engine renames its workers: VLLM::Worker_TP0)
+
+    def read_title(self) -> None:
+        """Read the title again while the process is alive (kept once it is gone)."""
+        if self.alive:
+            self.title = process_title(self.pid) or self.title
 
     @property
     def slot(self) -> int:

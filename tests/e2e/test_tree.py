@@ -37,6 +37,27 @@ def test_multiprocessing_launcher_stopped_rank_is_a_hang(supervise):
     assert hang["ranks"]["1"]["state"] == "T"
 
 
+def test_ranks_that_rename_themselves_stay_held(supervise):
+    """setproctitle (vLLM, SGLang) wipes /proc/<pid>/environ, run marker included: the ranks are still the run's
+    (its cgroup, their ancestry), a clean run stays clean and a stopped rank is still the hang's culprit, named
+    with its new title."""
+    run = supervise(["--tree", "--nproc-per-node", "2"], mp_launcher("--tp", "2", "--iters", "150", "--set-title"))
+    assert run.wait(timeout=90) == 0, run.stderr[-4000:]
+    assert sorted(line["rank"] for line in run.events("rank joined the group")) == [0, 1]
+    assert run.bundles() == [], run.stderr[-4000:]
+
+    run = supervise(
+        ["--tree", "--nproc-per-node", "2", "--soft-timeout", "2", "--hard-timeout", "4", "--kill-grace", "2"],
+        mp_launcher("--tp", "2", "--iters", "100000", "--fault", "stop", "--fault-at", "60", "--set-title"),
+    )
+    assert run.wait(timeout=90) == 81, run.stderr[-4000:]
+    hang = run.summary("-hang")
+    assert hang["culprit_ranks"] == [1], hang["verdict"]
+    assert hang["ranks"]["1"]["state"] == "T"
+    assert hang["ranks"]["1"]["title"] == "VLLM::Worker_TP1", hang["ranks"]["1"]
+    assert hang["ranks"]["0"]["title"] == "VLLM::Worker_TP0", hang["ranks"]["0"]
+
+
 def test_multiprocessing_launcher_crashed_rank(supervise):
     run = supervise(
         ["--tree", "--nproc-per-node", "2", "--kill-grace", "2"],

@@ -1,7 +1,11 @@
 """A launcher that spawns its TP ranks with multiprocessing, the way vLLM and
 SGLang do (spawn context, ranks are grandchildren of the supervisor).
 
-    python mp_launcher.py --tp 2 [--fault stop|stall|none] [--fault-rank 1] [--iters N]
+    python mp_launcher.py --tp 2 [--fault stop|stall|none] [--fault-rank 1] [--iters N] [--set-title]
+
+``--set-title``: each worker names itself with the real ``setproctitle`` once it
+joined, as vLLM's (``VLLM::Worker_TP<r>``) and SGLang's workers do; that
+overwrites the environment block /proc/<pid>/environ shows.
 
 The launcher waits for its workers and exits with the first non-zero code.
 No supervisor code here: the zero-code hook must find the ranks.
@@ -23,6 +27,11 @@ def worker(rank, world, port, args):
     torch.set_num_threads(1)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if args.set_title:
+        import setproctitle
+
+        setproctitle.setproctitle(f"VLLM::Worker_TP{rank}")
+        dist.barrier()  # both renamed before the loop: the supervisor holds them through it
     x = torch.ones(32, 128)
     for i in range(args.iters):
         if rank == args.fault_rank and i == args.fault_at:
@@ -48,6 +57,7 @@ def main():
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-at", type=int, default=30)
     p.add_argument("--sleep", type=float, default=0.01)
+    p.add_argument("--set-title", action="store_true")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
