@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--engine-metrics-url",
         metavar="URL",
-        help="also read progress from the engine's own Prometheus endpoint (vLLM/SGLang generation-token and running-request counters): for engines whose collectives never reach Python (CUDA graphs)",
+        help="also read progress from the engine's own Prometheus endpoint (vLLM/SGLang generation-token and running-request counters): for engines whose collectives never reach Python (CUDA graphs); in --tree mode with a vLLM or SGLang launcher it is derived from the launcher's --host/--port unless 'none'",
     )
     g.add_argument(
         "--engine-kind",
@@ -434,6 +434,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     )
     if args.model and not Path(args.model, "config.json").is_file():
         raise UsageError(f"--model {args.model!r}: no config.json there; give a Hugging Face Llama-format directory")
+    metrics_url, metrics_kind = specs.engine_metrics_source(args.engine_metrics_url, command, args.tree)
     return LaunchSpec(
         command=tuple(command),
         nproc_per_node=nproc,
@@ -474,8 +475,8 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         zero_code_hook=args.hook,
         adaptive_floors=specs.parse_pair(args.adaptive_floors, "--adaptive-floors"),
         adaptive_ceilings=specs.parse_pair(args.adaptive_ceilings, "--adaptive-ceilings"),
-        engine_metrics_url=args.engine_metrics_url,
-        engine_kind=args.engine_kind,
+        engine_metrics_url=metrics_url,
+        engine_kind=args.engine_kind if args.engine_kind != "auto" else metrics_kind,
         engine=engine,
         output=specs.OutputOptions(
             log_dir=args.log_dir,

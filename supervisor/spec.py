@@ -480,6 +480,63 @@ def launcher_nproc(command: Sequence[str]) -> str | None:
         return nproc
 
 
+# Launchers recognised from the command (tree mode), as (engine, words that name it).  ``vllm serve``, ``python -m
+# vllm.entrypoints.openai.api_server``, ``python -m sglang.launch_server``; a wrapper before them (env, numactl,
+# taskset) changes nothing: the words are looked for anywhere in the command.
+_LAUNCHERS = (
+    ("vllm", ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server", "vllm.entrypoints.cli.main")),
+    ("sglang", ("sglang.launch_server", "sglang.srt.server", "sglang.launch_server.py")),
+)
+# Each engine's own defaults for its listener (vLLM: 0.0.0.0:8000; SGLang: 127.0.0.1:30000).
+_ENGINE_DEFAULT_PORTS = {"vllm": 8000, "sglang": 30000}
+ENGINE_METRICS_OFF = "none"
+
+
+def launcher_engine(command: Sequence[str]) -> str | None:
+    """ "vllm" or "sglang" when the tree-mode command is that engine's launcher, else None."""
+    for i, arg in enumerate(command):
+        name = os.path.basename(arg)
+        if name == "vllm" and i + 1 < len(command) and command[i + 1] == "serve":
+            return "vllm"
+        for engine, words in _LAUNCHERS:
+            if arg in words or name in words:
+                return engine
+    return None
+
+
+def launcher_metrics_url(command: Sequence[str]) -> str | None:
+    """The engine's own /metrics, from the launcher's ``--host``/``--port`` (or the engine's defaults).
+
+    A listener on every address (0.0.0.0, ::, none given) is scraped on loopback.
+    """
+    engine = launcher_engine(command)
+    if engine is None:
+        return None
+    port_text = _flag_value(command, ("--port",))
+    try:
+        port = int(port_text) if port_text is not None else _ENGINE_DEFAULT_PORTS[engine]
+    except ValueError:
+        return None
+    host = _flag_value(command, ("--host",)) or ""
+    if host in ("", "0.0.0.0", "*"):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "[::1]"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}/metrics"
+
+
+def engine_metrics_source(given: str | None, command: Sequence[str], tree: bool) -> tuple[str | None, str]:
+    """(URL, engine kind) of the engine-metrics progress source: ``given`` (``none`` turns it off), else in tree
+    mode the one a vLLM or SGLang launcher's flags name (docs/supervisor.md, ``--engine-metrics-url``)."""
+    if given is not None:
+        return (None if given.strip().lower() == ENGINE_METRICS_OFF else given), "auto"
+    if not tree:
+        return None, "auto"
+    return launcher_metrics_url(command), launcher_engine(command) or "auto"
+
+
 def _nproc_number(text: str | int) -> int:
     """``--nproc-per-node``: a number, or torchrun's gpu / auto / cpu."""
     if isinstance(text, int):
