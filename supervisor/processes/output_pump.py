@@ -69,6 +69,8 @@ JOIN_S = 0.5  # close(): the pump's final drain and join, at most
 FINAL_DRAIN_S = 0.2  # of JOIN_S: reading what the ranks left in their pipes
 ERROR_PAUSE_S = 0.05  # after a failed pass, so a persistent failure cannot spin
 STREAMS = ("stdout", "stderr")
+# The line a rank-side engine adapter prints when the installed engine's seams do not match (rank/engines.py).
+ADAPTER_UNAVAILABLE = "supervise: engine_adapter_unavailable"
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,7 @@ class RankOutput:
         self.options = options
         self.json = log_format == "json"
         self._rank_log = logs.rank_output_logger()
+        self._adapter_lines: set[str] = set()
         self._console = {"stdout": console_out or sys.stdout, "stderr": console_err or sys.stderr}
         self._locks = {name: _console_locks(stream) for name, stream in self._console.items()}
         self._selector = selectors.DefaultSelector()
@@ -417,6 +420,14 @@ class RankOutput:
 
     def _forward(self, stream: _Stream, lines: list[str]) -> None:
         source = stream.source
+        for line in lines:
+            if line.startswith(ADAPTER_UNAVAILABLE) and line not in self._adapter_lines:
+                # A rank-side engine adapter met a version it does not know (rank/engines.py): once per run.
+                self._adapter_lines.add(line)
+                log.warning(
+                    "engine adapter not installed: " + line[len(ADAPTER_UNAVAILABLE) :].strip(),
+                    event_name="engine_adapter_unavailable",
+                )
         if self.json:
             ids = {"launcher": True} if source.rank is None else {"rank": source.rank, "local_rank": source.local_rank}
             for line in lines:

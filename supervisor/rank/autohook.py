@@ -54,7 +54,7 @@ import threading
 import time
 from typing import Any
 
-from . import runtime, works
+from . import engines, runtime, works
 from .collectives import COALESCING_MANAGER, COLLECTIVES, cached_describe
 from .heartbeat import ARRIVAL_INDEX as _ARRIVAL_INDEX
 
@@ -357,8 +357,15 @@ def patch_functional(module) -> None:
         module.wait_tensor = _wrap_funcol_wait(wait)
 
 
+def collective_wrapper(name: str, fn):
+    """The lane wrapper of a collective function or method (``engines`` wraps vLLM's and SGLang's with it)."""
+    return _wrap_collective(name, fn)
+
+
 FUNCOL_MODULE = "torch.distributed._functional_collectives"
 _PATCHERS = {"torch.distributed": patch, FUNCOL_MODULE: patch_functional}
+# vLLM's and SGLang's seams (``engines``): the same finder patches them right after their modules run.
+_PATCHERS.update(dict.fromkeys(engines.SEAMS, engines.patcher(collective_wrapper)))
 
 
 class _Loader(importlib.abc.Loader):

