@@ -39,6 +39,7 @@ import structlog
 
 from ..signals import Hurry
 from . import pidfds as procs
+from . import shm
 from .cgroup import RunCgroup
 from .exits import ExitStatus
 from .pidfds import Pidfd
@@ -74,6 +75,7 @@ class TeardownResult:
     gpu_checked: bool = False
     marker_scans: int = 0  # walks of /proc for the run marker (one per teardown)
     statuses: dict[int, ExitStatus] = field(default_factory=dict)  # pid → status of each rank reaped here
+    shm_removed: list[str] = field(default_factory=list)  # /dev/shm files the run left, removed (shm.py)
 
     @property
     def complete(self) -> bool:
@@ -134,6 +136,11 @@ def teardown(
         rank_pids = {h.proc.pid for h in ranks if h.proc is not None}
         found.scan()
         result.marker_scans = found.marker_scans
+        # What the run maps in /dev/shm, read while it lives; removed below once nothing of it is left.
+        shm_files = shm.inventory(
+            [h.proc.pid for h in leaders if h.proc is not None and not h.proc.exited()]
+            + [pid for pid, p in found.held.items() if not p.exited()]
+        )
 
         def everyone() -> list[Pidfd]:
             held = [p for pid, p in found.held.items() if pid not in rank_pids]
@@ -182,6 +189,8 @@ def teardown(
             if info is not None and proc.send(0):
                 result.survivors.append(info)
         seen = set(found.held)
+        if not result.survivors:
+            result.shm_removed = shm.remove(shm_files)
     finally:
         found.close()
 

@@ -39,10 +39,10 @@ def make(path: str) -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=max(256, len(fast)),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=128,
+        intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=2,  # head_dim 64: one the CPU attention kernels support (16 is refused)
         num_key_value_heads=2,
         max_position_embeddings=1024,
         bos_token_id=fast.bos_token_id,

@@ -1,0 +1,90 @@
+"""Shared-memory files the run's processes leave in /dev/shm: found while they live, removed once they are gone.
+
+Engines create POSIX shared memory for their own transports and do not always
+remove it: vLLM's CPU build leaves its shm all-reduce buffers
+(``vllm_dist_<id>-tp:0-[0-1]-cpushm_<r>``) after a Ctrl-C even without us, and
+a worker killed in a teardown never runs its destructors.  The teardown reads
+which /dev/shm files the run's processes map (``/proc/<pid>/maps``) before it
+signals them, and removes those files once no process of the run is left.
+Reading another process's maps takes its mmap lock, so the inventory runs on a
+worker thread with a deadline (``INVENTORY_TIMEOUT_S``): a rank stuck in
+uninterruptible sleep costs that deadline, never the teardown.  Only regular
+files directly in /dev/shm owned by our user are removed, never through a
+symlink.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from collections.abc import Iterable
+
+import structlog
+
+log = structlog.get_logger("supervise.shm")
+
+SHM_DIR = "/dev/shm"
+INVENTORY_TIMEOUT_S = 0.5
+OWN_PREFIX = "tp-supervise"  # our own run files (heartbeat segment, ...): the run's owner removes them
+
+
+def _mapped_shm(pid: int) -> set[str]:
+    out: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").partition(f" {SHM_DIR}/")[2]
+                if path:
+                    name = path.removesuffix(" (deleted)")
+                    if "/" not in name and not path.endswith(" (deleted)"):
+                        out.add(name)
+    except OSError:
+        pass
+    return out
+
+
+def inventory(pids: Iterable[int], timeout: float = INVENTORY_TIMEOUT_S) -> set[str]:
+    """Names of the /dev/shm files ``pids`` map now (what a slow reader found by the deadline)."""
+    found: set[str] = set()
+    lock = threading.Lock()
+    pids = list(pids)
+
+    def walk() -> None:
+        for pid in pids:
+            names = _mapped_shm(pid)
+            with lock:
+                found.update(names)
+
+    thread = threading.Thread(target=walk, name="shm-inventory", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    with lock:
+        return set(found)
+
+
+def remove(names: Iterable[str], keep: Iterable[str] = ()) -> list[str]:
+    """Unlink each regular /dev/shm file in ``names`` that is ours (same uid), except ``keep``; returns those."""
+    removed = []
+    skip = set(keep) | _mapped_shm(os.getpid())  # the supervisor's own segments (heartbeats, rings) stay
+    try:
+        fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return removed
+    try:
+        for name in sorted(set(names) - skip):
+            if name.startswith(OWN_PREFIX):
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                    continue
+                os.unlink(name, dir_fd=fd)
+                removed.append(name)
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
+    if removed:
+        log.info("removed shared memory the run left", event_name="shm_removed", files=removed)
+    return removed
