@@ -199,18 +199,42 @@ def short_signature(signature: str, frames: int = SHORT_SIGNATURE_FRAMES) -> str
     return SIGNATURE_THREAD_SEPARATOR.join(out)
 
 
+# Frames that only pass a call on (dispatch, decorators, wrappers): never "where" a rank is.  By file, every
+# function in it (``*``), or the named ones: torch's op dispatch (``torch.ops.vllm.all_reduce`` runs through
+# ``_ops.py __call__``), its decorators and ``nn.Module`` call plumbing, the standard library's decorator and
+# context-manager helpers, and our own wrappers (the hook's and the engine adapters').
+DISPATCH_FRAMES: dict[str, frozenset[str]] = {
+    "_ops.py": frozenset({"__call__", "_call_overload", "_op_call"}),
+    "_contextlib.py": frozenset({"*"}),
+    "contextlib.py": frozenset({"*"}),
+    "functools.py": frozenset({"*"}),
+    "module.py": frozenset({"_call_impl", "_wrapped_call_impl"}),
+    "eval_frame.py": frozenset({"*"}),
+    "autohook.py": frozenset({"wrapper", "_call_counted"}),
+    "engines.py": frozenset({"wrapper"}),
+}
+
+
+def is_dispatch(frame: Frame) -> bool:
+    """A frame that only passes the call on (``DISPATCH_FRAMES``)."""
+    names = DISPATCH_FRAMES.get(frame.base_file)
+    return names is not None and ("*" in names or frame.base_function in names)
+
+
 def innermost_function(threads: Sequence[ThreadStack], skip: Iterable[str] = ()) -> Frame | None:
     """The innermost Python frame of the main thread, skipping library names in ``skip``.
 
     Used to name *where* a culprit is ("stuck in load_batch (data.py)"):
-    frames of the standard library's sleeping/waiting helpers are skipped.
+    frames of the standard library's sleeping/waiting helpers are skipped, and
+    so are dispatch and wrapper frames (``is_dispatch``): the engine's own
+    function is named, not torch's ``__call__ (_ops.py)``.
     """
     skip_set = frozenset(skip)
     main = main_thread(threads)
     candidates = [main] if main is not None else [t for t in threads if not t.is_infra]
     for t in candidates:
         for f in t.python_frames:
-            if f.base_function not in skip_set and not _HEX_NAME.match(f.function):
+            if f.base_function not in skip_set and not _HEX_NAME.match(f.function) and not is_dispatch(f):
                 return f
     return None
 

@@ -114,3 +114,21 @@ def test_render_puts_main_thread_first():
     text = st.render_threads(st.parse_pyspy_json(PYSPY, pid=100))
     assert text.index("main thread 100") < text.index("my-helper")
     assert "[native] clock_nanosleep" in text and "stuck_here (/x/t2.py:6)" in text
+
+
+def test_where_skips_dispatch_and_wrapper_frames():
+    """vLLM's all-reduce runs through torch's op dispatch and our wrapper: "where" is vLLM's function."""
+    from tp_supervise.dumps.stacks import Frame, ThreadStack, innermost_function
+
+    frames = (
+        Frame("__call__", "/venv/torch/_ops.py", 1255),
+        Frame("wrapper", "/x/tp_supervise/supervisor/rank/engines.py", 10),
+        Frame("all_reduce", "/venv/vllm/distributed/parallel_state.py", 203),
+        Frame("__call__", "/venv/torch/_ops.py", 1255),
+        Frame("tensor_model_parallel_all_reduce", "/venv/vllm/distributed/communication_op.py", 14),
+        Frame("forward", "/venv/vllm/model_executor/layers/linear.py", 1400),
+        Frame("_call_impl", "/venv/torch/nn/modules/module.py", 1786),
+    )
+    thread = ThreadStack(thread_id="1", name="MainThread", frames=frames, is_main=True)
+    where = innermost_function([thread])
+    assert (where.base_function, where.base_file) == ("all_reduce", "parallel_state.py")
