@@ -65,7 +65,7 @@ def inventory(pids: Iterable[int], timeout: float = INVENTORY_TIMEOUT_S) -> set[
 
 def remove(names: Iterable[str], keep: Iterable[str] = ()) -> list[str]:
     """Unlink each regular /dev/shm file in ``names`` that is ours (same uid), except ``keep``; returns those."""
-    removed = []
+    removed: list[str] = []
     skip = set(keep) | _mapped_shm(os.getpid())  # the supervisor's own segments (heartbeats, rings) stay
     try:
         fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
