@@ -192,7 +192,7 @@ class Supervisor(NodeGroupRules):
             ConsensusAgreed: self._on_agreed,
             ControlRequest: self._on_control,
             SignalReceived: self._on_signal_event,
-            LoopTick: lambda _ev: self.services.liveness.beat(),
+            LoopTick: self._on_loop_tick,
             events.PeerFailed: self._on_peer_failed,
             events.PeerHangQuery: self._on_peer_hang_query,
             HangQueryUnanswered: self._on_hang_query_unanswered,
@@ -691,6 +691,12 @@ class Supervisor(NodeGroupRules):
             self.post(ProcessExited(("tree-rank", ev.slot), ev.pid, None, time.monotonic(), self.attempt.number))
             return
         self.monitor.watch(("tree-rank", ev.slot), handle.proc, self.attempt.number)
+
+    def _on_loop_tick(self, ev: LoopTick) -> None:
+        self.services.liveness.beat()
+        for handle in self.attempt.ranks.values():
+            if handle.renamed():  # an engine renamed its worker (VLLM::Worker -> VLLM::Worker_TP1)
+                handle.read_title()
 
     def _on_all_ready(self, ev: AllRanksReady) -> None:
         for handle in self.attempt.ranks.values():

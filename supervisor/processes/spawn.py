@@ -96,10 +96,18 @@ class RankHandle:
     proc: procs.Pidfd | None = None
     title: str = ""  # its process title as last read (an engine renames its workers: VLLM::Worker_TP0)
 
+    comm: str = ""  # its kernel name when the title was read (setproctitle changes both)
+
     def read_title(self) -> None:
         """Read the title again while the process is alive (kept once it is gone)."""
         if self.alive:
+            self.comm = _comm(self.pid)
             self.title = process_title(self.pid) or self.title
+
+    def renamed(self) -> bool:
+        """Its kernel name changed since the title was read (``/proc/<pid>/comm``: no lock of the process is taken,
+        unlike the command line, so a rank stuck in the kernel cannot block this check)."""
+        return self.alive and _comm(self.pid) not in ("", self.comm)
 
     @property
     def slot(self) -> int:
@@ -112,6 +120,14 @@ class RankHandle:
     @property
     def alive(self) -> bool:
         return self.exit is None
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _join_path(first: str, rest: str | None) -> str:
