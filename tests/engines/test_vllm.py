@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -27,9 +28,24 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VL
 
 def launcher(model, port: int) -> list[str]:
     return [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--tensor-parallel-size", "2", "--enforce-eager", "--dtype", "float32", "--port", str(port),
-        "--host", "127.0.0.1", "--max-model-len", "512", "--served-model-name", "tiny",
+        str(VLLM_PYTHON),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--tensor-parallel-size",
+        "2",
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
     ]
 
 
@@ -48,6 +64,7 @@ def wait_serving(run, port: int) -> None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
                 if response.status == 200:
+                    workers(run)
                     return
         except (OSError, urllib.error.URLError):
             pass
@@ -56,9 +73,12 @@ def wait_serving(run, port: int) -> None:
 
 
 def workers(run) -> dict[int, psutil.Process]:
-    """TP rank -> its worker process, by the title vLLM gives it (VLLM::Worker_TP<r>)."""
+    """TP rank -> its worker process, by the title vLLM gives it (VLLM::Worker_TP<r>); every process of the
+    supervisor's tree seen is remembered in ``run.tree_pids`` (for assert_nothing_left)."""
     out = {}
-    for proc in psutil.Process(run.proc.pid).children(recursive=True):
+    children = psutil.Process(run.proc.pid).children(recursive=True)
+    run.tree_pids = getattr(run, "tree_pids", set()) | {p.pid for p in children}
+    for proc in children:
         try:
             title = " ".join(proc.cmdline())
         except psutil.Error:
@@ -84,11 +104,21 @@ class Load:
         while not self.stop.is_set():
             try:
                 if i % 2:
-                    post(self.port, "/v1/chat/completions", {"model": "tiny", "max_tokens": 24,
-                         "messages": [{"role": "user", "content": "tell me a story"}]})
+                    post(
+                        self.port,
+                        "/v1/chat/completions",
+                        {
+                            "model": "tiny",
+                            "max_tokens": 24,
+                            "messages": [{"role": "user", "content": "tell me a story"}],
+                        },
+                    )
                 else:
-                    post(self.port, "/v1/completions", {"model": "tiny", "prompt": "the quick brown fox",
-                         "max_tokens": 24, "temperature": 0})
+                    post(
+                        self.port,
+                        "/v1/completions",
+                        {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0},
+                    )
                 self.done += 1
             except Exception:
                 time.sleep(0.2)
@@ -99,13 +129,25 @@ class Load:
             t.join(timeout=40)
 
 
+def _mapped_shm() -> set[str]:
+    names = set()
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                names.update(line.rsplit("/dev/shm/", 1)[1].strip() for line in f if "/dev/shm/" in line)
+        except OSError:
+            continue
+    return names
+
+
 def assert_nothing_left(run, before_shm: set[str]) -> None:
-    left = [p for p in psutil.process_iter(["cmdline"]) if any("VLLM::" in a for a in (p.info["cmdline"] or ()))]
-    assert not left, f"vLLM processes left: {left}"
-    new_shm = set(os.listdir("/dev/shm")) - before_shm
-    assert not [n for n in new_shm if "psm_" in n or "vllm" in n.lower()], f"shared memory left: {new_shm}"
-    cgroups = [p for p in ("/sys/fs/cgroup", "/sys/fs/cgroup/pids") if os.path.isdir(p)]
-    for base in cgroups:
+    """No process of the run (the supervisor's whole tree, found by pid: setproctitle wiped the test's marker), no
+    run cgroup, no /dev/shm file the run made that nobody maps any more."""
+    left = [pid for pid in run.tree_pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not left, f"processes of the run left: {left}"
+    new_shm = set(os.listdir("/dev/shm")) - before_shm - _mapped_shm()
+    assert not [n for n in new_shm if not n.startswith("tp-supervise")], f"shared memory left: {new_shm}"
+    for base in (p for p in ("/sys/fs/cgroup", "/sys/fs/cgroup/pids") if os.path.isdir(p)):
         for dirpath, dirnames, _ in os.walk(base):
             assert not [d for d in dirnames if run.run_id() and d.endswith(run.run_id())], dirpath
 
@@ -117,8 +159,11 @@ def test_serves_then_ctrl_c_leaves_nothing(supervise, tiny_model):
     assert len(workers(run)) == 2
     text = post(port, "/v1/completions", {"model": "tiny", "prompt": "hello world", "max_tokens": 8})
     assert text["choices"][0]["text"] is not None
-    chat = post(port, "/v1/chat/completions", {"model": "tiny", "max_tokens": 8,
-                "messages": [{"role": "user", "content": "hello"}]})
+    chat = post(
+        port,
+        "/v1/chat/completions",
+        {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]},
+    )
     assert chat["choices"][0]["message"]["role"] == "assistant"
     load = Load(port)
     time.sleep(20)
@@ -169,4 +214,43 @@ def test_killed_worker_is_named(supervise, tiny_model):
     assert code == 80, run.stderr[-4000:]
     summary = run.summary("rank_exit")
     assert summary["culprit_ranks"] == [0], summary["verdict"]
+    assert_nothing_left(run, before)
+
+
+PLUGIN = str(Path(__file__).parent / "plugin")
+
+
+def test_worker_stuck_outside_collectives_is_a_hang(supervise, tiny_model):
+    """Worker 1 sleeps in Python inside execute_model (a test plugin on PYTHONPATH): the step that does not end."""
+    port, before = free_port(), set(os.listdir("/dev/shm"))
+    env = dict(ENV, PYTHONPATH=PLUGIN, TPS_TEST_FAULT="stuck", TPS_TEST_RANK="1", TPS_TEST_AFTER="200")
+    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=env)
+    wait_serving(run, port)
+    load = Load(port)
+    code = run.wait(timeout=300)
+    load.close()
+    assert code == 81, run.stderr[-4000:]
+    hang = run.summary("-hang")
+    assert hang["culprit_ranks"] == [1], hang["verdict"]
+    assert_nothing_left(run, before)
+
+
+def test_engine_version_whose_seams_differ(supervise, tiny_model):
+    """A renamed all-reduce seam (as a newer vLLM might): one engine_adapter_unavailable line, vLLM serves on,
+    and a stopped worker is still found (the engine's own metrics and the other seams)."""
+    port, before = free_port(), set(os.listdir("/dev/shm"))
+    env = dict(ENV, PYTHONPATH=PLUGIN, TPS_TEST_FAULT="rename")
+    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=env)
+    wait_serving(run, port)
+    assert post(port, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 8})["choices"]
+    load = Load(port)
+    time.sleep(20)
+    workers(run)[1].send_signal(signal.SIGSTOP)
+    code = run.wait(timeout=300)
+    load.close()
+    assert code == 81, run.stderr[-4000:]
+    unavailable = run.events("engine_adapter_unavailable")
+    assert len(unavailable) == 1, unavailable
+    assert "_all_reduce_out_place" in unavailable[0]["message"] and "0.32.0" in unavailable[0]["message"]
+    assert run.summary("-hang")["culprit_ranks"] == [1]
     assert_nothing_left(run, before)

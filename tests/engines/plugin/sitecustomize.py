@@ -1,0 +1,73 @@
+"""A test's fault plugin for real vLLM (put on PYTHONPATH by tests/engines/test_vllm.py; the supervisor's hook
+runs first and chains this one).  Nothing of the supervisor is used here.
+
+TPS_TEST_FAULT=stuck: TP worker ``TPS_TEST_RANK`` (default 1) sleeps in Python inside ``execute_model`` from
+    its ``TPS_TEST_AFTER``-th call on: stuck outside any collective.
+TPS_TEST_FAULT=rename: vLLM's ``GroupCoordinator._all_reduce_out_place`` is renamed as a newer version might,
+    before anything else sees the module (a version whose seams differ).
+"""
+
+import importlib.abc
+import os
+import sys
+import time
+
+FAULT = os.environ.get("TPS_TEST_FAULT", "")
+TARGETS = {"stuck": "vllm.v1.worker.gpu_worker", "rename": "vllm.distributed.parallel_state"}
+
+
+def _stuck(module):
+    rank = int(os.environ.get("TPS_TEST_RANK", "1"))
+    after = int(os.environ.get("TPS_TEST_AFTER", "200"))
+    original = module.Worker.execute_model
+    calls = [0]
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        calls[0] += 1
+        if self.rank == rank and calls[0] >= after:
+            while True:
+                time.sleep(0.05)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    module.Worker.execute_model = execute_model
+
+
+def _rename(module):
+    cls = module.GroupCoordinator
+    cls._all_reduce_out_place_v2 = cls._all_reduce_out_place
+    del cls._all_reduce_out_place
+    cls.all_reduce = lambda self, input_: input_ if self.world_size == 1 else self._all_reduce_out_place_v2(input_)
+    sys.modules["vllm.distributed.parallel_state"].all_reduce = lambda tensor, group_name: module._groups[
+        group_name
+    ]()._all_reduce_out_place_v2(tensor)
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, change):
+        self.inner, self.change = inner, change
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        self.change(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGETS.get(FAULT):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader, _stuck if FAULT == "stuck" else _rename)
+                return spec
+        return None
+
+
+if FAULT in TARGETS:
+    # After the supervisor's own finder (it delegates to us and patches what we return): our change comes first.
+    sys.meta_path.insert(1 if sys.meta_path and "autohook" in type(sys.meta_path[0]).__module__ else 0, _Finder())
