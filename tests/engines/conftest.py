@@ -28,6 +28,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([sys.executable, str(Path(__file__).parent / "make_tiny_llama.py"), str(path)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "make_tiny_llama.py"), str(path)], check=True, capture_output=True
+    )
     return path
