@@ -86,7 +86,6 @@ class WatchdogThread:
         self._stop = threading.Event()
         self._thread = named_thread(self._run, "watchdog")
         self.adapter = AdapterThread(spec.engine_metrics_url, spec.engine_kind) if spec.engine_metrics_url else None
-        self.spec_metrics_url = spec.engine_metrics_url
         argv0 = os.path.basename(spec.rank_argv()[0])
         self.expect_claim = spec.zero_code_hook and "python" in argv0
 
@@ -96,7 +95,7 @@ class WatchdogThread:
             log.info(
                 "engine metrics read as progress",
                 event_name="engine_metrics_source",
-                url=self.spec_metrics_url,
+                url=self.adapter.scraper.url,
                 engines=[m.engine for m in self.adapter.scraper.engines],
             )
             self.adapter.start()
