@@ -43,21 +43,15 @@ def test_second_sigint_kills_immediately(supervise):
 
 
 def test_supervisor_sigkill_leaves_no_rank(supervise):
-    run = supervise(["--nproc-per-node", "3"], fake_rank("--all", "loop", "--on", "1=doublefork"))
-
-    def grandchild() -> int | None:
-        """Rank 1's escaped grandchild: a marked process that does not lead its session (the ranks lead
-        theirs; the grandchild is a second fork after setsid)."""
-        for pid in set(marked_pids(supervise.mark)) - {run.proc.pid}:
-            try:
-                if os.getsid(pid) != pid:
-                    return pid
-            except ProcessLookupError:
-                continue
-        return None
-
-    # The supervisor, its three ranks and the escaped grandchild: all of them started before the kill.
-    escapee = wait_for(grandchild, 20.0, "rank 1's double-forked grandchild")
+    pidfile = supervise.tmp / "escapee.pid"
+    run = supervise(
+        ["--nproc-per-node", "3"],
+        fake_rank("--all", "loop", "--on", "1=doublefork"),
+        env={"FAKE_ESCAPEE_FILE": str(pidfile)},
+    )
+    # The supervisor, its three ranks and rank 1's escaped grandchild, which names itself (a guess
+    # by session id can take the intermediate fork before its setsid): all started before the kill.
+    escapee = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 20.0, "rank 1's grandchild"))
     pids = _wait_ranks(supervise.mark, 5)
     time.sleep(0.5)
     os.kill(run.proc.pid, signal.SIGKILL)

@@ -14,7 +14,8 @@ ACTION (what this rank does after --delay seconds):
   segv         dereference NULL (SIGSEGV)
   abort        call abort() from a non-main thread (a C++ std::terminate)
   ignore_term  ignore SIGTERM and block forever
-  doublefork   leave a setsid grandchild that ignores SIGTERM, then block
+  doublefork   leave a setsid grandchild that ignores SIGTERM (its pid in $FAKE_ESCAPEE_FILE
+               when set), then block
   scrubbed     like doublefork, but the grandchild execs `env -i` (no run marker, no test
                mark) and writes its pid to $FAKE_ESCAPEE_FILE; then block
   stop         SIGSTOP itself (inside a collective of the loop)
@@ -31,6 +32,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tp_supervise.supervisor.rank import runtime as sv  # noqa: E402
+
+
+def announce_escapee() -> None:
+    """Write this process's pid to $FAKE_ESCAPEE_FILE (when set), whole or not at all: a test
+    reading it must never see a partial number."""
+    path = os.environ.get("FAKE_ESCAPEE_FILE")
+    if path:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
 
 
 def block_forever():
@@ -93,8 +104,7 @@ def act(action: str, steps: int) -> None:
         if os.fork() == 0:
             os.setsid()
             if os.fork() == 0:
-                with open(os.environ["FAKE_ESCAPEE_FILE"], "w") as f:
-                    f.write(str(os.getpid()))
+                announce_escapee()
                 os.execve("/bin/sh", ["sh", "-c", "trap '' TERM; while :; do sleep 1; done"], {})
             os._exit(0)
         os.wait()
@@ -104,6 +114,7 @@ def act(action: str, steps: int) -> None:
             os.setsid()
             if os.fork() == 0:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                announce_escapee()
                 block_forever()
             os._exit(0)
         os.wait()
