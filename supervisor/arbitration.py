@@ -7,6 +7,9 @@ decides what it means, from the attempt as the main thread knows it::
     the attempt already has an outcome,   → a consequence of that incident (or of
     or the supervisor is tearing down       our own stop): counted as "teardown"
     the launcher exits 0                  → the run is clean, unless a rank failed first
+    an engine process (tree mode: between → a fault while ranks run (vLLM's engine core:
+    the launcher and its ranks) exits       its workers die of it, it is the first failure);
+                                            after the ranks, or with code 0, nothing by itself
     a rank exits 0 while its peers run    → look again after EARLY_EXIT_WINDOW_S: if the
                                             peers followed, the job finished; if not, a fault
     a rank exits 0, the last one          → the run is clean
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from .events import DivergenceFound, EarlyExitCheck
 from .outcome import TEARDOWN_EXIT
 from .processes import exits
-from .processes.attempt import Attempt
+from .processes.attempt import LAUNCHER_SLOT, Attempt
 from .processes.exits import ExitInfo, ExitStatus
 from .processes.spawn import RankHandle
 from .rank.heartbeat import SlotSnapshot
@@ -75,6 +78,8 @@ def classify_exit(
     # its peers still run.
     said_finished = handle.slot >= 0 and read_slot(handle.slot).finished
     if status is None:
+        if handle.slot < LAUNCHER_SLOT:
+            return exits.engine_process_gone()
         if said_finished:
             return ExitInfo(None, exits.CLEAN, "finished (its launcher owns the exit status)")
         return exits.lost()
@@ -93,6 +98,10 @@ def rule_exit(attempt: Attempt, handle: RankHandle, info: ExitInfo, *, tearing_d
         if (not info.failed or info.reason == exits.EARLY_EXIT) and attempt.first_failure is None:
             return Ruling(Meaning.CLEAN, handle, info, info.reason, "launcher finished with exit code 0")
         return Ruling(Meaning.FAILED, handle, info, info.reason)
+    if handle.slot < 0:  # an engine process: counted with the ranks' exits only when it is the fault
+        if attempt.live_ranks() and (info.failed and info.reason != exits.EARLY_EXIT):
+            return Ruling(Meaning.FAILED, handle, info, info.reason)
+        return Ruling(Meaning.DONE, handle, info)
     if info.reason == exits.EARLY_EXIT:
         return Ruling(Meaning.RECHECK, handle, info)  # counted when the check decides
     if info.failed:
@@ -117,11 +126,10 @@ def rule_early_exit_check(attempt: Attempt, check: EarlyExitCheck) -> Ruling:
 def root_cause(attempt: Attempt, handle: RankHandle, info: ExitInfo) -> tuple[RankHandle, ExitInfo]:
     """The earliest failure of the attempt, which may be a rank whose early
     exit (code 0) was still inside its grace window; ``handle`` if none."""
-    handles = list(attempt.ranks.values()) + [attempt.launcher]
     failed = [
         (h.exited_at, h)
-        for h in handles
-        if h is not None and h.exit is not None and h.exit.failed and h.exited_at is not None
+        for h in attempt.processes()
+        if h.exit is not None and h.exit.failed and h.exited_at is not None
     ]
     first = min(failed, key=lambda pair: pair[0])[1] if failed else handle
     return first, first.exit or info

@@ -82,7 +82,7 @@ from .outcome import (
 from .processes import exits
 from .processes import pidfds as procs
 from .processes import spawn as launch
-from .processes.attempt import NOT_STARTED, Attempt, AttemptView, Published, RankView
+from .processes.attempt import ENGINE_PROCESS, LAUNCHER_SLOT, NOT_STARTED, Attempt, AttemptView, Published, RankView
 from .processes.cgroup import RunCgroup
 from .processes.exit_monitor import ExitMonitor
 from .processes.exits import ExitInfo
@@ -488,7 +488,7 @@ class Supervisor(NodeGroupRules):
         extra_env = self.services.rank_env
         if self.spec.tree:
             env = launch.rank_env(self.base_env, self.ctx, None, extra_env(None))
-            spec = RankSpec(slot=-1, rank=-1, argv=tuple(self.spec.rank_argv()), env=env)
+            spec = RankSpec(slot=LAUNCHER_SLOT, rank=-1, argv=tuple(self.spec.rank_argv()), env=env)
             with self.monitor.spawning():
                 handle, proc = self._spawn(spec)
                 self.attempt.set_launcher(handle)
@@ -659,7 +659,7 @@ class Supervisor(NodeGroupRules):
     def _rule_rank_failure(self, handle: RankHandle, info: ExitInfo) -> None:
         first, first_info = arbitration.root_cause(self.attempt, handle, info)
         self.attempt.first_failure = (first, first_info)
-        who = "launcher" if first is self.attempt.launcher else f"rank {first.rank}"
+        who = RankView.of(first).role
         log.error(
             f"{RankView.of(first).describe(who)} {first_info.description}",
             event_name="rank_exited",
@@ -691,6 +691,27 @@ class Supervisor(NodeGroupRules):
             self.post(ProcessExited(("tree-rank", ev.slot), ev.pid, None, time.monotonic(), self.attempt.number))
             return
         self.monitor.watch(("tree-rank", ev.slot), handle.proc, self.attempt.number)
+        self._hold_engine_processes(ev.pid, identity)
+
+    def _hold_engine_processes(self, rank_pid: int, identity: procs.RunIdentity) -> None:
+        """The processes between the launcher and a rank that joined (vLLM's ``VLLM::EngineCore``) are held and
+        watched too: the death of one is the first failure, not the ranks that die of it."""
+        launcher = self.attempt.launcher
+        between = procs.ancestors_below(rank_pid, launcher.pid) if launcher is not None else None
+        for pid in between or ():
+            if self.attempt.holds_process(pid):
+                continue
+            slot = -2 - len(self.attempt.engine_processes)
+            handle = RankHandle(
+                spec=RankSpec(slot=slot, rank=-1, argv=(), env={}), pid=pid, started_at=time.monotonic()
+            )
+            handle.proc = procs.open_verified(pid, identity.owns)
+            if handle.proc is None:
+                continue
+            handle.read_title()
+            key = self.attempt.add_engine_process(handle)
+            log.info("engine process held", pid=pid, title=handle.title, above_rank_pid=rank_pid)
+            self.monitor.watch(key, handle.proc, self.attempt.number)
 
     def _on_loop_tick(self, ev: LoopTick) -> None:
         self.services.liveness.beat()
@@ -813,11 +834,10 @@ class Supervisor(NodeGroupRules):
     # ------------------------------------------------------------------ teardown
     def _teardown(self, immediate: bool) -> None:
         self.transition(Event.TEARDOWN)
-        handles = list(self.attempt.ranks.values())
-        if self.attempt.launcher is not None:
-            handles.append(self.attempt.launcher)
+        handles = self.attempt.processes()
         kind = "tree-rank" if self.spec.tree else "rank"  # the keys _launch/_on_claimed watch under
         keys: set[object] = {(kind, h.slot) for h in self.attempt.ranks.values()} | {LAUNCHER_KEY}
+        keys |= {(ENGINE_PROCESS, h.pid) for h in self.attempt.engine_processes}
         policy = KillPolicy(grace_s=self.spec.kill_grace, immediate=immediate, hurry=self.hurry)
         try:
             result = teardown(

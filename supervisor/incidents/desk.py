@@ -459,16 +459,22 @@ class IncidentDesk:
     # -------------------------------------------------------------- incidents
     def rank_exit(self, first: RankView, info: ExitInfo, attempt: AttemptView) -> None:
         """``first``: the root cause (``attempt.launcher`` or one of ``attempt.ranks``)."""
-        who = "the launcher" if first.is_launcher else f"rank {first.rank}"
+        who = first.role if first.slot >= 0 else f"the {first.role}"
         others = [r.rank for r in attempt.live_ranks() if r.slot != first.slot]
-        verdict = f"{who} (pid {first.pid}) {info.description}"
+        verdict = f"{first.describe(who)} {info.description}"
         if others:
             peers = f"rank {others[0]} was" if len(others) == 1 else f"ranks {','.join(map(str, others))} were"
             verdict += f"; {peers} still running and torn down as a consequence"
         extra = {
             "culprit_ranks": [first.rank] if first.rank >= 0 else [],
             "verdict": verdict,
-            "first_failure": {"rank": first.rank, "pid": first.pid, **info.to_dict()},
+            "first_failure": {
+                "rank": first.rank,
+                "role": "rank" if first.slot >= 0 else first.role,
+                "pid": first.pid,
+                "title": first.title,
+                **info.to_dict(),
+            },
         }
         files = {}
         error = read_error_file(error_file(self.run_dir, first.rank)) if first.rank >= 0 else None

@@ -26,6 +26,9 @@ from .spawn import RankHandle
 
 T = TypeVar("T")
 
+LAUNCHER_SLOT = -1
+ENGINE_PROCESS = "engine-process"  # exit-monitor key kind: (ENGINE_PROCESS, pid)
+
 
 class Published(Generic[T]):
     """The latest value of something the main thread owns: one writer, any readers.
@@ -45,7 +48,8 @@ class Published(Generic[T]):
 
 @dataclass(frozen=True)
 class RankView:
-    """One rank (or the tree-mode launcher, slot -1) as the main thread last saw it."""
+    """One rank (or a tree-mode process that is not a rank: the launcher, slot -1, or an engine process
+    between it and the ranks, slot ≤ -2) as the main thread last saw it."""
 
     slot: int
     rank: int
@@ -71,7 +75,15 @@ class RankView:
 
     @property
     def is_launcher(self) -> bool:
+        """Not a rank: the launcher or an engine process of its tree."""
         return self.slot < 0
+
+    @property
+    def role(self) -> str:
+        """``rank 1``, ``launcher`` or ``engine process`` (e.g. vLLM's ``VLLM::EngineCore``)."""
+        if self.slot >= 0:
+            return f"rank {self.rank}"
+        return "launcher" if self.slot == LAUNCHER_SLOT else "engine process"
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,6 +123,8 @@ class Attempt:
         self.number = number
         self._ranks: dict[int, RankHandle] = {}  # slot → handle
         self.launcher: RankHandle | None = None
+        # Tree mode: the processes between the launcher and its ranks (vLLM's engine core), by pid.
+        self._engine_processes: dict[int, RankHandle] = {}
         self.first_failure: tuple[RankHandle, ExitInfo] | None = None
         self.outcome: Outcome | None = None
         self._publish = publish
@@ -124,12 +138,26 @@ class Attempt:
     def live_ranks(self) -> list[RankHandle]:
         return [h for h in self._ranks.values() if h.alive]
 
+    @property
+    def engine_processes(self) -> list[RankHandle]:
+        return list(self._engine_processes.values())
+
+    def holds_process(self, pid: int) -> bool:
+        return pid in self._engine_processes or any(h.pid == pid for h in (*self._ranks.values(), self.launcher) if h)
+
+    def processes(self) -> list[RankHandle]:
+        """Every process this attempt holds: ranks, the launcher, engine processes."""
+        launcher = [self.launcher] if self.launcher is not None else []
+        return [*self._ranks.values(), *launcher, *self._engine_processes.values()]
+
     def handle_for(self, key: object) -> RankHandle | None:
         """The handle an exit-monitor key names (as ``core`` watches them)."""
         if key == LAUNCHER_KEY:
             return self.launcher
         if isinstance(key, tuple) and key[0] in ("rank", "tree-rank"):
             return self._ranks.get(key[1])
+        if isinstance(key, tuple) and key[0] == ENGINE_PROCESS:
+            return self._engine_processes.get(key[1])
         return None
 
     # ------------------------------------------------------------ changes
@@ -140,6 +168,11 @@ class Attempt:
     def set_launcher(self, handle: RankHandle) -> None:
         self.launcher = handle
         self._changed()
+
+    def add_engine_process(self, handle: RankHandle) -> tuple[str, int]:
+        """Hold a tree process that is not a rank; returns the exit-monitor key to watch it under."""
+        self._engine_processes[handle.pid] = handle
+        return (ENGINE_PROCESS, handle.pid)
 
     def record_exit(self, handle: RankHandle, info: ExitInfo, at: float) -> None:
         handle.exit, handle.exited_at = info, at

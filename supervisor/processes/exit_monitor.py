@@ -10,8 +10,8 @@ flag) and leaves the zombie, so the pid, and the process group a rank leads,
 cannot be reused until the teardown has signalled that group and reaps it
 (``teardown``).  A tree-mode rank is not our child until its launcher dies
 and it reparents to us (the subreaper): from then on its exit is read the
-same way; before, it is only reported as gone (its status belongs to its own
-parent).
+same way; before, its status is read from its zombie's ``/proc/<pid>/stat``
+if its parent has not reaped it yet, else it is only reported as gone.
 
 Everything else that reparents to the subreaper (a rank's double-forked
 children, a dead launcher's workers) is reaped continuously, every
@@ -173,7 +173,10 @@ class ExitMonitor:
         try:
             result = w.proc.wait(reap=False)  # the zombie stays: its pid is the teardown's to release
         except ChildProcessError:
-            result = None  # not our child (a tree-mode rank its launcher reaps)
+            # Not our child (a tree-mode rank its launcher reaps): its status, while its parent has not reaped
+            # it yet; this thread wakes the moment it exits, and a parent in Python takes longer.
+            wait_status = procs.zombie_wait_status(w.proc.pid)
+            status = ExitStatus.from_wait_status(wait_status) if wait_status is not None else None
         else:
             if result is not None:
                 status = ExitStatus.from_waitid(result)

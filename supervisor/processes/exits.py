@@ -51,6 +51,13 @@ class ExitStatus:
             return cls(code=result.si_status, signal=None)
         return cls(code=None, signal=result.si_status, core_dumped=result.si_code == os.CLD_DUMPED)
 
+    @classmethod
+    def from_wait_status(cls, status: int) -> ExitStatus:
+        """From a waitpid-style status word (``/proc/<pid>/stat``'s exit_code of a zombie)."""
+        if os.WIFEXITED(status):
+            return cls(code=os.WEXITSTATUS(status), signal=None)
+        return cls(code=None, signal=os.WTERMSIG(status), core_dumped=os.WCOREDUMP(status))
+
     @property
     def returncode(self) -> int:
         """subprocess-style: the code, or minus the signal."""
@@ -120,6 +127,17 @@ def lost() -> ExitInfo:
         LOST,
         "vanished without a clean exit (killed by a signal, os._exit or a native crash); it was not our child, "
         "so its exit status is unknown",
+    )
+
+
+def engine_process_gone() -> ExitInfo:
+    """A tree-mode process between the launcher and its ranks (vLLM's engine core) ended, and its own parent reaped
+    it before its status could be read (the rank-side hook marks no clean exit for a process that is not a rank)."""
+    return ExitInfo(
+        None,
+        LOST,
+        "ended while its ranks were running; it was not our child and its parent reaped it first, so its exit "
+        "status is unknown",
     )
 
 

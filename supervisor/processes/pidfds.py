@@ -32,7 +32,7 @@ import os
 import select
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -138,23 +138,54 @@ def run_marker(run_key: str) -> bytes:
 ANCESTRY_MAX_DEPTH = 64
 
 
+def _parents(pid: int) -> Iterator[int]:
+    """The parent chain of ``pid`` (its parent first), up to init or ANCESTRY_MAX_DEPTH, as /proc says now."""
+    for _ in range(ANCESTRY_MAX_DEPTH):
+        parsed = _stat(pid)
+        if parsed is None:
+            return
+        pid = int(parsed[1][1])
+        if pid <= 1:
+            return
+        yield pid
+
+
 def descends_from(pid: int, root: int) -> bool:
     """``root`` is an ancestor of ``pid`` now (the parent chain of /proc/<pid>/stat).
 
     While the supervisor is a child subreaper, everything it started stays
     below it: a process whose parent dies reparents to the supervisor.
     """
-    for _ in range(ANCESTRY_MAX_DEPTH):
-        parsed = _stat(pid)
-        if parsed is None:
-            return False
-        ppid = int(parsed[1][1])
-        if ppid == root:
-            return True
-        if ppid <= 1:
-            return False
-        pid = ppid
-    return False
+    return root in _parents(pid)
+
+
+def ancestors_below(pid: int, top: int) -> list[int] | None:
+    """The processes between ``top`` and ``pid``, nearest ``pid`` first (``[]``: ``top`` is its parent);
+    None when ``top`` is not above it (it reparented, or it is gone)."""
+    between: list[int] = []
+    for parent in _parents(pid):
+        if parent == top:
+            return between
+        between.append(parent)
+    return None
+
+
+# /proc/<pid>/stat field 52 (exit_code, Linux 3.5+), counted after the parenthesised name: index 49.
+_STAT_EXIT_CODE = 49
+
+
+def zombie_wait_status(pid: int) -> int | None:
+    """The wait status of ``pid`` if it is a zombie not yet reaped by its parent (a process that is not our
+    child: its status is its parent's, readable here only until the parent reaps it); None otherwise.
+
+    While the zombie exists its pid cannot be reused, so a ``Z`` read here is the process that exited."""
+    parsed = _stat(pid)
+    if parsed is None or parsed[1][0] != "Z" or len(parsed[1]) <= _STAT_EXIT_CODE:
+        return None
+    try:
+        return int(parsed[1][_STAT_EXIT_CODE])
+    except ValueError:
+        return None
 
 
 class RunIdentity:

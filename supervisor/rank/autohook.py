@@ -385,24 +385,42 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Wraps the loaders of ``torch.distributed`` and its functional
-    collectives so we patch each module right after it runs."""
+    """Wraps the loaders of ``torch.distributed``, its functional collectives
+    and the engines' modules so we patch each module right after it runs.
+
+    It asks the finders after it for the spec; another finder that does the
+    same (an import hook of the program's that asks every finder but itself,
+    us included) asks us back for the same name: we answer None to that inner
+    call, so the two never recurse, and each wraps the loader once."""
+
+    def __init__(self):
+        self._asking = threading.local()
 
     def find_spec(self, fullname, path, target=None):
         patcher = _PATCHERS.get(fullname)
         if patcher is None:
             return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader, patcher)
-                return spec
-        return None
+        asking = self._asking.__dict__.setdefault("names", set())
+        if fullname in asking:
+            return None
+        asking.add(fullname)
+        try:
+            finders = list(sys.meta_path)
+            # Only those after us: the import system asked the ones before us already (one of them may be
+            # asking us now), and asking them again would wrap what they return twice.
+            after = finders[finders.index(self) + 1 :] if self in finders else finders
+            for finder in after:
+                find = getattr(finder, "find_spec", None)
+                if find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None and spec.loader is not None:
+                    if not isinstance(spec.loader, _Loader):
+                        spec.loader = _Loader(spec.loader, patcher)
+                    return spec
+            return None
+        finally:
+            asking.discard(fullname)
 
 
 def install() -> None:

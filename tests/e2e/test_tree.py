@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.live import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -56,6 +61,30 @@ def test_ranks_that_rename_themselves_stay_held(supervise):
     assert hang["ranks"]["1"]["state"] == "T"
     assert hang["ranks"]["1"]["title"] == "VLLM::Worker_TP1", hang["ranks"]["1"]
     assert hang["ranks"]["0"]["title"] == "VLLM::Worker_TP0", hang["ranks"]["0"]
+
+
+def test_engine_process_killed_is_the_first_failure(supervise, tmp_path):
+    """launcher -> engine core -> workers, as vLLM runs: the engine core SIGKILLed is the fault, named by its
+    title and its signal (read from its zombie before its own parent reaps it), not the workers it leaves."""
+    pidfile = tmp_path / "core.pid"
+    run = supervise(
+        ["--tree", "--nproc-per-node", "2", "--kill-grace", "2"],
+        mp_launcher("--tp", "2", "--iters", "100000", "--set-title", "--engine-core", str(pidfile)),
+    )
+    core = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 60, "the engine core's pid file"))
+    wait_for(lambda: all(pidfile.with_name(f"core.pid.joined-{r}").exists() for r in (0, 1)), 60, "both ranks joined")
+    time.sleep(1.0)  # the claims reach the supervisor's loop
+    os.kill(core, signal.SIGKILL)
+    assert run.wait(timeout=60) == 80, run.stderr[-4000:]
+    held = run.events("engine process held")
+    assert [line["pid"] for line in held] == [core] and held[0]["title"] == "VLLM::EngineCore", held
+    summary = run.summary("rank_exit")
+    assert summary["culprit_ranks"] == [], summary["verdict"]
+    first = summary["first_failure"]
+    assert (first["role"], first["pid"], first["title"]) == ("engine process", core, "VLLM::EngineCore"), first
+    assert "engine process" in summary["verdict"] and "VLLM::EngineCore" in summary["verdict"], summary["verdict"]
+    # Its parent (the launcher, in Python) reaps it later than the exit monitor wakes: the signal is known.
+    assert first["signal"] == "SIGKILL" or first["reason"] == "lost", first
 
 
 def test_multiprocessing_launcher_crashed_rank(supervise):

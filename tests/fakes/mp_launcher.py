@@ -2,10 +2,16 @@
 SGLang do (spawn context, ranks are grandchildren of the supervisor).
 
     python mp_launcher.py --tp 2 [--fault stop|stall|none] [--fault-rank 1] [--iters N] [--set-title]
+                          [--engine-core PIDFILE]
 
 ``--set-title``: each worker names itself with the real ``setproctitle`` once it
 joined, as vLLM's (``VLLM::Worker_TP<r>``) and SGLang's workers do; that
 overwrites the environment block /proc/<pid>/environ shows.
+
+``--engine-core PIDFILE``: the workers are started by an engine-core process between
+the launcher and them, as vLLM's ``VLLM::EngineCore`` (api_server -> engine core ->
+workers); its pid is written to PIDFILE once its workers are started, and each
+worker creates ``PIDFILE.joined-<rank>`` once it joined the group.
 
 The launcher waits for its workers and exits with the first non-zero code.
 No supervisor code here: the zero-code hook must find the ranks.
@@ -32,6 +38,8 @@ def worker(rank, world, port, args):
 
         setproctitle.setproctitle(f"VLLM::Worker_TP{rank}")
         dist.barrier()  # both renamed before the loop: the supervisor holds them through it
+    if args.engine_core:
+        open(f"{args.engine_core}.joined-{rank}", "w").close()
     x = torch.ones(32, 128)
     for i in range(args.iters):
         if rank == args.fault_rank and i == args.fault_at:
@@ -58,21 +66,43 @@ def main():
     p.add_argument("--fault-at", type=int, default=30)
     p.add_argument("--sleep", type=float, default=0.01)
     p.add_argument("--set-title", action="store_true")
+    p.add_argument("--engine-core", default="")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
+    if args.engine_core:
+        core = ctx.Process(target=engine_core, args=(port, args), name="EngineCore")
+        core.start()
+        core.join()
+        sys.exit(core.exitcode if core.exitcode >= 0 else 128 - core.exitcode)
+    sys.exit(run_workers(port, args))
+
+
+def run_workers(port, args):
+    ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(r, args.tp, port, args), name=f"Worker_TP{r}") for r in range(args.tp)]
     for proc in procs:
         proc.start()
+    if args.engine_core:
+        with open(args.engine_core + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(args.engine_core + ".tmp", args.engine_core)
     code = 0
     for proc in procs:
         proc.join()
         if proc.exitcode and not code:
             code = proc.exitcode if proc.exitcode > 0 else 128 - proc.exitcode
-    sys.exit(code)
+    return code
 
+
+def engine_core(port, args):
+    if args.set_title:
+        import setproctitle
+
+        setproctitle.setproctitle("VLLM::EngineCore")
+    sys.exit(run_workers(port, args))
 
 if __name__ == "__main__":
     main()
