@@ -125,6 +125,8 @@ class Attempt:
         self.launcher: RankHandle | None = None
         # Tree mode: the processes between the launcher and its ranks (vLLM's engine core), by pid.
         self._engine_processes: dict[int, RankHandle] = {}
+        # /dev/shm files its processes mapped once they were ready (the teardown removes what they leave: shm.py)
+        self.shm_seen: set[str] = set()
         self.first_failure: tuple[RankHandle, ExitInfo] | None = None
         self.outcome: Outcome | None = None
         self._publish = publish

@@ -113,6 +113,7 @@ def teardown(
     gpu_holders: Callable[[set[int]], list[tuple[int, int, int | None]]] | None = None,
     cgroup: RunCgroup | None = None,
     keep: Callable[[], Iterable[int]] = tuple,
+    shm_seen: Iterable[str] = (),
 ) -> TeardownResult:
     """Stop every process of the run.
 
@@ -122,7 +123,8 @@ def teardown(
     they are reaped here only afterwards).  With the run's ``cgroup``, its
     members count as the run's too (escapees that scrubbed their environment
     included), and SIGKILL goes to the whole cgroup at once.  ``keep()``: pids
-    the orphan reaping must leave alone (other ranks the exit monitor owns)."""
+    the orphan reaping must leave alone (other ranks the exit monitor owns).  ``shm_seen``: /dev/shm files the
+    run's processes were seen mapping earlier (a worker that died before the teardown maps nothing now)."""
     start = time.monotonic()
     result = TeardownResult()
     # An exited rank still leads its group (its zombie holds the number): its children get the signals too.
@@ -137,7 +139,7 @@ def teardown(
         found.scan()
         result.marker_scans = found.marker_scans
         # What the run maps in /dev/shm, read while it lives; removed below once nothing of it is left.
-        shm_files = shm.inventory(
+        shm_files = set(shm_seen) | shm.inventory(
             [h.proc.pid for h in leaders if h.proc is not None and not h.proc.exited()]
             + [pid for pid, p in found.held.items() if not p.exited()]
         )

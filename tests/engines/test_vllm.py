@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -216,4 +217,79 @@ def test_killed_worker_is_named(supervise, tiny_model):
     assert code == 80, run.stderr[-4000:]
     summary = run.summary("rank_exit")
     assert summary["culprit_ranks"] == [0], summary["verdict"]
+    assert_nothing_left(run, before)
+
+
+def test_killed_engine_core_is_named(supervise, tiny_model):
+    """vLLM's engine core (api_server -> VLLM::EngineCore -> workers) SIGKILLed: it is the first failure, by title
+    and signal, not the workers that die of it."""
+    port, before = free_port(), set(os.listdir("/dev/shm"))
+    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=ENV)
+    wait_serving(run, port)
+    load = Load(port)
+    time.sleep(5)
+    core = [
+        p
+        for p in psutil.Process(run.proc.pid).children(recursive=True)
+        if "VLLM::EngineCore" in p.name() or any("VLLM::EngineCore" in part for part in p.cmdline())
+    ]
+    assert len(core) == 1, core
+    killed_at = time.monotonic()
+    core[0].kill()
+    code = run.wait(timeout=120)
+    load.close()
+    assert code == 80, run.stderr[-4000:]
+    summary = run.summary("rank_exit")
+    first = summary["first_failure"]
+    assert (first["role"], first["pid"]) == ("engine process", core[0].pid), summary["verdict"]
+    assert first["title"].startswith("VLLM::EngineCore") and summary["culprit_ranks"] == [], first
+    assert "VLLM::EngineCore" in summary["verdict"], summary["verdict"]
+    ruled = run.events("rank exited")
+    assert ruled and ruled[0]["pid"] == core[0].pid, ruled
+    assert time.monotonic() - killed_at < 60
+    assert_nothing_left(run, before)
+
+
+PLUGIN = str(Path(__file__).parent / "plugin")
+
+
+def test_worker_stuck_outside_collectives_is_a_hang(supervise, tiny_model, tmp_path):
+    """Worker 1 sleeps in Python inside execute_model (a test plugin on PYTHONPATH) while worker 0 waits in the
+    all-reduce: the step that does not end is a hang of rank 1."""
+    port, before, trigger = free_port(), set(os.listdir("/dev/shm")), tmp_path / "stick"
+    env = dict(ENV, PYTHONPATH=PLUGIN, TPS_TEST_FAULT="stuck", TPS_TEST_RANK="1", TPS_TEST_TRIGGER=str(trigger))
+    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=env)
+    wait_serving(run, port)
+    load = Load(port)
+    time.sleep(20)  # steps learned under load
+    trigger.touch()
+    code = run.wait(timeout=240)
+    load.close()
+    assert code == 81, run.stderr[-4000:]
+    hang = run.summary("-hang")
+    assert hang["culprit_ranks"] == [1], hang["verdict"]
+    assert hang["ranks"]["1"]["state"] != "T"
+    assert "execute_model" in json.dumps(hang["ranks"]["1"]), hang["ranks"]["1"]
+    assert_nothing_left(run, before)
+
+
+def test_engine_version_whose_seams_differ(supervise, tiny_model):
+    """A renamed all-reduce seam (as a newer vLLM might): one engine_adapter_unavailable line, vLLM serves on,
+    and a stopped worker is still found (the engine's own metrics and the other seams)."""
+    port, before = free_port(), set(os.listdir("/dev/shm"))
+    env = dict(ENV, PYTHONPATH=PLUGIN, TPS_TEST_FAULT="rename")
+    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=env)
+    wait_serving(run, port)
+    assert post(port, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 8})["choices"]
+    load = Load(port)
+    time.sleep(20)
+    workers(run)[1].send_signal(signal.SIGSTOP)
+    code = run.wait(timeout=300)
+    load.close()
+    assert code == 81, run.stderr[-4000:]
+    # The supervisor's own line (the ranks' raw output lines that carry the same text are not it).
+    unavailable = [line for line in run.events("engine_adapter_unavailable") if line.get("level") == "warning"]
+    assert len(unavailable) == 1, unavailable
+    assert "_all_reduce_out_place" in unavailable[0]["message"] and "0.32.0" in unavailable[0]["message"]
+    assert run.summary("-hang")["culprit_ranks"] == [1]
     assert_nothing_left(run, before)
