@@ -79,7 +79,7 @@ from .outcome import (
     new_run_id,
     run_dir_for,
 )
-from .processes import exits, shm
+from .processes import exits
 from .processes import pidfds as procs
 from .processes import spawn as launch
 from .processes.attempt import ENGINE_PROCESS, LAUNCHER_SLOT, NOT_STARTED, Attempt, AttemptView, Published, RankView
@@ -113,6 +113,9 @@ ATTEMPT_EVENTS = (
     DivergenceFound,
     ConsensusAgreed,
 )
+
+# How often the live processes' /dev/shm maps are noted (what a worker that dies before the teardown leaves).
+SHM_LOOK_EVERY_S = 10.0
 
 log = structlog.get_logger("supervise")
 
@@ -715,6 +718,8 @@ class Supervisor(NodeGroupRules):
 
     def _on_loop_tick(self, ev: LoopTick) -> None:
         self.services.liveness.beat()
+        # What the engine sets up in /dev/shm (vLLM's shm all-reduce buffers, made after the workers joined).
+        self.attempt.look_at_shm(time.monotonic(), every_s=SHM_LOOK_EVERY_S)
         for handle in self.attempt.ranks.values():
             if handle.renamed():  # an engine renamed its worker (VLLM::Worker -> VLLM::Worker_TP1)
                 handle.read_title()
@@ -722,9 +727,7 @@ class Supervisor(NodeGroupRules):
     def _on_all_ready(self, ev: AllRanksReady) -> None:
         for handle in self.attempt.ranks.values():
             handle.read_title()  # an engine names its workers once they are set up (setproctitle)
-        # What the engine set up in /dev/shm (vLLM's shm all-reduce buffers): a worker that dies before the
-        # teardown maps nothing any more, and its files would be left (read with a deadline: shm.py).
-        self.attempt.shm_seen |= shm.inventory([h.pid for h in self.attempt.processes() if h.alive])
+        self.attempt.look_at_shm(time.monotonic(), every_s=0.0)
         if self.attempt.outcome is None:
             self.transition(Event.ALL_READY)
             self.services.on_ready(len(self.attempt.ranks))
@@ -851,7 +854,7 @@ class Supervisor(NodeGroupRules):
                 gpu_holders=self.services.gpu_check() if self._services is not None else None,
                 cgroup=self.cgroup,
                 keep=self.monitor.kept_pids,
-                shm_seen=self.attempt.shm_seen,
+                shm_seen=self.attempt.shm.seen(),
             )
         finally:
             # The attempt's pidfds end with it (reaped, or survivors reported): no fd outlives an attempt.

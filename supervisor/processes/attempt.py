@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Generic, TypeVar
 
 from ..outcome import LAUNCHER_KEY, Outcome
+from . import shm
 from .exits import ExitInfo
 from .spawn import RankHandle
 
@@ -125,8 +126,8 @@ class Attempt:
         self.launcher: RankHandle | None = None
         # Tree mode: the processes between the launcher and its ranks (vLLM's engine core), by pid.
         self._engine_processes: dict[int, RankHandle] = {}
-        # /dev/shm files its processes mapped once they were ready (the teardown removes what they leave: shm.py)
-        self.shm_seen: set[str] = set()
+        self.shm = shm.Watch()  # /dev/shm files its processes were seen mapping (the teardown removes them)
+        self.shm_looked_at = 0.0
         self.first_failure: tuple[RankHandle, ExitInfo] | None = None
         self.outcome: Outcome | None = None
         self._publish = publish
@@ -146,6 +147,12 @@ class Attempt:
 
     def holds_process(self, pid: int) -> bool:
         return pid in self._engine_processes or any(h.pid == pid for h in (*self._ranks.values(), self.launcher) if h)
+
+    def look_at_shm(self, now: float, every_s: float) -> None:
+        """Note what the live processes map in /dev/shm, at most once per ``every_s`` (off this thread)."""
+        if now - self.shm_looked_at >= every_s:
+            self.shm_looked_at = now
+            self.shm.look(h.pid for h in self.processes() if h.alive)
 
     def processes(self) -> list[RankHandle]:
         """Every process this attempt holds: ranks, the launcher, engine processes."""

@@ -63,6 +63,40 @@ def inventory(pids: Iterable[int], timeout: float = INVENTORY_TIMEOUT_S) -> set[
         return set(found)
 
 
+class Watch:
+    """What one attempt's processes map in /dev/shm, looked at now and then while they run (``look``), each look
+    on its own daemon thread (never the caller's: a look may take the ``INVENTORY_TIMEOUT_S`` deadline); a
+    worker that dies before the teardown (an engine core's death takes its workers) maps nothing by then, so
+    the teardown removes what was ``seen`` besides what it finds itself."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._busy = False
+
+    def look(self, pids: Iterable[int]) -> None:
+        with self._lock:
+            if self._busy:
+                return
+            self._busy = True
+        pids = list(pids)
+
+        def run() -> None:
+            try:
+                found = inventory(pids)
+            finally:
+                with self._lock:
+                    self._busy = False
+            with self._lock:
+                self._seen |= found
+
+        threading.Thread(target=run, name="shm-watch", daemon=True).start()
+
+    def seen(self) -> set[str]:
+        with self._lock:
+            return set(self._seen)
+
+
 def remove(names: Iterable[str], keep: Iterable[str] = ()) -> list[str]:
     """Unlink each regular /dev/shm file in ``names`` that is ours (same uid), except ``keep``; returns those."""
     removed: list[str] = []
