@@ -54,6 +54,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -100,6 +101,19 @@ class RankTarget:
     exit: dict | None = None  # {"code", "signal", "core_dumped", "description"}
     heartbeat: SlotSnapshot | None = None
     title: str = ""  # its process title when last seen (docs/bundle.md)
+
+    def evidence(self, **captured: Any) -> RankEvidence:
+        """Its evidence: what the supervisor knew of it, plus what the capture found (``captured``)."""
+        captured.setdefault("title", self.title)
+        return RankEvidence(
+            rank=self.rank,
+            slot=self.slot,
+            pid=self.pid,
+            alive=self.alive,
+            exit=self.exit,
+            heartbeat=self.heartbeat,
+            **captured,
+        )
 
 
 def find_pyspy(environ: Mapping[str, str] | None = None) -> str | None:
@@ -421,13 +435,7 @@ def capture_all(
             took = time.monotonic() - start
             threads, how, error, attempts = [], "none", f"no stacks (timeout after {took:.2f} s)", ()
         prev_progress = previous.progress.get(t.rank) if previous is not None else None
-        ranks[t.rank] = RankEvidence(
-            rank=t.rank,
-            slot=t.slot,
-            pid=t.pid,
-            alive=t.alive,
-            exit=t.exit,
-            heartbeat=t.heartbeat,
+        ranks[t.rank] = t.evidence(
             proc=proc,
             cpu_used_s=used,
             cpu_window_s=window,

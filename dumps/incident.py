@@ -72,19 +72,7 @@ class IncidentResult:
 
 
 def _bare_evidence(targets: Sequence[RankTarget], error: str, started: float) -> Evidence:
-    ranks = {
-        t.rank: RankEvidence(
-            rank=t.rank,
-            slot=t.slot,
-            pid=t.pid,
-            alive=t.alive,
-            exit=t.exit,
-            heartbeat=t.heartbeat,
-            error=error,
-            title=t.title,
-        )
-        for t in targets
-    }
+    ranks = {t.rank: t.evidence(error=error) for t in targets}
     return Evidence(ranks=ranks, started_at=started, duration_s=0.0, method="none", pyspy=None)
 
 

@@ -170,13 +170,19 @@ def test_serves_then_ctrl_c_leaves_nothing(supervise, tiny_model):
     assert chat["choices"][0]["message"]["role"] == "assistant"
     load = Load(port)
     time.sleep(20)
+    # A long prefill (a max-model-len prompt, as token ids) after a run of short decode steps is not a hang.
+    started = time.monotonic()
+    long = post(port, "/v1/completions", {"model": "tiny", "prompt": [7] * 500, "max_tokens": 8}, timeout=120)
+    prefill_s = time.monotonic() - started
+    assert long["usage"]["prompt_tokens"] == 500, long["usage"]
     load.close()
     assert load.done > 0
     run.proc.send_signal(signal.SIGINT)
     assert run.wait(timeout=120) == 0, run.stderr[-4000:]
     joined = run.events("rank joined the group")
     assert sorted(line["rank"] for line in joined) == [0, 1], run.stderr[-4000:]
-    assert run.bundles() == [], [b.name for b in run.bundles()]
+    assert run.bundles() == [], ([b.name for b in run.bundles()], f"long prefill took {prefill_s:.2f} s")
+    assert not run.events("hang suspected"), run.events("hang suspected")
     assert run.events("engine_metrics_source"), "the launcher's /metrics was not derived"
     assert not run.events("engine_adapter_unavailable")
     assert_nothing_left(run, before)
