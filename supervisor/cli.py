@@ -9,8 +9,10 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import signal
 import sys
+import textwrap
 from pathlib import Path
 from typing import NoReturn
 
@@ -51,6 +53,10 @@ def say_error(message: str) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # argparse exits 2; our contract says 64
         if not _json_errors:
             self.print_usage(sys.stderr)
@@ -58,9 +64,52 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-# Appended to a help text that names its default in words: "%(default)" in the text keeps
-# ArgumentDefaultsHelpFormatter from adding "(default: None)"; ".0s" prints nothing.
-_SAID = "%(default).0s"
+_STATES_DEFAULT = re.compile(r"\bdefault\b", re.IGNORECASE)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """``--help`` states each default once.
+
+    A help text that names its default in words ("default: a free port") is printed as written; any other
+    option that takes a value and has one gets ``(default: X)``; a switch, and an option left unset by
+    default (None, "", []), get nothing added (tests/test_cli_help.py)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or action.nargs == 0 or _STATES_DEFAULT.search(text):
+            return action.help
+        value = action.default
+        if value is None or value is argparse.SUPPRESS or value == "" or value == []:
+            return action.help
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        """As argparse's, but a flag name is never cut at one of its hyphens."""
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class _VersionAction(argparse.Action):
+    """``supervise --version``: the installed distribution's version, read only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace, values, option_string=None) -> NoReturn:
+        print(f"{parser.prog} {package_version()}")
+        parser.exit()
+
+
+DISTRIBUTION = "tp-supervise"  # [project] name in pyproject.toml
+
+
+def package_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _share_or_off(text: str) -> float | None:
@@ -81,13 +130,13 @@ def _seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="supervise", description="Fault detection and hang diagnosis for tensor-parallel inference.")
+    parser.add_argument("--version", action=_VersionAction, help="print the installed version of tp-supervise and exit")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     serve = sub.add_parser(
         "serve",
         help="launch and supervise the TP ranks",
         description="Launch and supervise the TP ranks. With no COMMAND, run the built-in reference engine. torchrun's spellings (--nproc_per_node, --node_rank, ...) are accepted too.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = serve.add_argument_group("launch")
     g.add_argument(
@@ -96,17 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N|gpu|auto|cpu",
         help="ranks on this node: a number, 'gpu' (one per visible GPU), 'auto' (GPUs if any, else CPU cores) or 'cpu'; default 2 for the built-in engine, and in --tree mode read from the launcher's own flags (torchrun --nproc-per-node, vllm --tensor-parallel-size, sglang --tp)",
     )
-    g.add_argument("--tp", type=int, help="tensor-parallel world size (split evenly across --nnodes)")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job (one supervisor per node)")
+    g.add_argument("--tp", type=int, help="tensor-parallel world size, split evenly across --nnodes")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job, one supervisor on each (no MIN:MAX range)")
     g.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index in 0..nnodes-1")
     g.add_argument(
         "--master-addr", "--master_addr", default="127.0.0.1", help="address of node 0, for the ranks' rendezvous"
     )
-    g.add_argument("--master-port", "--master_port", type=int, help="rendezvous port (default: a free port)")
+    g.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        help="the ranks' rendezvous port; required with --nnodes > 1 (default: a free port)",
+    )
     g.add_argument(
         "--store-port",
         type=int,
-        help="multi-node: port of node 0's supervisor store (TCPStore); default --master-port + 1",
+        help="multi-node: port of node 0's supervisor store (TCPStore) (default: --master-port + 1)",
     )
     g.add_argument(
         "--run-id",
@@ -116,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rendezvous-timeout",
         type=_seconds,
         default=specs.DEFAULT_RENDEZVOUS_TIMEOUT_S,
+        metavar="SECONDS",
         help="multi-node: every node must have registered by then (exit 83, naming the missing ones)",
     )
     g.add_argument(
@@ -167,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max_restarts",
         type=int,
         default=0,
-        help="relaunch the whole group after a fault this many times (backoff 1 s .. 30 s)",
+        help="relaunch the whole group after a fault this many times (the first at once, then backoff 1 s .. 30 s)",
     )
     g.add_argument(
         "--quarantine-after",
@@ -179,16 +234,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--listen",
         metavar="HOST:PORT",
-        help="bind HOST:PORT once for the whole run and hand it to the COMMAND's rank 0 the systemd way (LISTEN_FDS=1, fd 3, LISTEN_PID): connections wait in the backlog across restarts instead of being refused; for engines that support socket activation (the built-in engine gets --host/--port this way by itself)"
-        + _SAID,
+        help="with a COMMAND: bind HOST:PORT once for the whole run and hand it to rank 0 of every attempt the systemd way (LISTEN_FDS=1, fd 3, LISTEN_PID): connections wait in the backlog across restarts instead of being refused; for engines that support socket activation (the built-in engine's --host/--port are held across restarts without it, by the relay)",
     )
     w = serve.add_argument_group("watchdogs (omit timeouts for adaptive ones)")
-    w.add_argument("--hard-timeout", type=_seconds, help="no progress while busy: dump, then kill the group (exit 81)")
-    w.add_argument("--soft-timeout", type=_seconds, help="no progress while busy: dump only")
+    w.add_argument(
+        "--hard-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="no progress while busy: dump, then kill the group (exit 81) (default: adaptive)",
+    )
+    w.add_argument(
+        "--soft-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="no progress while busy: dump only, the run goes on (default: adaptive)",
+    )
     w.add_argument(
         "--startup-timeout",
         type=_seconds,
         default=specs.DEFAULT_STARTUP_TIMEOUT_S,
+        metavar="SECONDS",
         help="every rank must report ready (or join the group) within this",
     )
     w.add_argument(
@@ -200,7 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--adaptive-ceilings", metavar="SOFT,HARD", help="highest adaptive soft/hard timeouts (default 120,300)"
     )
     w.add_argument(
-        "--kill-grace", type=_seconds, default=specs.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL escalation"
+        "--kill-grace",
+        type=_seconds,
+        default=specs.DEFAULT_KILL_GRACE_S,
+        metavar="SECONDS",
+        help="SIGTERM to SIGKILL escalation, one deadline shared by every process",
     )
     d = serve.add_argument_group("dumps")
     d.add_argument("--dump-dir", type=Path, default=Path("supervise-dumps"), help="where incident bundles go")
@@ -216,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dump-max-bytes",
         type=int,
         default=specs.DEFAULT_DUMP_MAX_BYTES,
-        help="keep at most this many bytes of bundles",
+        help="keep the bundles' total size under this many bytes",
     )
     d.add_argument(
         "--stack-method",
@@ -229,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--metrics-addr",
         default=specs.DEFAULT_METRICS_ADDR,
+        metavar="HOST:PORT|none",
         help="HOST:PORT for /metrics /healthz /readyz, or 'none' (binding beyond loopback exposes run state: see docs/metrics.md)",
     )
     o.add_argument(
@@ -243,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=None,
         metavar="SECONDS",
-        help=f"keep /metrics up this long after the run ends so the final counts get scraped (default: {specs.DEFAULT_FAULT_LINGER_S:g} s after a fault, two scrapes of the documented 5 s config; 0 after a clean run; a second Ctrl-C cuts it short)",
+        help=f"keep /metrics up exactly this long after the run ends, so every scraper gets the final counts; a second Ctrl-C cuts it short (default: after a fault, until the first scrape of the final state, at most {specs.DEFAULT_FAULT_LINGER_S:g} s, and not at all if /metrics was never scraped; 0 after a clean run)",
     )
     o.add_argument(
         "--metrics-textfile",
@@ -255,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--consensus",
         default="observe",
         choices=specs.CONSENSUS_MODES,
-        help="compare the ranks' per-step decisions: observe (bundle + metric) or enforce (also stop the group, exit 82)",
+        help="compare the ranks' per-step decisions: off, observe (bundle + metric) or enforce (also stop the group, exit 82)",
     )
     w.add_argument(
         "--straggler-threshold",
@@ -265,11 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="name a rank the group waits for when its peers spend this share of their time waiting for it, more than usual ('off': statistics only)",
     )
     w.add_argument(
-        "--straggler-window",
+        "--straggler-sustain",
+        "--straggler-window",  # the old spelling, kept working: it never set the statistics' window
         type=_seconds,
         default=specs.DEFAULT_STRAGGLER_WINDOW_S,
         metavar="SECONDS",
-        help="a straggler is named once it held the group back this long (busy time)",
+        help="a straggler is named once it held the group back this long (busy time), and cleared after half "
+        "as long below half the threshold (--straggler-window: its old name, deprecated, still accepted)",
     )
     w.add_argument(
         "--on-straggler",
@@ -302,20 +374,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--log_dir",
         type=Path,
         metavar="DIR",
-        help="also write each rank's stdout and stderr to DIR/<run_id>/attempt_<n>/<global rank>/{stdout,stderr}.log (default: no files); without --redirects/--tee both streams are teed"
-        + _SAID,
+        help="also write each rank's stdout and stderr to DIR/<run_id>/attempt_<n>/<global rank>/{stdout,stderr}.log (default: no files); without --redirects/--tee both streams are teed",
     )
     r.add_argument(
         "--redirects",
         metavar="0-3|LR:V,...",
-        help="with --log-dir: streams that go to the files only, not the console: 0 none, 1 stdout, 2 stderr, 3 both, for every local rank or per local rank (0:1,1:2) (default: none)"
-        + _SAID,
+        help="with --log-dir: streams that go to the files only, not the console: 0 none, 1 stdout, 2 stderr, 3 both, for every local rank or per local rank (0:1,1:2) (default: none)",
     )
     r.add_argument(
         "--tee",
         metavar="0-3|LR:V,...",
-        help="with --log-dir: streams that go to the files and the console, same syntax as --redirects (default: both, when neither flag is given)"
-        + _SAID,
+        help="with --log-dir: streams that go to the files and the console, same syntax as --redirects (default: both, when neither flag is given)",
     )
     r.add_argument(
         "--log-max-bytes",
@@ -328,8 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-ranks-filter",
         "--local_ranks_filter",
         metavar="LR,...",
-        help="only these local ranks' output reaches the console (files and bundles keep every rank's) (default: every local rank)"
-        + _SAID,
+        help="only these local ranks' output reaches the console (files and bundles keep every rank's) (default: every local rank)",
     )
     e = serve.add_argument_group("built-in engine (no COMMAND)")
     e.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="gloo on CPU, or NCCL on CUDA")
@@ -341,7 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--model", help="Hugging Face Llama-format directory (default: a seeded random tiny model)")
     e.add_argument("--host", default="127.0.0.1", help="engine HTTP host")
-    e.add_argument("--port", type=int, default=specs.DEFAULT_ENGINE_PORT, help="engine HTTP port")
+    e.add_argument(
+        "--port",
+        type=int,
+        default=specs.DEFAULT_ENGINE_PORT,
+        help="engine HTTP port, bound once for the whole run; 0: a free one, named in the ready line",
+    )
     e.add_argument(
         "--sync-token-ids",
         action="store_true",
@@ -372,25 +445,47 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
     dump = sub.add_parser("dump", help="on-demand soft dump of a running supervised job")
-    dump.add_argument("--run-id", help="which job (default: the only one running on this host)")
-    dump.add_argument("--timeout", type=_seconds, default=30.0)
+    dump.add_argument("--run-id", metavar="ID", help="which job (default: the only one running on this host)")
+    dump.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to wait for the supervisor's answer (the bundle written)",
+    )
 
     status = sub.add_parser("status", help="every rank of a running supervised job, now (or live with --watch)")
-    status.add_argument("--run-id", help="which job (default: the only one running on this host)")
+    status.add_argument("--run-id", metavar="ID", help="which job (default: the only one running on this host)")
     status.add_argument("--json", action="store_true", help="print the status reply as JSON (once)")
     status.add_argument("--watch", action="store_true", help="a live table, refreshed every --interval, until Ctrl-C")
-    status.add_argument("--interval", type=_seconds, default=1.0, help="--watch: seconds between refreshes")
-    status.add_argument("--timeout", type=_seconds, default=5.0, help="how long to wait for the job's answer")
+    status.add_argument(
+        "--interval", type=_seconds, default=1.0, metavar="SECONDS", help="--watch: seconds between refreshes"
+    )
+    status.add_argument(
+        "--timeout", type=_seconds, default=5.0, metavar="SECONDS", help="how long to wait for the job's answer"
+    )
 
     analyze = sub.add_parser("analyze", help="render an incident bundle")
     analyze.add_argument("bundle", type=Path, nargs="+", help="a bundle, or several nodes' bundles of one incident")
-    analyze.add_argument("--json", action="store_true")
+    analyze.add_argument(
+        "--json",
+        action="store_true",
+        help="print summary.json instead (several bundles: one record with every node's summary under 'nodes')",
+    )
 
     drill = sub.add_parser("drill", help="run the fault matrix against the built-in engine")
-    drill.add_argument("--kinds", default="all", help="comma-separated inject kinds (default: all)")
-    drill.add_argument("--tp", type=int, default=2)
-    drill.add_argument("--dump-dir", type=Path, default=Path("supervise-drill"))
-    drill.add_argument("--json", action="store_true")
+    drill.add_argument(
+        "--kinds", default="all", metavar="K1,K2,...", help="comma-separated inject kinds, poison included, or 'all'"
+    )
+    drill.add_argument("--tp", type=int, default=2, metavar="N", help="ranks of each run")
+    drill.add_argument(
+        "--dump-dir",
+        type=Path,
+        default=Path("supervise-drill"),
+        metavar="DIR",
+        help="each kind's bundles go to DIR/<kind>/, its supervisor's log to DIR/<kind>.log",
+    )
+    drill.add_argument("--json", action="store_true", help="print one JSON record per kind instead of the table")
     return parser
 
 
@@ -466,7 +561,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         consensus=args.consensus,
         consensus_inband=args.consensus_inband,
         straggler_threshold=args.straggler_threshold,
-        straggler_window=args.straggler_window,
+        straggler_window=args.straggler_sustain,
         on_straggler=args.on_straggler,
         max_restarts=args.max_restarts,
         quarantine_after=args.quarantine_after,
