@@ -155,6 +155,17 @@ def assert_nothing_left(run, before_shm: set[str]) -> None:
             assert not [d for d in dirnames if run.run_id() and d.endswith(run.run_id())], dirpath
 
 
+def serving_under_load(supervise, model, env=None, learn_s: float = 0.0):
+    """vLLM under ``supervise serve --tree``, serving, with clients sending requests for ``learn_s`` seconds
+    already: (run, port, /dev/shm names before it, the load)."""
+    port, before = free_port(), set(os.listdir("/dev/shm"))
+    run = supervise(["--tree", "--kill-grace", "3"], launcher(model, port), env=env or ENV)
+    wait_serving(run, port)
+    load = Load(port)
+    time.sleep(learn_s)
+    return run, port, before, load
+
+
 def test_serves_then_ctrl_c_leaves_nothing(supervise, tiny_model):
     port, before = free_port(), set(os.listdir("/dev/shm"))
     run = supervise(["--tree"], launcher(tiny_model, port), env=ENV)
@@ -189,11 +200,7 @@ def test_serves_then_ctrl_c_leaves_nothing(supervise, tiny_model):
 
 
 def test_stopped_worker_is_a_hang_named_in_seconds(supervise, tiny_model):
-    port, before = free_port(), set(os.listdir("/dev/shm"))
-    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=ENV)
-    wait_serving(run, port)
-    load = Load(port)
-    time.sleep(25)  # steps learned under load
+    run, port, before, load = serving_under_load(supervise, tiny_model, learn_s=25)  # steps learned under load
     stopped_at = time.monotonic()
     workers(run)[1].send_signal(signal.SIGSTOP)
     code = run.wait(timeout=240)
@@ -212,11 +219,7 @@ def test_stopped_worker_is_a_hang_named_in_seconds(supervise, tiny_model):
 
 
 def test_killed_worker_is_named(supervise, tiny_model):
-    port, before = free_port(), set(os.listdir("/dev/shm"))
-    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=ENV)
-    wait_serving(run, port)
-    load = Load(port)
-    time.sleep(5)
+    run, port, before, load = serving_under_load(supervise, tiny_model, learn_s=5)
     workers(run)[0].kill()
     code = run.wait(timeout=120)
     load.close()
@@ -229,11 +232,7 @@ def test_killed_worker_is_named(supervise, tiny_model):
 def test_killed_engine_core_is_named(supervise, tiny_model):
     """vLLM's engine core (api_server -> VLLM::EngineCore -> workers) SIGKILLed: it is the first failure, by title
     and signal, not the workers that die of it."""
-    port, before = free_port(), set(os.listdir("/dev/shm"))
-    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=ENV)
-    wait_serving(run, port)
-    load = Load(port)
-    time.sleep(5)
+    run, port, before, load = serving_under_load(supervise, tiny_model, learn_s=5)
     core = [
         p
         for p in psutil.Process(run.proc.pid).children(recursive=True)
@@ -262,12 +261,9 @@ PLUGIN = str(Path(__file__).parent / "plugin")
 def test_worker_stuck_outside_collectives_is_a_hang(supervise, tiny_model, tmp_path):
     """Worker 1 sleeps in Python inside execute_model (a test plugin on PYTHONPATH) while worker 0 waits in the
     all-reduce: the step that does not end is a hang of rank 1."""
-    port, before, trigger = free_port(), set(os.listdir("/dev/shm")), tmp_path / "stick"
+    trigger = tmp_path / "stick"
     env = dict(ENV, PYTHONPATH=PLUGIN, TPS_TEST_FAULT="stuck", TPS_TEST_RANK="1", TPS_TEST_TRIGGER=str(trigger))
-    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=env)
-    wait_serving(run, port)
-    load = Load(port)
-    time.sleep(20)  # steps learned under load
+    run, port, before, load = serving_under_load(supervise, tiny_model, env, learn_s=20)
     trigger.touch()
     code = run.wait(timeout=240)
     load.close()
@@ -282,13 +278,9 @@ def test_worker_stuck_outside_collectives_is_a_hang(supervise, tiny_model, tmp_p
 def test_engine_version_whose_seams_differ(supervise, tiny_model):
     """A renamed all-reduce seam (as a newer vLLM might): one engine_adapter_unavailable line, vLLM serves on,
     and a stopped worker is still found (the engine's own metrics and the other seams)."""
-    port, before = free_port(), set(os.listdir("/dev/shm"))
     env = dict(ENV, PYTHONPATH=PLUGIN, TPS_TEST_FAULT="rename")
-    run = supervise(["--tree", "--kill-grace", "3"], launcher(tiny_model, port), env=env)
-    wait_serving(run, port)
+    run, port, before, load = serving_under_load(supervise, tiny_model, env, learn_s=20)
     assert post(port, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 8})["choices"]
-    load = Load(port)
-    time.sleep(20)
     workers(run)[1].send_signal(signal.SIGSTOP)
     code = run.wait(timeout=300)
     load.close()
