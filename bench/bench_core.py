@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import select
@@ -41,6 +40,7 @@ from datetime import datetime
 from pathlib import Path
 
 from bench._docs import ROOT, Stamp, add_common_args, replace_section
+from bench._logs import json_lines
 from bench.teardown_rank import STEP_S
 from tp_supervise.supervisor.processes import pidfds as procs
 from tp_supervise.supervisor.processes import spawn as launch
@@ -174,21 +174,10 @@ def _ts(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def _log_lines(text: str) -> list[dict]:
-    out = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
 def _log_events(text: str) -> dict[str, dict]:
     """The first JSON line of each event name."""
     out: dict[str, dict] = {}
-    for ev in _log_lines(text):
+    for ev in json_lines(text):
         out.setdefault(str(ev.get("event")), ev)
     return out
 
@@ -261,7 +250,7 @@ def teardown_run(sc: Scenario, ranks: int, grace: float, work: Path) -> Teardown
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    lines = _log_lines(log_path.read_text())
+    lines = json_lines(log_path.read_text())
     events = _log_events(log_path.read_text())
     if sc.fault == "kill":
         fault = float((out / "fault").read_text()) if (out / "fault").exists() else None

@@ -63,6 +63,7 @@ import httpx2
 import openai
 
 from bench._docs import Stamp, add_common_args, replace_section
+from bench._logs import json_lines_of
 
 HEADING = "## Serving through faults (issue 21)"
 MODULE = "bench.bench_serving"
@@ -146,21 +147,11 @@ class Served:
     mark: str
 
     def events(self, name: str) -> list[dict]:
-        out = []
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return out
-        for line in text.splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if obj.get("event") == name and str(obj.get("logger", "")).startswith("tp_supervise.supervisor"):
-                out.append(obj)
-        return out
+        return [
+            obj
+            for obj in json_lines_of(self.log_path)
+            if obj.get("event") == name and str(obj.get("logger", "")).startswith("tp_supervise.supervisor")
+        ]
 
     def rank_pid(self, rank: int) -> int | None:
         """The rank's own process (its environment carries this run's mark and RANK)."""
