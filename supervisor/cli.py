@@ -21,6 +21,7 @@ import structlog
 from tp_supervise.engine.inject import ALL_KINDS as INJECT_KINDS  # the engine owns its fault kinds
 from tp_supervise.engine.inject import REQUEST_KINDS
 
+from . import preflight as host
 from . import spec as specs
 from .nodes.handshake import HandshakeError
 from .outcome import EXIT_USAGE
@@ -499,7 +500,9 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
             raise UsageError(f"--standalone is a single-node job, but --nnodes is {args.nnodes}")
         if args.master_addr not in ("127.0.0.1", "localhost"):
             raise UsageError("--standalone rendezvous is on localhost: leave out --master-addr")
-    nproc = specs.resolve_nproc(args.nproc_per_node, args.tp, args.nnodes, builtin, command, args.tree)
+    nproc = specs.resolve_nproc(
+        args.nproc_per_node, args.tp, args.nnodes, builtin, command, args.tree, gpus=host.visible_gpu_count
+    )
     if not builtin and (
         args.inject or args.model or args.engine_arg or args.max_waiting is not None or args.read_timeout is not None
     ):

@@ -12,7 +12,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -537,22 +537,19 @@ def engine_metrics_source(given: str | None, command: Sequence[str], tree: bool)
     return launcher_metrics_url(command), launcher_engine(command) or "auto"
 
 
-def _nproc_number(text: str | int) -> int:
-    """``--nproc-per-node``: a number, or torchrun's gpu / auto / cpu."""
+def _nproc_number(text: str | int, gpus: Callable[[], int | None]) -> int:
+    """``--nproc-per-node``: a number, or torchrun's gpu / auto / cpu (``gpus``: the GPUs this node can use,
+    asked only for those words; the host probe is the caller's, as is all I/O)."""
     if isinstance(text, int):
         return text
     word = str(text).strip().lower()
     if word == "gpu":
-        from .preflight import visible_gpu_count
-
-        count = visible_gpu_count() or 0
+        count = gpus() or 0
         if count < 1:
             raise UsageError("--nproc-per-node gpu: no GPU is visible on this node; give a number or 'cpu'")
         return count
     if word == "auto":
-        from .preflight import visible_gpu_count
-
-        return visible_gpu_count() or os.cpu_count() or 1
+        return gpus() or os.cpu_count() or 1
     if word == "cpu":
         return os.cpu_count() or 1
     try:
@@ -568,10 +565,12 @@ def resolve_nproc(
     builtin: bool,
     command: Sequence[str] = (),
     tree: bool = False,
+    gpus: Callable[[], int | None] = lambda: None,
 ) -> int:
-    """Launch arithmetic: ``--tp`` is the TP world size, split evenly across nodes."""
+    """Launch arithmetic: ``--tp`` is the TP world size, split evenly across nodes (``gpus``: the GPU count
+    for ``--nproc-per-node gpu|auto``, e.g. ``preflight.visible_gpu_count``)."""
     if nproc_per_node is not None:
-        nproc_per_node = _nproc_number(nproc_per_node)
+        nproc_per_node = _nproc_number(nproc_per_node, gpus)
     if tp is not None:
         if tp < 1:
             raise UsageError(f"--tp {tp}: must be at least 1")
@@ -593,5 +592,5 @@ def resolve_nproc(
         return DEFAULT_BUILTIN_TP
     launcher_given = launcher_nproc(command) if tree else None
     if launcher_given is not None:
-        return _nproc_number(launcher_given)
+        return _nproc_number(launcher_given, gpus)
     raise UsageError("how many ranks? give --nproc-per-node N (or --tp N)")
