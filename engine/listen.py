@@ -28,7 +28,7 @@ The engine owns its copy of the fd and closes it when it stops accepting
 (a group failure, a shutdown) or exits; it never calls ``shutdown()`` on it,
 so the parent's copy keeps the socket listening.  asyncio calls
 ``listen()`` again on a socket it serves: the engine passes
-:func:`listen_backlog` (the kernel's ``net.core.somaxconn``, the largest
+:func:`~tp_supervise.supervisor.rank.net.listen_backlog` (the kernel's ``net.core.somaxconn``, the largest
 backlog the kernel grants), so a parent that bound with that backlog sees
 it unchanged.  asyncio also puts the socket (the open file description,
 shared with the parent's copy) in non-blocking mode.
@@ -47,7 +47,6 @@ LISTEN_FDS = "LISTEN_FDS"
 LISTEN_FDNAMES = "LISTEN_FDNAMES"
 SUPERVISE_LISTEN_FDS = "SUPERVISE_LISTEN_FDS"
 VARIABLES = (LISTEN_PID, LISTEN_FDS, LISTEN_FDNAMES, SUPERVISE_LISTEN_FDS)
-SOMAXCONN_PATH = "/proc/sys/net/core/somaxconn"
 FAMILIES = (socket.AF_INET, socket.AF_INET6)
 
 
@@ -131,11 +130,3 @@ def warn_if_exposed(host: str, port: int) -> None:
             host=host,
             port=port,
         )
-
-
-def listen_backlog() -> int:
-    try:
-        with open(SOMAXCONN_PATH) as f:
-            return max(1, int(f.read().strip()))
-    except (OSError, ValueError):
-        return socket.SOMAXCONN

@@ -57,7 +57,9 @@ import sys
 import aiohttp
 from aiohttp import web
 
-from .listen import ListenError, listen_backlog, take_listen_socket, warn_if_exposed
+from tp_supervise.supervisor.rank.net import listen_backlog
+
+from .listen import ListenError, take_listen_socket, warn_if_exposed
 from .log import OneLineHttpLog, configure, get_logger
 from .openai_api import UNAVAILABLE_CODE, ApiError
 from .runfiles import read_incident

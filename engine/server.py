@@ -41,9 +41,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from tp_supervise.supervisor.rank.net import listen_backlog
+
 from .bridge import EngineBridge, EngineError
 from .chat_api import CHAT, PlainTemplate, parse_chat
-from .listen import listen_backlog, warn_if_exposed
+from .listen import warn_if_exposed
 from .log import OneLineHttpLog, get_logger
 from .openai_api import (
     COMPLETION,

@@ -28,23 +28,14 @@ import errno
 import os
 import socket
 
+from ..rank.net import listen_backlog
 from ..spec import UsageError
 
-SOMAXCONN_PATH = "/proc/sys/net/core/somaxconn"
 SD_LISTEN_FDS_START = 3
 FD_NAME = "supervise"
 SUPERVISE_LISTEN_FDS = "SUPERVISE_LISTEN_FDS"
 # $1: the socket's fd in the child; the command follows.  sh keeps its pid across exec.
 SHIM = 'export LISTEN_PID=$$; if [ "$1" != 3 ]; then eval "exec 3<&$1 $1<&-" || exit 127; fi; shift; exec "$@"'
-
-
-def listen_backlog() -> int:
-    """The kernel's ``net.core.somaxconn``: ``listen()`` silently caps any larger backlog at it."""
-    try:
-        with open(SOMAXCONN_PATH) as f:
-            return max(1, int(f.read().strip()))
-    except (OSError, ValueError):
-        return socket.SOMAXCONN
 
 
 class ListenSocket:

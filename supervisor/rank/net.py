@@ -1,4 +1,4 @@
-"""Two socket helpers both sides need (stdlib only): a free TCP port, and whether a host is loopback."""
+"""Socket helpers both sides need (stdlib only): a free TCP port, whether a host is loopback, the listen backlog."""
 
 from __future__ import annotations
 
@@ -22,3 +22,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+SOMAXCONN_PATH = "/proc/sys/net/core/somaxconn"
+
+
+def listen_backlog() -> int:
+    """The kernel's ``net.core.somaxconn``: ``listen()`` silently caps any larger backlog at it."""
+    try:
+        with open(SOMAXCONN_PATH) as f:
+            return max(1, int(f.read().strip()))
+    except (OSError, ValueError):
+        return socket.SOMAXCONN

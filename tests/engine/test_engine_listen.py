@@ -28,8 +28,8 @@ import pytest
 from tests.conftest import MARK_VAR
 from tests.engine.conftest import post, wait_for
 from tp_supervise.engine.app import READY_PREFIX
-from tp_supervise.engine.listen import listen_backlog
 from tp_supervise.engine.runfiles import read_inflight
+from tp_supervise.supervisor.rank.net import listen_backlog
 
 pytestmark = pytest.mark.e2e
 

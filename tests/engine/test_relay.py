@@ -26,7 +26,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from tp_supervise.engine.listen import listen_backlog
+from tp_supervise.supervisor.rank.net import listen_backlog
 
 STREAM_TOKENS = 10
 START_TIMEOUT_S = 30.0
