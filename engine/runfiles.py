@@ -87,12 +87,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tp_supervise.supervisor.rank.ring import create_shared_map
 
 from .log import get_logger
 
@@ -158,16 +159,10 @@ class InflightFile:
         self.path = Path(path)
         self.nslots = nslots
         size = HEADER.size + SLOT.size * nslots
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        self._map, publish = create_shared_map(self.path, size)
         self._generation = 0
         HEADER.pack_into(self._map, 0, MAGIC, LAYOUT_VERSION, nslots, os.getpid(), attempt, 0)
-        os.replace(tmp, self.path)
+        publish()
         self._slots: dict[str, int] = {}  # request id -> slot
         self._free = list(range(nslots - 1, -1, -1))
         self.dropped = 0  # requests not recorded because every slot was taken (never expected)

@@ -68,6 +68,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,20 @@ def ring_size(depth: int, log_bytes: int) -> int:
     return HEADER_SIZE + depth * ENTRY_SIZE + log_bytes
 
 
+def create_shared_map(path: Path, size: int) -> tuple[mmap.mmap, Callable[[], None]]:
+    """A new ``size``-byte file mapped shared and writable, made under a temporary name beside ``path``; the
+    caller fills its header, then calls the returned ``publish`` (an atomic rename onto ``path``), so a reader
+    never opens a file whose header is not written yet."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return mapped, lambda: os.replace(tmp, path)
+
+
 class RingWriter:
     """Rank side: the single writer of its ring.  Call from one thread."""
 
@@ -150,19 +165,12 @@ class RingWriter:
         self.log_bytes = log_bytes
         self._log = HEADER_SIZE + depth * ENTRY_SIZE
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        size = ring_size(depth, log_bytes)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        self._map, publish = create_shared_map(self.path, ring_size(depth, log_bytes))
         _IDENT.pack_into(
             self._map, 0, MAGIC, VERSION, depth, ENTRY_SIZE, log_bytes, slot, rank, os.getpid(), time.monotonic()
         )
         _STATE.pack_into(self._map, OFF_STATE, 0, NO_STEP, 0, 0, 0, NO_STEP)
-        os.replace(tmp, self.path)
+        publish()
         state = SeqWriter(self._map, OFF_STATE_SEQ)
         self._state_open, self._state_close = state.begin, state.end
         self.head = 0
