@@ -37,10 +37,24 @@ def replace_section(path: Path, heading: str, section: str) -> None:
 
 
 def add_common_args(parser: argparse.ArgumentParser, quick: str) -> None:
-    """``--quick`` (what it reduces: ``quick``) and ``--update-docs [FILE]``."""
+    """``--quick`` (what it reduces: ``quick``), ``--update-docs [FILE]`` and ``--allow-dirty``.
+
+    ``--update-docs`` from a tree whose tracked files differ from the commit is refused when the arguments
+    are parsed, before anything runs: a stamp must name the code that was measured."""
     parser.add_argument("--quick", action="store_true", help=f"a smoke run of a few seconds: {quick}")
     parser.add_argument("--update-docs", type=Path, nargs="?", const=DOCS, default=None, metavar="FILE",
                         help=f"rewrite this benchmark's section(s) of FILE (default {DOCS.relative_to(ROOT)})")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="with --update-docs: measure a tree with uncommitted changes (the stamp says so)")
+    parse = parser.parse_args
+
+    def parse_checked(*args, **kwargs):
+        ns = parse(*args, **kwargs)
+        if getattr(ns, "update_docs", None) and not ns.allow_dirty and dirty():
+            parser.error("--update-docs: tracked files have uncommitted changes (commit them, or pass --allow-dirty)")
+        return ns
+
+    parser.parse_args = parse_checked  # type: ignore[method-assign]
 
 
 def _git(*args: str) -> str:
@@ -51,11 +65,15 @@ def _git(*args: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
+def dirty() -> bool:
+    """Tracked files differ from the commit."""
+    return bool(_git("status", "--porcelain", "--untracked-files=no"))
+
+
 def commit() -> str:
     """The short commit, with a note when tracked files differ from it (the figures are of the working tree)."""
     short = _git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
-    return f"{short} (with uncommitted changes)" if dirty else short
+    return f"{short} (with uncommitted changes)" if dirty() else short
 
 
 def _meminfo_gib() -> float:

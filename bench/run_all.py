@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench._docs import dirty
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = Path("docs") / "benchmarks.md"
 QUICK_LIMIT_S = 150  # one benchmark's quick mode; the whole --quick run must stay under 3 minutes
@@ -122,11 +124,13 @@ def _on_stop_signal(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_one(bench: Bench, quick: bool, docs: Path) -> Outcome:
+def run_one(bench: Bench, quick: bool, docs: Path, allow_dirty: bool = False) -> Outcome:
     args, reason = bench.argv(quick, docs)
     if args is None:
         print(f"=== {bench.name}: skipped: {reason}", flush=True)
         return Outcome(bench.name, "skipped", detail=reason or "")
+    if allow_dirty and not quick:
+        args.append("--allow-dirty")
     argv = [sys.executable, "-m", bench.module, *args]
     print(f"=== {bench.name}: {' '.join(['python', '-m', bench.module, *args])}", flush=True)
     limit = QUICK_LIMIT_S if quick else FULL_LIMIT_S
@@ -154,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated benchmark names (bench_core, gpu_check, ...)")
     ap.add_argument("--docs", type=Path, default=DOCS, help="the file the full run rewrites (default %(default)s)")
     ap.add_argument("--list", action="store_true", help="list the benchmarks and what each needs")
+    ap.add_argument("--allow-dirty", action="store_true", help="the full run from a tree with uncommitted changes")
     args = ap.parse_args(argv)
+    if not args.quick and not args.list and not args.allow_dirty and dirty():
+        ap.error("the full run rewrites docs: tracked files have uncommitted changes (commit them, or --allow-dirty)")
     only = {n.strip() for n in args.only.split(",") if n.strip()}
     unknown = only - {b.name for b in BENCHES}
     if unknown:
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_stop_signal)
     signal.signal(signal.SIGINT, _on_stop_signal)
     t0 = time.monotonic()
-    outcomes = [run_one(b, args.quick, args.docs) for b in benches]
+    outcomes = [run_one(b, args.quick, args.docs, args.allow_dirty) for b in benches]
     total = time.monotonic() - t0
     print(f"\n{'quick' if args.quick else 'full'} run: {total:.1f} s")
     for o in outcomes:
