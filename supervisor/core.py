@@ -158,7 +158,6 @@ class Supervisor(NodeGroupRules):
         self.hang_query: messages.HangQuery | None = None  # this node asked the others where the missing rank is
         self.peer_hang_query: messages.HangQuery | None = None  # another node asked this one
         self.deferred_hang: WatchdogVerdict | None = None  # the hard verdict waiting for the answer
-        self.incident_id: str | None = None  # shared by every node's bundle of one incident
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.post: Callable[[object], None] = self.events.put
         self.state = EngineState.STARTING
@@ -556,24 +555,29 @@ class Supervisor(NodeGroupRules):
             self._tell_the_nodes(outcome)
 
     # -- multi-node: this node's fate goes on the fault bus; the others' arrives as events
-    def _announce_fault(self, reason: str, rank: int | None, verdict: str, incident_id: str | None = None) -> None:
+    def _announce_fault(
+        self, reason: str, rank: int | None, verdict: str, incident_id: str | None = None, final: bool = False
+    ) -> str:
         """A fatal incident here: its id is minted now (or is the one a hang query named), and the other
         nodes hear of it before this node's capture (which may take up to --dump-timeout), so they tear down
-        at once instead of blaming ranks of their own when the collectives break."""
-        self.incident_id = incident_id or new_incident_id(self.run_id)
-        self.desk.next_incident_id = self.incident_id
+        at once instead of blaming ranks of their own when the collectives break.  Returns the id: the caller
+        hands it to the desk call that writes this node's bundle of the incident.  ``final``: no node restarts
+        after it."""
+        incident_id = incident_id or new_incident_id(self.run_id)
         if self.node_link is not None:
             self.node_link.publish_fault(
                 messages.Fault(
                     node=self.spec.node_rank,
                     rank=rank,
                     reason=reason,
-                    incident_id=self.incident_id,
+                    incident_id=incident_id,
                     verdict=verdict[:500],
+                    final=final,
                 )
             )
         # Before the teardown signals any rank: rank 0 names the incident in the 503s it answers.
-        self.quarantine.fault(self.incident_id, self.attempt.view)
+        self.quarantine.fault(incident_id, self.attempt.view)
+        return incident_id
 
     def _on_signal_event(self, ev: SignalReceived) -> None:
         name = exits.signal_name(ev.signum)
@@ -671,8 +675,10 @@ class Supervisor(NodeGroupRules):
             **first_info.to_dict(),
         )
         self.transition(Event.RANK_EXIT)
-        self._announce_fault("rank_exit", None if first.rank < 0 else first.rank, f"{who} {first_info.description}")
-        self.desk.rank_exit(RankView.of(first), first_info, self.attempt.view)
+        incident_id = self._announce_fault(
+            "rank_exit", None if first.rank < 0 else first.rank, f"{who} {first_info.description}"
+        )
+        self.desk.rank_exit(RankView.of(first), first_info, self.attempt.view, incident_id)
         self._finish(Outcome(EXIT_RANK, "rank_exit", culprit=first.rank))
 
     # -- observations of the watchdog and the consensus poller
@@ -754,8 +760,8 @@ class Supervisor(NodeGroupRules):
         elif kind is VerdictKind.STARTUP_TIMEOUT:
             self.transition(Event.STARTUP_TIMEOUT)
             log.error("startup timeout: " + ev.message, startup_timeout_s=self.spec.startup_timeout)
-            self._announce_fault("startup_timeout", None, "startup timeout: " + ev.message)
-            self.desk.startup_timeout(ev, self.attempt.view)
+            incident_id = self._announce_fault("startup_timeout", None, "startup timeout: " + ev.message)
+            self.desk.startup_timeout(ev, self.attempt.view, incident_id)
             self._finish(Outcome(EXIT_STARTUP, "startup_timeout"))
 
     def _rule_hang(self, ev: WatchdogVerdict) -> None:
@@ -765,8 +771,10 @@ class Supervisor(NodeGroupRules):
         asked = self.hang_query or self.peer_hang_query
         # Answering another node's query, the rank that is elsewhere is known before any capture.
         rank = ev.verdict.outside_collective[0] if self.peer_hang_query and ev.verdict.outside_collective else None
-        self._announce_fault("hang", rank, "hang: " + ev.message, incident_id=asked.incident_id if asked else None)
-        culprits = self.desk.hard_hang(ev, self.attempt.view)
+        incident_id = self._announce_fault(
+            "hang", rank, "hang: " + ev.message, incident_id=asked.incident_id if asked else None
+        )
+        culprits = self.desk.hard_hang(ev, self.attempt.view, incident_id)
         self._finish(Outcome(EXIT_HANG, "hang", culprit=culprits[0] if culprits else None))
 
     # -- stragglers: the group waits for a rank that is slow, not stopped (docs/watchdogs.md)
@@ -785,11 +793,16 @@ class Supervisor(NodeGroupRules):
             wait_share=round(ev.event.lag.wait_share, 4),
             late_lag_s=round(ev.event.lag.late_lag_s, 6),
         )
-        self.desk.straggler(ev, self.attempt.view, verdict)
-        if self.spec.on_straggler != "dump":
-            self.transition(Event.RANK_EXIT)
-            self._announce_fault("straggler", rank, "straggler: " + verdict)
-            self._finish(Outcome(EXIT_RANK, "straggler", culprit=rank, final=self.spec.on_straggler == "kill"))
+        if self.spec.on_straggler == "dump":
+            self.desk.straggler(ev, self.attempt.view, verdict)
+            return
+        # restart|kill: the attempt ends, announced first (the bundle carries the id the other nodes and the
+        # quarantine were given); kill is final on every node, whatever --max-restarts says
+        final = self.spec.on_straggler == "kill"
+        self.transition(Event.RANK_EXIT)
+        incident_id = self._announce_fault("straggler", rank, "straggler: " + verdict, final=final)
+        self.desk.straggler(ev, self.attempt.view, verdict, incident_id)
+        self._finish(Outcome(EXIT_RANK, "straggler", culprit=rank, final=final))
 
     def _on_straggler_across_nodes(self, ev: events.StragglerAcrossNodes) -> None:
         for text in ev.sentences:
@@ -812,10 +825,11 @@ class Supervisor(NodeGroupRules):
         self.transition(Event.DIVERGENCE_ENFORCED if enforce else Event.DIVERGENCE_OBSERVED)
         self.services.on_divergence()
         log.error("divergence: " + ev.verdict.verdict, step=ev.verdict.step, culprit_ranks=ev.verdict.culprit_ranks)
+        incident_id = None  # observed only: a soft bundle, nobody told
         if enforce:
             culprits = ev.verdict.culprit_ranks
-            self._announce_fault("divergence", culprits[0] if culprits else None, ev.verdict.verdict)
-        self.desk.divergence(ev, self.attempt.view, blocking=enforce)
+            incident_id = self._announce_fault("divergence", culprits[0] if culprits else None, ev.verdict.verdict)
+        self.desk.divergence(ev, self.attempt.view, blocking=enforce, incident_id=incident_id)
         if enforce:
             culprit = ev.verdict.culprit_ranks[0] if ev.verdict.culprit_ranks else None
             self._finish(Outcome(EXIT_DIVERGENCE, "divergence", culprit=culprit))

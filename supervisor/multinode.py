@@ -11,7 +11,6 @@ docs/multinode.md.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -24,6 +23,7 @@ from .events import ConsequenceChecked, ConsequenceWindowOver, HangQueryUnanswer
 from .nodes import messages
 from .outcome import EXIT_OK, EXIT_PEER, Outcome, new_incident_id
 from .processes import output_pump
+from .restart import RESTART_BACKOFF_MAX_S
 from .state import Event
 
 if TYPE_CHECKING:
@@ -61,7 +61,6 @@ class NodeGroupRules:
         node_link: NodeLink | None
         stopping: SignalReceived | None
         group_end: Outcome | None
-        incident_id: str | None
         hang_query: messages.HangQuery | None
         peer_hang_query: messages.HangQuery | None
         deferred_hang: WatchdogVerdict | None
@@ -107,10 +106,10 @@ class NodeGroupRules:
             delay = self.restart.after(
                 outcome, stopping=False, uptime_s=time.monotonic() - self.attempt.started_at, group=True
             )
-            decision = {"restart": delay is not None, "delay_s": delay or 0.0, "restarts": self.restart.restarts}
-            self._link.set(key, json.dumps(decision).encode())
+            decision = messages.RestartDecision(delay is not None, delay or 0.0, self.restart.restarts)
+            self._link.set(key, decision.encode())
             return delay
-        self._link.watch(key, bool)
+        self._link.watch(key, self._decided)
         raw = self._between_attempts(self.spec.rendezvous_timeout, key=key)
         if raw is None:
             if self.stopping is not None:
@@ -123,24 +122,37 @@ class NodeGroupRules:
                     waited_s=self.spec.rendezvous_timeout,
                 )
             return None
-        decision = json.loads(raw)
-        if not decision.get("restart"):
+        decision = self._decision(raw)  # it passed _decided on the link: it decodes
+        if not decision.restart:
             log.error(
                 "node 0 ends the group: no restart",
                 event_name="group_restart_declined",
-                restarts=decision.get("restarts"),
+                restarts=decision.restarts,
             )
             return None
-        self.restart.restarts = int(decision["restarts"])
+        self.restart.restarts = decision.restarts
         log.warning(
             "restarting the group with node 0",
             event_name="group_restart",
             restart=self.restart.restarts,
             max_restarts=self.spec.max_restarts,
-            backoff_s=decision["delay_s"],
+            backoff_s=decision.delay_s,
             after=outcome.reason,
         )
-        return float(decision["delay_s"])
+        return decision.delay_s
+
+    def _decided(self, raw: bytes) -> bool:
+        """The link's check of ``restart/<n>`` (on its thread): empty is not decided yet; a value node 0's policy
+        could not have written raises ``BadValue``, which the link logs and drops, and it watches on."""
+        if not raw:
+            return False
+        self._decision(raw)
+        return True
+
+    def _decision(self, raw: bytes) -> messages.RestartDecision:
+        """Node 0's ``restart/<n>``, held to what this node's own policy could decide: a backoff of at most
+        its longest, a count within its --max-restarts (the handshake made both the same on every node)."""
+        return messages.RestartDecision.decode(raw, RESTART_BACKOFF_MAX_S, self.spec.max_restarts)
 
     def _group_barrier(self) -> bool:
         """Every node is ready to launch attempt n+1 before any does (the ranks rendezvous across nodes)."""
@@ -149,7 +161,7 @@ class NodeGroupRules:
         self._link.begin_attempt(n)
         if self.stopping is None and self.group_end is None:
             self._link.add(key, 1)
-            self._link.watch(key, lambda v: int(v or b"0") >= nnodes)
+            self._link.watch(key, lambda raw: messages.counter(raw) >= nnodes)  # junk: dropped by the link
             if self._between_attempts(self.spec.rendezvous_timeout, key=key) is not None:
                 self.hang_query = self.peer_hang_query = self.deferred_hang = None
                 log.info("every node is ready for the next attempt", event_name="group_restart_ready", attempt=n)
@@ -185,7 +197,6 @@ class NodeGroupRules:
         fault = ev.fault
         if self.attempt.outcome is not None:
             return
-        self.incident_id = fault.incident_id
         if fault.reason == "shutdown":
             log.info("node stopped on a signal: graceful shutdown of this node too", node=fault.node)
             self._finish(Outcome(EXIT_OK, "shutdown"))
@@ -200,18 +211,24 @@ class NodeGroupRules:
             rank=fault.rank,
             reason=fault.reason,
             incident_id=fault.incident_id,
+            final=fault.final,
         )
-        self._peer_incident("peer_failed", fault.node, fault.rank, verdict)
+        # A fault that names no incident gets this node's own id: one id in its quarantine and its bundle.
+        incident_id = fault.incident_id or new_incident_id(self.run_id)
+        self._peer_incident("peer_failed", fault.node, fault.rank, verdict, incident_id, final=fault.final)
 
     def _on_node_lost(self, ev: events.NodeLost) -> None:
         if self.attempt.outcome is not None:
             return
-        self.incident_id = new_incident_id(self.run_id)
         verdict = f"node {ev.node} was lost: {ev.detail}; this node's ranks were torn down with the group"
         log.error("peer node lost: tearing this node down", node=ev.node, detail=ev.detail)
-        self._peer_incident("node_lost", ev.node, None, verdict)
+        self._peer_incident("node_lost", ev.node, None, verdict, new_incident_id(self.run_id))
 
-    def _peer_incident(self, reason: str, node: int, rank: int | None, verdict: str) -> None:
+    def _peer_incident(
+        self, reason: str, node: int, rank: int | None, verdict: str, incident_id: str, final: bool = False
+    ) -> None:
+        """``incident_id``: the other node's (a lost node told nothing: this node's own); ``final``: that node
+        said no node restarts after it (node 0's restart policy honours it)."""
         if self.suspect is not None:  # this node's rank died first here, but of the peer's failure
             handle, info, _at, why = self.suspect
             self.suspect = None
@@ -228,16 +245,10 @@ class NodeGroupRules:
                 reason=reason,
             )
         self.transition(Event.RANK_EXIT)
-        if self.incident_id is not None:  # before this node's teardown: its rank 0 names the incident
-            self.quarantine.fault(self.incident_id, self.attempt.view)
-        extra = {
-            "culprit_ranks": [rank] if rank is not None else [],
-            "verdict": verdict,
-            "incident_id": self.incident_id,
-            "culprit_node": node,
-        }
-        self.desk.peer_incident(reason, extra, self.attempt.view)
-        self._finish(Outcome(EXIT_PEER, reason, culprit=rank))
+        self.quarantine.fault(incident_id, self.attempt.view)  # before this node's teardown: its rank 0 names it
+        extra = {"culprit_ranks": [rank] if rank is not None else [], "verdict": verdict, "culprit_node": node}
+        self.desk.peer_incident(reason, extra, self.attempt.view, incident_id)
+        self._finish(Outcome(EXIT_PEER, reason, culprit=rank, final=final))
 
     def _ask_the_other_nodes(self, ev: WatchdogVerdict) -> bool:
         """Multi-node: when every rank of this node waits inside a collective, the rank that is elsewhere is on

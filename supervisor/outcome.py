@@ -32,7 +32,7 @@ class Outcome:
     code: int
     reason: str  # bundle reason, or "clean" / "shutdown"
     culprit: int | None = None
-    final: bool = False  # the run ends whatever --max-restarts says (--on-straggler kill)
+    final: bool = False  # the run ends whatever --max-restarts says (--on-straggler kill, here or on another node)
 
     @property
     def restartable(self) -> bool:

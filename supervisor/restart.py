@@ -41,9 +41,10 @@ class RestartPolicy:
 
         ``uptime_s``: how long the attempt that ended had run.  ``group``: a
         multi-node run, where another node's fault (``peer_failed``) ends the
-        attempt of the whole group and is restarted like a fault of this node's.
+        attempt of the whole group and is restarted like a fault of this node's,
+        unless that node said it is final (``--on-straggler kill`` there).
         """
-        restartable = outcome.restartable or (group and outcome.reason == "peer_failed")
+        restartable = outcome.restartable or (group and outcome.reason == "peer_failed" and not outcome.final)
         if restartable and uptime_s >= RESTART_STABLE_S:
             self.restarts = 0  # it ran long enough: not a crash loop, the budget starts over
         if not restartable or stopping or self.restarts >= self.max_restarts:

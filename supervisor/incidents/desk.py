@@ -8,7 +8,8 @@ Nothing it does can hold a teardown back (docs/contracts.md, "Process tree": eve
 deadline).  Every bundle is made off the main thread:
 
 * **fatal** incidents (rank exit, hard hang, startup timeout, enforced
-  divergence) each get their own ``dump-<reason>`` thread.  The main thread
+  divergence, a straggler that ends the attempt) each get their own
+  ``dump-<reason>`` thread, under the incident id the main thread announced.  The main thread
   waits for the *capture* (stacks must be taken while the ranks exist) at
   most ``--dump-timeout`` (less when a second stop signal comes), then
   tears down anyway.  The write (bundle, retention walk) finishes on that
@@ -181,7 +182,6 @@ class IncidentDesk:
         self.writer = BundleWriter(spec.dump_dir, keep=spec.dump_keep, max_bytes=spec.dump_max_bytes)
         self.soft = _SoftWorker()
         self.jobs: list[DumpJob] = []  # in flight; main thread only
-        self.next_incident_id: str | None = None  # set by the main thread before a fatal dump it announced
         self.previous_cpu: CpuSamples | None = None  # the last capture's CPU samples, handed to the next one
         self.exchange: IncidentExchange | None = None  # multi-node: fatal bundles are shared through the store
         # The requests an incident caught in flight (incidents/quarantine.py): incident id -> summary fields.
@@ -246,13 +246,10 @@ class IncidentDesk:
                     out.append(RankTarget(snap.rank, slot, snap.pid, True, None, snap))
         return out
 
-    def _with_incident_id(self, extra: dict) -> dict:
-        """Every bundle names its incident: a peer's bundle of another node's incident keeps that one's id; a
-        fatal one the main thread announced to the other nodes takes the id it announced (``next_incident_id``)."""
-        if extra.get("incident_id"):
-            return extra
-        announced, self.next_incident_id = self.next_incident_id, None
-        return dict(extra, incident_id=announced or new_incident_id(self.run_id))
+    def _with_incident_id(self, extra: dict, incident_id: str | None) -> dict:
+        """Every bundle names its incident: the id the main thread announced for it (to the other nodes, to
+        the quarantine), given with the call that asks for the bundle; a fresh one when nobody was told."""
+        return dict(extra, incident_id=incident_id or new_incident_id(self.run_id))
 
     def _base_summary(self, attempt: AttemptView) -> dict:
         spec = self.spec
@@ -372,6 +369,7 @@ class IncidentDesk:
         attempt: AttemptView,
         capture_s: float,
         extra: dict,
+        incident_id: str | None,
         files: dict | None = None,
         detected_at: float | None = None,
         freeze: bool = False,
@@ -379,7 +377,7 @@ class IncidentDesk:
     ) -> DumpJob:
         """Start a fatal dump on its own thread; return once its capture ended, or
         after ``--dump-timeout`` (or a second stop signal) without it."""
-        extra = self._with_incident_id(extra)
+        extra = self._with_incident_id(extra, incident_id)
         extra = dict(self.requests_of(extra["incident_id"]), **extra)
         detected_at = time.monotonic() if detected_at is None else detected_at
         timeout = self.spec.dump_timeout
@@ -422,7 +420,7 @@ class IncidentDesk:
     ) -> None:
         detected_at = time.monotonic() if detected_at is None else detected_at
         job = DumpJob(reason, self.spec.dump_timeout)
-        summary = dict(self._base_summary(attempt), **self._with_incident_id(extra))
+        summary = dict(self._base_summary(attempt), **self._with_incident_id(extra, None))  # never announced
 
         def work() -> None:
             try:
@@ -457,8 +455,9 @@ class IncidentDesk:
         self.soft.submit(work)
 
     # -------------------------------------------------------------- incidents
-    def rank_exit(self, first: RankView, info: ExitInfo, attempt: AttemptView) -> None:
-        """``first``: the root cause (``attempt.launcher`` or one of ``attempt.ranks``)."""
+    def rank_exit(self, first: RankView, info: ExitInfo, attempt: AttemptView, incident_id: str | None = None) -> None:
+        """``first``: the root cause (``attempt.launcher`` or one of ``attempt.ranks``); ``incident_id``, here and
+        in every fatal incident below: the id the main thread announced (none given: a fresh one)."""
         who = first.role if first.slot >= 0 else f"the {first.role}"
         others = [r.rank for r in attempt.live_ranks() if r.slot != first.slot]
         verdict = f"{first.describe(who)} {info.description}"
@@ -487,7 +486,14 @@ class IncidentDesk:
                 extra["verdict"] = verdict
         late = self._stderr_evidence(first, verdict, with_error=error is None)
         self._fatal(
-            "rank_exit", attempt, RANK_EXIT_CAPTURE_S, extra, files or None, detected_at=first.exited_at, late=late
+            "rank_exit",
+            attempt,
+            RANK_EXIT_CAPTURE_S,
+            extra,
+            incident_id,
+            files or None,
+            detected_at=first.exited_at,
+            late=late,
         )
 
     def _stderr_evidence(self, first: RankView, verdict: str, with_error: bool):
@@ -535,12 +541,13 @@ class IncidentDesk:
     def soft_hang(self, ev: WatchdogVerdict, attempt: AttemptView) -> None:
         self._async("hang_suspected", attempt, HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at)
 
-    def hard_hang(self, ev: WatchdogVerdict, attempt: AttemptView) -> list[int]:
+    def hard_hang(self, ev: WatchdogVerdict, attempt: AttemptView, incident_id: str | None = None) -> list[int]:
         """Freeze, capture (bounded by --dump-timeout), return the diagnosis' culprits (none if cut short)."""
-        job = self._fatal("hang", attempt, HANG_CAPTURE_S, self._watchdog_extra(ev), detected_at=ev.at, freeze=True)
+        extra = self._watchdog_extra(ev)
+        job = self._fatal("hang", attempt, HANG_CAPTURE_S, extra, incident_id, detected_at=ev.at, freeze=True)
         return list(job.culprits) if job.captured.is_set() else []
 
-    def startup_timeout(self, ev: WatchdogVerdict, attempt: AttemptView) -> None:
+    def startup_timeout(self, ev: WatchdogVerdict, attempt: AttemptView, incident_id: str | None = None) -> None:
         extra = self._watchdog_extra(ev)
         pending = list(ev.verdict.pending_ranks)
         extra["culprit_ranks"] = pending
@@ -548,32 +555,41 @@ class IncidentDesk:
             f"rank{'s' if len(pending) > 1 else ''} {','.join(map(str, pending))} did not become ready within "
             f"--startup-timeout {self.spec.startup_timeout:g} s: {ev.message}"
         )
-        self._fatal("startup_timeout", attempt, HANG_CAPTURE_S, extra, detected_at=ev.at)
+        self._fatal("startup_timeout", attempt, HANG_CAPTURE_S, extra, incident_id, detected_at=ev.at)
 
-    def divergence(self, ev: DivergenceFound, attempt: AttemptView, blocking: bool) -> None:
+    def divergence(
+        self, ev: DivergenceFound, attempt: AttemptView, blocking: bool, incident_id: str | None = None
+    ) -> None:
         """``blocking`` (enforce): fatal, the ranks frozen first; else a soft dump."""
         v = ev.verdict
         extra = {"culprit_ranks": list(v.culprit_ranks), "verdict": v.verdict, "divergence": v.to_dict()}
         files = v.bundle_files()
         if blocking:
-            self._fatal("divergence", attempt, HANG_CAPTURE_S, extra, files, detected_at=ev.at, freeze=True)
+            self._fatal(
+                "divergence", attempt, HANG_CAPTURE_S, extra, incident_id, files, detected_at=ev.at, freeze=True
+            )
         else:
             self._async("divergence", attempt, HANG_CAPTURE_S, extra, files=files, detected_at=ev.at)
 
-    def straggler(self, ev: StragglerNamed, attempt: AttemptView, verdict: str) -> None:
+    def straggler(self, ev: StragglerNamed, attempt: AttemptView, verdict: str, incident_id: str | None = None) -> None:
         """A straggler episode started: one bundle (reason ``straggler``), every rank's stacks (the slow one's
-        and its peers', who wait for it), the detector's window and the /proc evidence; nothing stops."""
+        and its peers', who wait for it), the detector's window and the /proc evidence.  Without
+        ``incident_id`` nothing stops (a soft dump); with it, the straggler ends the attempt
+        (``--on-straggler restart|kill``, announced under that id): fatal, captured before the teardown."""
         extra = {
             "culprit_ranks": [ev.event.rank],
             "verdict": verdict,
             "straggler": {"event": ev.event.to_dict(), "report": ev.report.to_dict(), "evidence": ev.evidence},
         }
-        self._async("straggler", attempt, HANG_CAPTURE_S, extra, detected_at=ev.event.at)
+        if incident_id is None:
+            self._async("straggler", attempt, HANG_CAPTURE_S, extra, detected_at=ev.event.at)
+        else:
+            self._fatal("straggler", attempt, HANG_CAPTURE_S, extra, incident_id, detected_at=ev.event.at)
 
     def on_demand(self, reply: queue.SimpleQueue, attempt: AttemptView) -> None:
         self._async("on_demand", attempt, HANG_CAPTURE_S, {}, reply)
 
-    def peer_incident(self, reason: str, extra: dict, attempt: AttemptView) -> None:
+    def peer_incident(self, reason: str, extra: dict, attempt: AttemptView, incident_id: str) -> None:
         """Multi-node: another node failed or was lost (``peer_failed``, ``node_lost``): this node's
-        evidence of the same incident, captured before its own teardown (fatal, bounded)."""
-        self._fatal(reason, attempt, HANG_CAPTURE_S, extra)
+        evidence of the same incident (the other node's id), captured before its own teardown (fatal, bounded)."""
+        self._fatal(reason, attempt, HANG_CAPTURE_S, extra, incident_id)

@@ -40,6 +40,8 @@ WRONG_TOKEN_GRACE_S = 5.0
 
 
 PROGRESS_EVERY_S = 3.0  # handshake progress lines
+# The first one: nodes started together register within moments; a node still missing after this is worth a line.
+FIRST_PROGRESS_S = 1.0
 
 
 TOKEN_MESSAGE = b"tp-supervise join token v1"
@@ -168,7 +170,7 @@ def _handshake(
             f"every node its own --node-rank in 0..{nnodes - 1}",
         )
     store.set(f"node/{node_rank}/info", json.dumps(own).encode())
-    next_progress = time.monotonic() + PROGRESS_EVERY_S
+    next_progress = time.monotonic() + FIRST_PROGRESS_S
     while True:
         refused = store.get_nowait("refused")
         if refused:

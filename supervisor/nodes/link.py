@@ -11,8 +11,9 @@ layout (version 1, every key under ``tpsv/v1/``; docs/multinode.md)::
     ready               add-counter of nodes that validated the group: the start barrier
     beat/<R>            add-counter, +1 every BEAT_S: node R's supervisor is alive
     fault/<n>           the first fatal incident of any node in group attempt n (compare_set): JSON
-                        {node, rank, reason, incident_id, verdict}; everyone else tears down, exit 84
-                        (or, with --max-restarts, all restart together: restart/<n>, ready/<n+1>)
+                        {node, rank, reason, incident_id, verdict, final}; everyone else tears down,
+                        exit 84 (or, with --max-restarts, all restart together: restart/<n>, ready/<n+1>,
+                        unless the fault is final: --on-straggler kill)
     restart/<n>         node 0's decision after attempt n: JSON {restart, delay_s, restarts}
     ready/<n>           add-counter: nodes ready to launch attempt n (the barrier of a group restart)
     hang/<n>            the first hang query (compare_set): JSON {node, incident_id, seq, verdict}
@@ -53,7 +54,7 @@ from ..events import NodeLost, PeerFailed, PeerHangQuery, StoreKeySeen
 from ..processes.pidfds import named_thread
 from .gate import BEAT_S, NODE_LOST_S
 from .handshake import NodeGroup
-from .messages import BadValue, Fault, HangQuery, shown
+from .messages import BadValue, Fault, HangQuery, counter, shown
 from .store import STORE_TIMEOUT_S, Store
 
 if TYPE_CHECKING:
@@ -185,7 +186,8 @@ class NodeLink:
         self._hand_over("add", (key, amount))
 
     def watch(self, key: str, until: Callable[[bytes], bool]) -> None:
-        """Post ``StoreKeySeen(key, value)`` once ``until(value)`` holds (missing keys read as b"")."""
+        """Post ``StoreKeySeen(key, value)`` once ``until(value)`` holds (missing keys read as b"").  ``until``
+        validates: a value it raises ``BadValue`` for is dropped (logged) and the key watched on."""
         self._hand_over("watch", (key, until))
 
     def publish_straggler(self, summary: bytes) -> None:
@@ -247,7 +249,12 @@ class NodeLink:
     def _check_watches(self) -> None:
         for key, until in list(self._watches.items()):
             value = self.store.get_nowait(key) or b""
-            if until(value):
+            try:
+                reached = until(value)
+            except BadValue as why:  # not one of ours: never taken for a store that stopped answering
+                self._dropped(key, value, why)
+                continue
+            if reached:
                 del self._watches[key]
                 self.post(StoreKeySeen(key, value))
 
@@ -409,9 +416,9 @@ class NodeLink:
             if node in self._done:
                 continue
             try:
-                count = int(seen[f"beat/{node}"] or 0)
-            except ValueError:  # an add-counter holds digits; anything else was written by someone else
-                self._dropped(f"beat/{node}", seen[f"beat/{node}"], BadValue("not a counter"))
+                count = counter(seen[f"beat/{node}"])
+            except BadValue as why:
+                self._dropped(f"beat/{node}", seen[f"beat/{node}"], why)
                 continue
             last = self._seen.get(node)
             if last is None or last[0] != count:

@@ -21,6 +21,7 @@ MAX_VALUE_BYTES = 16 * 1024  # a fault or a hang query; anything longer is not o
 MAX_INFO_BYTES = 64 * 1024  # a node's registration (its fingerprint)
 MAX_TEXT = 500
 INCIDENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,159}$")
+COUNTER_RE = re.compile(rb"[0-9]{1,18}")  # an add-counter as the store holds it: decimal digits
 # Bundle reasons a node may announce on the fault bus, and "shutdown" (a node stopped on a signal).
 FAULT_REASONS = frozenset(
     {"rank_exit", "hang", "divergence", "startup_timeout", "peer_failed", "node_lost", "shutdown", "straggler"}
@@ -78,15 +79,26 @@ def _incident_id(data: dict) -> str:
     return value
 
 
+def counter(raw: bytes) -> int:
+    """An add-counter's value (``ready/<n>``, ``beat/<R>``); b"" is a key not written yet: 0."""
+    if not raw:
+        return 0
+    if not COUNTER_RE.fullmatch(raw):
+        raise BadValue("not a counter")
+    return int(raw)
+
+
 @dataclass(frozen=True)
 class Fault:
-    """A fatal incident on some node, as the fault bus carries it."""
+    """A fatal incident on some node, as the fault bus carries it.  ``final``: the run ends whatever
+    ``--max-restarts`` says (``--on-straggler kill``); every node's outcome says so, node 0's decides."""
 
     node: int
     rank: int | None
     reason: str
     incident_id: str
     verdict: str
+    final: bool = False
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -102,7 +114,35 @@ class Fault:
         reason = data.get("reason")
         if reason not in FAULT_REASONS:
             raise BadValue(f"unknown reason {shown(str(reason), 40)!r}")
-        return cls(node, rank, reason, _incident_id(data), _text(data, "verdict"))
+        final = data.get("final", False)  # absent: not final
+        if type(final) is not bool:
+            raise BadValue("final is not true or false")
+        return cls(node, rank, reason, _incident_id(data), _text(data, "verdict"), final)
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    """Node 0's decision after group attempt n (``restart/<n>``): whether every node launches again, the
+    backoff they all wait, and node 0's restart count (every rank's ``TORCHELASTIC_RESTART_COUNT``)."""
+
+    restart: bool
+    delay_s: float
+    restarts: int
+
+    def encode(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes, max_delay_s: float, max_restarts: int) -> RestartDecision:
+        """Raises ``BadValue`` for what node 0's policy would not have decided: a backoff beyond
+        ``max_delay_s`` (this node's own policy's longest) or a count beyond ``max_restarts``."""
+        data = _load(raw)
+        restart, delay = data.get("restart"), data.get("delay_s")
+        if type(restart) is not bool:
+            raise BadValue("restart is not true or false")
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= max_delay_s:
+            raise BadValue(f"delay_s={shown(str(delay), 40)} out of range (0 to {max_delay_s:g} s)")
+        return cls(restart, float(delay), _int(data, "restarts", 0, max_restarts + 1))
 
 
 @dataclass(frozen=True)

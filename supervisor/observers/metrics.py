@@ -60,6 +60,7 @@ DUMP_REASONS = (
     "rank_exit",
     "hang",
     "hang_suspected",
+    "straggler",
     "divergence",
     "startup_timeout",
     "peer_failed",
