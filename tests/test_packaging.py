@@ -60,7 +60,7 @@ def test_install_and_uninstall_leave_supervisord_working(venv_with_supervisord, 
     theirs = sorted(p.name for p in (site_packages(venv) / "supervisor").iterdir())
     run(pip, "install", "-q", "--no-deps", source_tree(tmp_path))
     site = site_packages(venv)
-    assert (site / "tp_supervise" / "supervisor" / "cli.py").is_file()
+    assert (site / "tp_supervise" / "supervisor" / "cli" / "__init__.py").is_file()
     assert (site / "tp_supervise" / "supervisor" / "rank" / "_hook" / "sitecustomize.py").is_file()
     assert not any((site / name).exists() for name in OURS[1:]), "a generic top-level package was installed"
     assert sorted(p.name for p in (site / "supervisor").iterdir()) == theirs, "supervisord's package was changed"

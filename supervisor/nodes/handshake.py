@@ -40,7 +40,8 @@ WRONG_TOKEN_GRACE_S = 5.0
 
 
 PROGRESS_EVERY_S = 3.0  # handshake progress lines
-# The first one: nodes started together register within moments; a node still missing after this is worth a line.
+# The first one: nodes started together register within moments; a node still missing after this is worth a
+# line (and so is one still missing when the rendezvous times out, however soon that is).
 FIRST_PROGRESS_S = 1.0
 
 
@@ -170,7 +171,8 @@ def _handshake(
             f"every node its own --node-rank in 0..{nnodes - 1}",
         )
     store.set(f"node/{node_rank}/info", json.dumps(own).encode())
-    next_progress = time.monotonic() + FIRST_PROGRESS_S
+    first_progress = time.monotonic() + FIRST_PROGRESS_S
+    next_progress = min(first_progress, deadline)
     while True:
         refused = store.get_nowait("refused")
         if refused:
@@ -192,6 +194,9 @@ def _handshake(
         if not missing:
             break
         now = time.monotonic()
+        if now >= next_progress:  # before the deadline's refusal: the nodes missing are named at least once
+            next_progress = now + PROGRESS_EVERY_S
+            say("waiting for nodes", {"missing_node_ranks": missing, "store": store_addr, "registered": sorted(infos)})
         if now >= deadline:
             raise HandshakeError(
                 f"rendezvous timeout: node rank(s) {missing} never registered at the store {store_addr}; start a "
@@ -199,9 +204,6 @@ def _handshake(
                 "--rendezvous-timeout",
                 EXIT_STARTUP,
             )
-        if now >= next_progress:
-            next_progress = now + PROGRESS_EVERY_S
-            say("waiting for nodes", {"missing_node_ranks": missing, "store": store_addr, "registered": sorted(infos)})
         time.sleep(POLL_S)
     tokens = {node: info.get("token", "") for node, info in infos.items()}
     if len(set(tokens.values())) > 1:

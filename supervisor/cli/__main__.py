@@ -1,0 +1,7 @@
+"""``python -m tp_supervise.supervisor.cli``: the ``supervise`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
