@@ -42,6 +42,7 @@ from pathlib import Path
 from bench._docs import ROOT, Stamp, add_common_args, replace_section
 from bench._logs import json_lines
 from bench.teardown_rank import STEP_S
+from tests.support.freezer import FREEZER_ROOT, FROZEN_CHILD, freeze_survivor, remove_run_cgroups, thaw, wait_empty
 from tp_supervise.supervisor.processes import pidfds as procs
 from tp_supervise.supervisor.processes import spawn as launch
 from tp_supervise.supervisor.processes.exit_monitor import ExitMonitor
@@ -52,21 +53,11 @@ SURVIVOR_HEADING = "## Teardown with a process that survives SIGKILL (issue 11, 
 MODULE = "bench.bench_core"
 RANK = ROOT / "bench" / "teardown_rank.py"
 SUPERVISE = Path(sys.executable).with_name("supervise")
-FREEZER_ROOT = Path("/sys/fs/cgroup/freezer")
 SLEEPER = "import time\nwhile True: time.sleep(3600)\n"
 RUN_LIMIT_S = 60.0
+CHILD_LIMIT_S = 30.0  # until rank 0's child is in the freezer
 HARD_TIMEOUT_S = 1.0
 NOTICE_GOAL_MS = 50.0
-
-# Rank 0 forks a child that moves itself into a v1 freezer cgroup, then both sleep.
-FROZEN_CHILD = """
-import os, sys, time
-if os.environ.get("RANK") == "0" and os.fork() == 0:
-    with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
-while True:
-    time.sleep(3600)
-"""
 
 
 # -- 1. death notice, in process ---------------------------------------------------------------
@@ -226,10 +217,12 @@ def teardown_run(sc: Scenario, ranks: int, grace: float, work: Path) -> Teardown
     out.mkdir(parents=True)
     argv = [str(SUPERVISE), "serve", "--nproc-per-node", str(ranks), "--kill-grace", str(grace),
             "--metrics-addr", "none", "--metrics-linger", "0", "--dump-dir", str(work / "dumps"),
-            "--log-format", "json"]
+            "--log-format", "json"]  # fmt: skip
     if sc.fault == "stop":
         argv += ["--hard-timeout", str(HARD_TIMEOUT_S), "--soft-timeout", str(HARD_TIMEOUT_S / 2)]
-    argv += ["--", sys.executable, str(RANK), str(out), "--fault", sc.fault] + (["--ignore-term"] if sc.ignore_term else [])
+    argv += ["--", sys.executable, str(RANK), str(out), "--fault", sc.fault] + (
+        ["--ignore-term"] if sc.ignore_term else []
+    )
     env = dict(os.environ, SUPERVISE_REGISTRY_DIR=str(work / "registry"))
     log_path = work / "supervise.log"
     fds: list[int] = []
@@ -298,16 +291,6 @@ def _freezer_reason() -> str | None:
     return None
 
 
-def _until(predicate, limit_s: float, what: str):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise RuntimeError(f"timed out waiting for {what}")
-
-
 def survivor_run(grace: float, work: Path) -> SurvivorRun:
     work.mkdir(parents=True)
     script = work / "frozen.py"
@@ -317,36 +300,28 @@ def survivor_run(grace: float, work: Path) -> SurvivorRun:
     log_path = work / "supervise.log"
     argv = [str(SUPERVISE), "serve", "--nproc-per-node", "2", "--kill-grace", str(grace), "--metrics-addr", "none",
             "--metrics-linger", "0", "--dump-dir", str(work / "dumps"), "--log-format", "json", "--",
-            sys.executable, str(script), str(freezer)]
+            sys.executable, str(script), str(freezer)]  # fmt: skip
     env = dict(os.environ, SUPERVISE_REGISTRY_DIR=str(work / "registry"))
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(argv, cwd=work, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     run_id = None
     try:
-        survivor = int(_until(lambda: (freezer / "cgroup.procs").read_text().split(), 30, "the child in the freezer")[0])
-        (freezer / "freezer.state").write_text("FROZEN")
-        _until(lambda: (freezer / "freezer.state").read_text().strip() == "FROZEN", 5, "the freeze")
+        survivor = freeze_survivor(freezer, CHILD_LIMIT_S)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=RUN_LIMIT_S)
         stop_to_exit = time.monotonic() - t0
     finally:
-        (freezer / "freezer.state").write_text("THAWED")  # its pending SIGKILL takes it now
+        thaw(freezer)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        _until(lambda: not (freezer / "cgroup.procs").read_text().strip(), 10, "the survivor to die once thawed")
+        wait_empty(freezer)
         events = _log_events(log_path.read_text())
         run_id = (events.get("supervise_starting") or {}).get("run_id")
         freezer.rmdir()
         if run_id:  # the run's cgroup could not be removed while the survivor was in it
-            for base in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/pids")):
-                leftover = base / f"tp-supervise-{run_id}"
-                if leftover.is_dir():
-                    try:
-                        leftover.rmdir()
-                    except OSError:
-                        pass
+            remove_run_cgroups(run_id)  # best effort: what stays does not fail the benchmark
     incomplete = events.get("teardown_incomplete") or {}
     return SurvivorRun(
         exit_code=code,
@@ -369,9 +344,11 @@ def _f(values: list[float | None], fmt: str = ".3f", unit: str = " s") -> str:
 
 def core_section(stamp: Stamp, args, lat: list[float], runs: dict[Scenario, list[TeardownRun]]) -> str:
     med, p99 = statistics.median(lat) * 1e3, _pct(lat, 0.99) * 1e3
-    rows = [f"| death noticed by the exit monitor, {len(lat)} SIGKILLs of {args.ranks} ranks (in process) "
-            f"| median {med:.2f} ms, p99 {p99:.2f} ms | <= {NOTICE_GOAL_MS:.0f} ms "
-            f"| {'met' if p99 <= NOTICE_GOAL_MS else 'not met'} |"]
+    rows = [
+        f"| death noticed by the exit monitor, {len(lat)} SIGKILLs of {args.ranks} ranks (in process) "
+        f"| median {med:.2f} ms, p99 {p99:.2f} ms | <= {NOTICE_GOAL_MS:.0f} ms "
+        f"| {'met' if p99 <= NOTICE_GOAL_MS else 'not met'} |"
+    ]
     lines = []
     for sc, rs in runs.items():
         reaped = [r.reaped_s for r in rs]
@@ -379,8 +356,10 @@ def core_section(stamp: Stamp, args, lat: list[float], runs: dict[Scenario, list
         bound_text = f"kill-grace + 0.5 s = {bound:g} s"
         ok = all(r is not None and r <= bound for r in reaped)
         codes = sorted({r.exit_code for r in rs}, key=str)
-        rows.append(f"| {sc.name}: fault -> last rank reaped, {args.ranks} ranks | {_f(reaped)} | <= {bound_text} "
-                    f"| {'met' if ok else 'not met'} |")
+        rows.append(
+            f"| {sc.name}: fault -> last rank reaped, {args.ranks} ranks | {_f(reaped)} | <= {bound_text} "
+            f"| {'met' if ok else 'not met'} |"
+        )
         lines.append(
             f"| {sc.name} | {sc.fault_instant} | {len(rs)} | {codes} | {_f([r.noticed_s for r in rs])} "
             f"| {_f([r.captured_s for r in rs])} | {_f(reaped)} | {_f([r.complete_s for r in rs])} "
@@ -425,8 +404,9 @@ def survivor_section(stamp: Stamp, grace: float, runs: list[SurvivorRun], skippe
     else:
         rows = "\n".join(
             f"| {i + 1} | {r.exit_code} | {'yes' if r.survivor_reported else 'no'} | {r.marker_scans} "
-            f"| {r.teardown_s:.3f} s | {r.stop_to_exit_s:.2f} s |" if r.teardown_s is not None else
-            f"| {i + 1} | {r.exit_code} | {'yes' if r.survivor_reported else 'no'} | - | - | {r.stop_to_exit_s:.2f} s |"
+            f"| {r.teardown_s:.3f} s | {r.stop_to_exit_s:.2f} s |"
+            if r.teardown_s is not None
+            else f"| {i + 1} | {r.exit_code} | {'yes' if r.survivor_reported else 'no'} | - | - | {r.stop_to_exit_s:.2f} s |"
             for i, r in enumerate(runs)
         )
         teardown = [r.teardown_s for r in runs if r.teardown_s is not None]
@@ -463,16 +443,20 @@ def main(argv: list[str] | None = None) -> int:
         args.kills, args.ranks, args.grace, args.rounds, args.survivor_rounds = 10, 4, 0.5, 1, 1
     stamp = Stamp.begin(MODULE, argv)
     lat = death_notice(args.kills, args.ranks)
-    print(f"death notice over {len(lat)} SIGKILLs, {args.ranks} ranks: median {statistics.median(lat) * 1e3:.2f} ms, "
-          f"p99 {_pct(lat, 0.99) * 1e3:.2f} ms, max {max(lat) * 1e3:.2f} ms", flush=True)
+    print(
+        f"death notice over {len(lat)} SIGKILLs, {args.ranks} ranks: median {statistics.median(lat) * 1e3:.2f} ms, "
+        f"p99 {_pct(lat, 0.99) * 1e3:.2f} ms, max {max(lat) * 1e3:.2f} ms",
+        flush=True,
+    )
     runs: dict[Scenario, list[TeardownRun]] = {sc: [] for sc in SCENARIOS}
     with tempfile.TemporaryDirectory(prefix="bench-core-") as tmp:
         for i in range(args.rounds):
             for j, sc in enumerate(SCENARIOS):  # interleaved: the machine's load drifts
                 r = teardown_run(sc, args.ranks, args.grace, Path(tmp) / f"{i}-{j}")
                 runs[sc].append(r)
-                print(f"{sc.name}: exit {r.exit_code}, fault -> reaped {r.reaped_s}, teardown call {r.call_s}",
-                      flush=True)
+                print(
+                    f"{sc.name}: exit {r.exit_code}, fault -> reaped {r.reaped_s}, teardown call {r.call_s}", flush=True
+                )
         skipped = _freezer_reason()
         survivors = []
         if skipped:
@@ -481,8 +465,11 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.survivor_rounds):
                 s = survivor_run(args.grace, Path(tmp) / f"survivor-{i}")
                 survivors.append(s)
-                print(f"survivor: exit {s.exit_code}, teardown {s.teardown_s} s, SIGTERM -> exit "
-                      f"{s.stop_to_exit_s:.2f} s", flush=True)
+                print(
+                    f"survivor: exit {s.exit_code}, teardown {s.teardown_s} s, SIGTERM -> exit "
+                    f"{s.stop_to_exit_s:.2f} s",
+                    flush=True,
+                )
     core = core_section(stamp, args, lat, runs)
     surv = survivor_section(stamp, args.grace, survivors, skipped)
     print(core)

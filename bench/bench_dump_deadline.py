@@ -7,7 +7,8 @@ blocking every write: a tmpfs watched by a fanotify listener that never
 answers the kernel's permission requests once armed, so every open(2) in it
 sleeps in the kernel as on a hung NFS mount (needs CAP_SYS_ADMIN); where that
 cannot be mounted, the FIFO stall of ``tests/fakes/stall_dumps.py`` (the
-bundle writer first opens a FIFO nobody reads).  The blocker is armed once the
+bundle writer first opens a FIFO nobody reads); both in ``tests/support/blockers.py``,
+shared with tests/e2e/test_dump_deadline.py.  The blocker is armed once the
 supervisor registered (after its start-up check wrote into the directory).
 Kinds:
 
@@ -28,15 +29,11 @@ no rank process is left (the ranks' pids from ``rank_started``).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import select
-import struct
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +44,8 @@ import psutil
 
 from bench._docs import ROOT, Stamp, add_common_args, replace_section
 from bench.bench_core import last_reaped
+from tests.support.blockers import BlockingMount, FifoStall, wedged_pynvml
+from tests.support.procs import alive
 
 HEADING = "## Fatal dumps against a blocked dump directory"
 MODULE = "bench.bench_dump_deadline"
@@ -59,126 +58,10 @@ RUN_LIMIT_S = 120.0
 KINDS = ("hang", "rank_exit", "wedged_nvml")
 HANG_ARGS = ["--soft-timeout", "2", "--hard-timeout", "4"]
 
-# fanotify(7)
-FAN_CLOEXEC = 0x01
-FAN_CLASS_CONTENT = 0x04
-FAN_MARK_ADD = 0x01
-FAN_MARK_MOUNT = 0x10
-FAN_OPEN_PERM = 0x00010000
-FAN_ALLOW = 0x01
-AT_FDCWD = -100
-_EVENT = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
-_RESPONSE = struct.Struct("=iI")  # fd, response
-
-WEDGED_PYNVML = textwrap.dedent(
-    '''
-    """A stand-in for nvidia-ml-py whose device calls never return, as with a wedged GPU driver."""
-    import time
-
-    def nvmlInit():
-        pass
-
-    def nvmlShutdown():
-        pass
-
-    def nvmlDeviceGetCount():
-        return 1
-
-    def nvmlDeviceGetHandleByIndex(index):
-        time.sleep(3600)
-    '''
-)
-
-
-class BlockingMount:
-    """A tmpfs whose file opens block once ``arm()`` was called, until ``close()`` allows them all.
-
-    The same device as tests/e2e/test_dump_deadline.py's (kept here so the benchmark does not import a test)."""
-
-    kind = "a tmpfs whose opens wait for a fanotify permission answer that never comes"
-
-    def __init__(self, path: Path):
-        self.path = path
-        path.mkdir(parents=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(path)], check=True,
-                       capture_output=True)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.fanotify_init.argtypes = [ctypes.c_uint, ctypes.c_uint]
-        libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
-        self.fd = libc.fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC, os.O_RDONLY | os.O_LARGEFILE)
-        if self.fd < 0:
-            err = ctypes.get_errno()
-            self._unmount()
-            raise OSError(err, f"fanotify_init: {os.strerror(err)}")
-        if libc.fanotify_mark(self.fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN_PERM, AT_FDCWD, os.fsencode(path)) < 0:
-            err = ctypes.get_errno()
-            os.close(self.fd)
-            self._unmount()
-            raise OSError(err, f"fanotify_mark: {os.strerror(err)}")
-        self.armed = False
-        self.held: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._listen, name="bench-fanotify", daemon=True)
-        self._thread.start()
-
-    def arm(self) -> None:
-        self.armed = True
-
-    def _listen(self) -> None:
-        while not self._stop.is_set():
-            if not select.select([self.fd], [], [], 0.05)[0]:
-                continue
-            try:
-                buf = os.read(self.fd, 4096)
-            except OSError:
-                return
-            pos = 0
-            while pos + _EVENT.size <= len(buf):
-                length, _v, _r, _m, _mask, fd, _pid = _EVENT.unpack_from(buf, pos)
-                pos += length
-                if self.armed:
-                    self.held.append(fd)
-                else:
-                    self._allow(fd)
-
-    def _allow(self, fd: int) -> None:
-        try:
-            os.write(self.fd, _RESPONSE.pack(fd, FAN_ALLOW))
-        except OSError:
-            pass
-        os.close(fd)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for fd in self.held:
-            self._allow(fd)
-        os.close(self.fd)
-        self._unmount()
-
-    def _unmount(self) -> None:
-        subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
-
-
-class FifoStall:
-    """The fallback: arm() puts the FIFO the stall wrapper's bundle writer opens into the dump dir."""
-
-    kind = "a FIFO nobody reads, opened by the bundle writer first (`tests/fakes/stall_dumps.py`)"
-
-    def __init__(self, path: Path):
-        self.path = path
-        path.mkdir(parents=True)
-
-    def arm(self) -> None:
-        os.mkfifo(self.path / "stall.fifo")
-
-    def close(self) -> None:
-        fifo = self.path / "stall.fifo"
-        if fifo.exists():
-            fifo.unlink()
-
 
 class Writable:
+    """The wedged_nvml kind's dump directory: nothing blocks it."""
+
     kind = "writable"
 
     def __init__(self, path: Path):
@@ -232,24 +115,13 @@ def _ranks(proc: subprocess.Popen, n: int) -> list[int]:
     raise RuntimeError("the ranks did not start")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def run_one(kind: str, work: Path) -> Run:
     dump_dir = work / "dumps"
     env = dict(os.environ, SUPERVISE_REGISTRY_DIR=str(work / "registry"))
     reason = None
     if kind == "wedged_nvml":
         blocker, entry = Writable(dump_dir), None
-        fake = work / "wedged-nvml"
-        fake.mkdir(parents=True)
-        (fake / "pynvml.py").write_text(WEDGED_PYNVML)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(fake), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = wedged_pynvml(work / "wedged-nvml", env.get("PYTHONPATH", ""))
     else:
         blocker, entry, reason = blocker_for(dump_dir)
     if reason:
@@ -264,7 +136,7 @@ def run_one(kind: str, work: Path) -> Run:
     head = [sys.executable, str(entry)] if entry is not None else [sys.executable, "-m", "tp_supervise.supervisor.cli"]
     argv = [*head, "serve", "--log-format", "json", "--metrics-addr", "127.0.0.1:0", "--metrics-linger", "0",
             "--dump-dir", str(dump_dir), "--kill-grace", str(KILL_GRACE_S), "--dump-timeout", str(DUMP_TIMEOUT_S),
-            *args, "--", *command]
+            *args, "--", *command]  # fmt: skip
     log_path = work / "supervise.log"
     try:
         with open(log_path, "w") as log_file:
@@ -321,7 +193,7 @@ def run_one(kind: str, work: Path) -> Run:
         fault_to_exit_s=since(exiting),
         not_written_reported=first("incident_bundle_not_written_within_dump_timeout") is not None,
         bundle_written=first("incident_bundle_written") is not None,
-        left=[p for p in pids if _alive(p)],
+        left=[p for p in pids if alive(p)],
         gpu_telemetry=first("gpu_telemetry_enabled") is not None,
         gpu_verified=(done or {}).get("gpu_memory_verified"),
     )
@@ -340,8 +212,10 @@ def section(stamp: Stamp, runs: list[Run]) -> str:
         rs = [r for r in runs if r.kind == kind]
         extra = ""
         if kind == "wedged_nvml":
-            extra = (f"; stand-in NVML loaded: {sum(r.gpu_telemetry for r in rs)}/{len(rs)}, GPU memory check "
-                     f"skipped: {sum(r.gpu_verified is False for r in rs)}/{len(rs)}")
+            extra = (
+                f"; stand-in NVML loaded: {sum(r.gpu_telemetry for r in rs)}/{len(rs)}, GPU memory check "
+                f"skipped: {sum(r.gpu_verified is False for r in rs)}/{len(rs)}"
+            )
         rows.append(
             f"| {kind} | {rs[0].blocker} | {len(rs)} | {sorted({r.exit_code for r in rs}, key=str)} "
             f"| {_range([r.fault_to_reaped_s for r in rs])} | {_range([r.fault_to_teardown_s for r in rs])} "
@@ -357,7 +231,7 @@ def section(stamp: Stamp, runs: list[Run]) -> str:
 
 End to end with real processes, `supervise serve --kill-grace {KILL_GRACE_S:g} --dump-timeout {DUMP_TIMEOUT_S:g}`, the
 dump directory blocking every write from the moment the supervisor registered (the kinds: `hang`, gloo
-ranks, rank 1 SIGSTOPped, `{' '.join(HANG_ARGS)}`; `rank_exit`, three fake ranks, rank 1
+ranks, rank 1 SIGSTOPped, `{" ".join(HANG_ARGS)}`; `rank_exit`, three fake ranks, rank 1
 SIGKILLed; `wedged_nvml`, the hang with a writable dump directory and a stand-in `pynvml` whose device
 calls never return). Times from the supervisor's log line that names the fault (`hang`, `rank_exited`).
 
@@ -388,8 +262,12 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds:
                 r = run_one(kind, Path(tmp) / f"{kind}-{i}")
                 runs.append(r)
-                print(f"{kind} run {i + 1}: exit {r.exit_code}, fault -> teardown {r.fault_to_teardown_s}, "
-                      f"-> exit {r.fault_to_exit_s}, left {r.left}", file=sys.stderr, flush=True)
+                print(
+                    f"{kind} run {i + 1}: exit {r.exit_code}, fault -> teardown {r.fault_to_teardown_s}, "
+                    f"-> exit {r.fault_to_exit_s}, left {r.left}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     text = section(stamp, runs)
     print(text)
     if args.update_docs:

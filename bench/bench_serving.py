@@ -64,13 +64,16 @@ import openai
 
 from bench._docs import Stamp, add_common_args, replace_section
 from bench._logs import json_lines_of
+from tests.support.serving import openai_client, request_ok, stop_supervisor, wait_serving
 
 HEADING = "## Serving through faults (issue 21)"
 MODULE = "bench.bench_serving"
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE_REF = "10c4cee"  # the commit before issue 21's serving work
-BEFORE_NOTE = {BEFORE_REF: " (before issue 21's serving work)",
-               "6b9940a": " (before the relay: no stream resumed, restarts after a 1 s backoff)"}
+BEFORE_NOTE = {
+    BEFORE_REF: " (before issue 21's serving work)",
+    "6b9940a": " (before the relay: no stream resumed, restarts after a 1 s backoff)",
+}
 MARK_VAR = "TP_SUPERVISE_BENCH_MARK"
 PACKAGES = ("supervisor", "engine", "watchdogs", "consensus", "dumps")  # the tree's folders under tp_supervise
 TP = 2
@@ -86,8 +89,10 @@ READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
 ACCEPTANCE_MARGIN_S = 2.0  # issue 21: p99 latency <= restart time + 2 s
 # the issue's own "before", quoted when the old tree was not run
-ISSUE_BEFORE = ("269 requests succeeded and 61 failed with APIConnectionError in 25 s (16 clients, "
-                "--inject crash@1:300, --max-restarts 3; quoted from issue 21)")
+ISSUE_BEFORE = (
+    "269 requests succeeded and 61 failed with APIConnectionError in 25 s (16 clients, "
+    "--inject crash@1:300, --max-restarts 3; quoted from issue 21)"
+)
 
 
 def free_port() -> int:
@@ -197,13 +202,7 @@ class Served:
         return pids
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait(30)
+        code = stop_supervisor(self.proc, STOP_TIMEOUT_S)
         deadline = time.monotonic() + 5
         while self.marked() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -221,22 +220,15 @@ def serve(tree: Tree, tmp: Path, max_restarts: int, inject: tuple[str, ...] = ()
     env = {**tree.env(), "SUPERVISE_REGISTRY_DIR": str(tmp / "registry"), MARK_VAR: mark}
     argv = [sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tp", str(TP), "--port", str(port),
             "--metrics-addr", f"127.0.0.1:{metrics_port}", "--metrics-linger", "0", "--log-format", "json",
-            "--dump-dir", str(tmp / "dumps"), "--max-restarts", str(max_restarts)]
+            "--dump-dir", str(tmp / "dumps"), "--max-restarts", str(max_restarts)]  # fmt: skip
     for spec in inject:
         argv += ["--inject", spec]
     log_path = tmp / "supervise.log"
     with open(log_path, "w") as log_file:  # cwd: the run's directory (python -m puts the cwd on sys.path first)
         proc = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=log_file)
     served = Served(proc, port, metrics_port, log_path, mark)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return served
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
+    if wait_serving(proc, port, READY_TIMEOUT_S):
+        return served
     served.stop()
     raise SystemExit(f"{tree.label}: the engine never became ready:\n{log_path.read_text()[-3000:]}")
 
@@ -309,8 +301,9 @@ class Load:
 
     def start(self) -> Load:
         for i in range(self.clients):
-            self._threads.append(threading.Thread(target=self._client, args=(i,), name=f"bench-client-{i}",
-                                                  daemon=True))
+            self._threads.append(
+                threading.Thread(target=self._client, args=(i,), name=f"bench-client-{i}", daemon=True)
+            )
         self._threads.append(threading.Thread(target=self._probe, name="bench-probe", daemon=True))
         for t in self._threads:
             t.start()
@@ -322,24 +315,14 @@ class Load:
             t.join(REQUEST_TIMEOUT_S * 3 + 10)
 
     def _client(self, i: int) -> None:
-        api = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S,
-                            http_client=httpx2.Client(transport=RecordingTransport(self.attempts)))
+        api = openai_client(self.port, RecordingTransport(self.attempts), REQUEST_TIMEOUT_S)
         n = 0
         while not self._stop.is_set():
             stream = (i + n) % 2 == 1
             prompt = f"{self.tag} client {i} request {n}: the quick brown fox"
             started = time.time()
             try:
-                if stream:
-                    finish = None
-                    for chunk in api.completions.create(model="random-tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                                        temperature=0, stream=True, extra_body={"ignore_eos": True}):
-                        finish = chunk.choices[0].finish_reason if chunk.choices else finish
-                    ok = finish == "length"
-                else:
-                    out = api.completions.create(model="random-tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                                 temperature=0, extra_body={"ignore_eos": True})
-                    ok = out.usage is not None and out.usage.completion_tokens == MAX_TOKENS
+                ok = request_ok(api, "completion_stream" if stream else "completion", prompt, MAX_TOKENS)
                 self.outcomes.append(Outcome(stream, started, time.time(), ok, "" if ok else "incomplete answer"))
             except Exception as exc:  # every client-visible failure is a figure
                 self.outcomes.append(Outcome(stream, started, time.time(), False, error_kind(exc)))
@@ -352,9 +335,11 @@ class Load:
         while not self._stop.wait(PROBE_EVERY_S):
             n += 1
             sent = time.time()
-            req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
-                                         data=json.dumps({**body, "prompt": f"{self.tag} probe {n}"}).encode(),
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{self.port}/v1/completions",
+                data=json.dumps({**body, "prompt": f"{self.tag} probe {n}"}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             try:
                 with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
                     ok = resp.status == 200
@@ -396,12 +381,18 @@ class Run:
         base = baseline.latencies() if baseline else []
         b50, b99 = percentile(base, 0.5), percentile(base, 0.99)
         return {
-            "name": self.name, "tree": self.tree, "fault": self.fault, "faults": len(self.faults_at),
-            "requests": len(self.outcomes), "ok": len(self.ok),
+            "name": self.name,
+            "tree": self.tree,
+            "fault": self.fault,
+            "faults": len(self.faults_at),
+            "requests": len(self.outcomes),
+            "ok": len(self.ok),
             "success_pct": 100.0 * len(self.ok) / len(self.outcomes) if self.outcomes else 0.0,
             "errors": dict(self.errors().most_common()),
             "hidden_attempts": dict(Counter(self.attempts).most_common()),
-            "p50_s": p50, "p99_s": p99, "max_s": max(lat, default=None),
+            "p50_s": p50,
+            "p99_s": p99,
+            "max_s": max(lat, default=None),
             "added_p50_s": None if p50 is None or b50 is None or baseline is self else p50 - b50,
             "added_p99_s": None if p99 is None or b99 is None or baseline is self else p99 - b99,
             "restart_s": [round(x, 2) for x in self.restart_s],
@@ -409,17 +400,30 @@ class Run:
             "serving_again_median_s": statistics.median(self.serving_again_s) if self.serving_again_s else None,
             "serving_again_max_s": max(self.serving_again_s, default=None),
             "between_faults_median_s": statistics.median(self.between_faults_s) if self.between_faults_s else None,
-            "exit_code": self.exit_code, "steps_per_s": self.steps_per_s if self.fault == "none" else None,
+            "exit_code": self.exit_code,
+            "steps_per_s": self.steps_per_s if self.fault == "none" else None,
             "relay_cpu_pct": self.relay_cpu_pct,
         }
 
 
-def one_run(name: str, tree: Tree, base: Path, clients: int, duration_s: float, max_restarts: int,
-            fault: str = "none", fault_every_s: float = 0.0, inject_step: int | None = None) -> Run:
+def one_run(
+    name: str,
+    tree: Tree,
+    base: Path,
+    clients: int,
+    duration_s: float,
+    max_restarts: int,
+    fault: str = "none",
+    fault_every_s: float = 0.0,
+    inject_step: int | None = None,
+) -> Run:
     inject = (f"{fault}@{FAULT_RANK}:{inject_step}",) if fault in ("crash", "segfault") else ()
     served = serve(tree, base / name, max_restarts, inject)
-    print(f"[{name}] {tree.label}: serving on port {served.port}, {clients} clients for {duration_s:.0f} s, "
-          f"fault {fault}{f' {inject[0]}' if inject else ''}", flush=True)
+    print(
+        f"[{name}] {tree.label}: serving on port {served.port}, {clients} clients for {duration_s:.0f} s, "
+        f"fault {fault}{f' {inject[0]}' if inject else ''}",
+        flush=True,
+    )
     load = Load(served.port, clients, name).start()
     t0 = time.monotonic()
     steps = [(time.monotonic(), engine_steps(served))]
@@ -429,8 +433,11 @@ def one_run(name: str, tree: Tree, base: Path, clients: int, duration_s: float, 
         while time.monotonic() - t0 < duration_s and served.proc.poll() is None:
             if fault == "sigkill":
                 ready = served.events("engine_ready")
-                if len(ready) > kills and time.time() - wall(ready[-1]["timestamp"]) >= fault_every_s \
-                        and time.monotonic() - t0 + 1.0 < duration_s:
+                if (
+                    len(ready) > kills
+                    and time.time() - wall(ready[-1]["timestamp"]) >= fault_every_s
+                    and time.monotonic() - t0 + 1.0 < duration_s
+                ):
                     pid = served.rank_pid(SIGKILL_VICTIMS[kills % len(SIGKILL_VICTIMS)])
                     if pid is not None:
                         os.kill(pid, signal.SIGKILL)
@@ -463,8 +470,20 @@ def one_run(name: str, tree: Tree, base: Path, clients: int, duration_s: float, 
     relay_pct = None
     if fault == "none" and len(relay_cpu) == 2 and None not in relay_cpu and t_b > t_a:
         relay_pct = 100.0 * (relay_cpu[1] - relay_cpu[0]) / (t_b - t_a)
-    run = Run(name, tree.label, fault if not inject else inject[0], load.outcomes, load.attempts, rulings, again,
-              between, restart, code, rate, relay_pct)
+    run = Run(
+        name,
+        tree.label,
+        fault if not inject else inject[0],
+        load.outcomes,
+        load.attempts,
+        rulings,
+        again,
+        between,
+        restart,
+        code,
+        rate,
+        relay_pct,
+    )
     print(f"[{name}] {json.dumps(run.summary(None), default=str)}", flush=True)
     return run
 
@@ -494,7 +513,8 @@ def render(summaries: list[dict]) -> str:
             f"| {s['success_pct']:.1f} % | {errors} | {hidden} | {fmt(s['p50_s'])} | {fmt(s['p99_s'])} "
             f"| {fmt(s['added_p50_s'], sign=True)} / {fmt(s['added_p99_s'], sign=True)} "
             f"| {', '.join(f'{x:.1f}' for x in s['restart_s']) or '-'} "
-            f"| {fmt(s['serving_again_median_s'])} / {fmt(s['serving_again_max_s'])} |")
+            f"| {fmt(s['serving_again_median_s'])} / {fmt(s['serving_again_max_s'])} |"
+        )
     return "\n".join(rows)
 
 
@@ -516,20 +536,25 @@ def reading(summaries: list[dict], before_note: str | None) -> str:
             f"error event (the SDK never retries a stream it has returned); {other} other failures; connection refused seen by a "
             f"client or hidden by its retries: {refused}; p99 {fmt(s['p99_s'])} s against issue 21's bound, restart "
             f"time + {ACCEPTANCE_MARGIN_S:.0f} s = {bound:.2f} s (the slowest restart of the run): "
-            f"{'met' if met else 'not met'}")
+            f"{'met' if met else 'not met'}"
+        )
     text = "Reading: " + "; ".join(parts) + "." if parts else "Reading: no fault run."
     for s in before:
         refused = s["errors"].get("connection refused", 0) + s["hidden_attempts"].get("refused", 0)
         errors = ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"
-        text += (f" Before (same load, {s['fault']}, {s['faults']} fault{'' if s['faults'] == 1 else 's'}): "
-                 f"{s['ok']} of {s['requests']} succeeded ({s['success_pct']:.1f} %), errors {errors}; refused connections, seen or retried: "
-                 f"{refused}.")
+        text += (
+            f" Before (same load, {s['fault']}, {s['faults']} fault{'' if s['faults'] == 1 else 's'}): "
+            f"{s['ok']} of {s['requests']} succeeded ({s['success_pct']:.1f} %), errors {errors}; refused connections, seen or retried: "
+            f"{refused}."
+        )
     calm = {("before" if s["tree"].startswith("before") else "after"): s for s in summaries if s["fault"] == "none"}
     if len(calm) == 2:  # the same load without faults on both trees: what holding the connections costs
         a, b = calm["after"], calm["before"]
-        text += (f" Without faults: {a['requests']} requests in the run against {b['requests']} before "
-                 f"({(a['requests'] / b['requests'] - 1) * 100:+.1f} %), p50 {fmt(a['p50_s'])} s against "
-                 f"{fmt(b['p50_s'])} s, p99 {fmt(a['p99_s'])} s against {fmt(b['p99_s'])} s")
+        text += (
+            f" Without faults: {a['requests']} requests in the run against {b['requests']} before "
+            f"({(a['requests'] / b['requests'] - 1) * 100:+.1f} %), p50 {fmt(a['p50_s'])} s against "
+            f"{fmt(b['p50_s'])} s, p99 {fmt(a['p99_s'])} s against {fmt(b['p99_s'])} s"
+        )
         if a.get("relay_cpu_pct") is not None:
             text += f"; the relay process used {a['relay_cpu_pct']:.1f} % of one core"
         text += "."
@@ -548,8 +573,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default="sigkill,crash,segfault", help="fault kinds: sigkill, crash, segfault")
     parser.add_argument("--before", default=BEFORE_REF, help="the tree before, a git ref (default %(default)s)")
     parser.add_argument("--no-before", action="store_true", help="do not run the tree before")
-    add_common_args(parser, "3 clients, 2 s without faults, 6 s with a SIGKILL after 1 s of serving, no "
-                            "crash/segfault run, no tree before")
+    add_common_args(
+        parser,
+        "3 clients, 2 s without faults, 6 s with a SIGKILL after 1 s of serving, no crash/segfault run, no tree before",
+    )
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = set(kinds) - {"sigkill", "crash", "segfault"}
@@ -568,18 +595,33 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(baseline)
         step = max(1, round(args.fault_every * (baseline.steps_per_s or 10.0)))
         for kind in kinds:
-            runs.append(one_run(kind, here, base, args.clients, args.duration, args.max_restarts, kind,
-                                args.fault_every, step))
+            runs.append(
+                one_run(kind, here, base, args.clients, args.duration, args.max_restarts, kind, args.fault_every, step)
+            )
         if not args.no_before:
             try:
                 old = before_tree(args.before, base)
             except (subprocess.CalledProcessError, OSError, SystemExit) as exc:
-                old, before_note = None, f"The tree before ({args.before}) could not be run here ({exc}): {ISSUE_BEFORE}."
+                old, before_note = (
+                    None,
+                    f"The tree before ({args.before}) could not be run here ({exc}): {ISSUE_BEFORE}.",
+                )
             if old is not None:
-                runs.append(one_run("before-no-fault", old, base, args.clients, args.baseline_duration,
-                                    args.max_restarts))
-                runs.append(one_run("before-sigkill", old, base, args.clients, args.duration, args.max_restarts,
-                                    "sigkill", args.fault_every))
+                runs.append(
+                    one_run("before-no-fault", old, base, args.clients, args.baseline_duration, args.max_restarts)
+                )
+                runs.append(
+                    one_run(
+                        "before-sigkill",
+                        old,
+                        base,
+                        args.clients,
+                        args.duration,
+                        args.max_restarts,
+                        "sigkill",
+                        args.fault_every,
+                    )
+                )
         else:
             before_note = f"The tree before was not run in this invocation; the issue's own before: {ISSUE_BEFORE}."
     finally:
@@ -588,24 +630,33 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [r.summary(baselines.get(r.tree)) for r in runs]
     print(json.dumps(summaries, indent=1, default=str))
     rate = baseline.steps_per_s
-    section = "\n".join([
-        HEADING, "", stamp.text(), "",
-        f"`supervise serve --tp {TP} --max-restarts {args.max_restarts}` around the built-in engine (random-tiny, "
-        f"CPU), {args.clients} threads of the official `openai` client (default retries) sending completions back "
-        f"to back, a stream and a non-stream in turn ({MAX_TOKENS} tokens, every prompt distinct), "
-        f"{args.baseline_duration:.0f} s without faults, then {args.duration:.0f} s per fault kind with a fault "
-        f"every {args.fault_every:.0f} s of serving: SIGKILL of rank 1, rank 0, rank 1 ... by the bench, or the engine's "
-        f"`crash`/`segfault` injection at decode step {step} (the no-fault run's "
-        f"{fmt(rate, 1)} engine steps/s x {args.fault_every:.0f} s; it fires in every attempt). Errors are what "
-        "the SDK raised after its retries; the hidden attempts are the ones its retries absorbed; added latency "
-        "is against the same tree's no-fault run of this invocation; restart is each fault's ruling to the next "
-        "attempt's `engine ready` line (the supervisor's backoff included: none before the first restart of a crash loop, then 1 s, 2 s ...; the tree before waits 1 s, 2 s, 4 s ...); serving again is from each fault's ruling to the first "
-        f"successful answer to a probe sent after it (one {PROBE_TOKENS}-token completion at a time, every "
-        f"{PROBE_EVERY_S} s, no retries). The before rows run the same load, without faults and with SIGKILLs, "
-        f"against the tree at `{args.before}`{BEFORE_NOTE.get(args.before, '')}, imported from a `git archive` "
-        "copy. Latency is over the successful requests only.", "",
-        render(summaries), "",
-        reading(summaries, before_note), ""])
+    section = "\n".join(
+        [
+            HEADING,
+            "",
+            stamp.text(),
+            "",
+            f"`supervise serve --tp {TP} --max-restarts {args.max_restarts}` around the built-in engine (random-tiny, "
+            f"CPU), {args.clients} threads of the official `openai` client (default retries) sending completions back "
+            f"to back, a stream and a non-stream in turn ({MAX_TOKENS} tokens, every prompt distinct), "
+            f"{args.baseline_duration:.0f} s without faults, then {args.duration:.0f} s per fault kind with a fault "
+            f"every {args.fault_every:.0f} s of serving: SIGKILL of rank 1, rank 0, rank 1 ... by the bench, or the engine's "
+            f"`crash`/`segfault` injection at decode step {step} (the no-fault run's "
+            f"{fmt(rate, 1)} engine steps/s x {args.fault_every:.0f} s; it fires in every attempt). Errors are what "
+            "the SDK raised after its retries; the hidden attempts are the ones its retries absorbed; added latency "
+            "is against the same tree's no-fault run of this invocation; restart is each fault's ruling to the next "
+            "attempt's `engine ready` line (the supervisor's backoff included: none before the first restart of a crash loop, then 1 s, 2 s ...; the tree before waits 1 s, 2 s, 4 s ...); serving again is from each fault's ruling to the first "
+            f"successful answer to a probe sent after it (one {PROBE_TOKENS}-token completion at a time, every "
+            f"{PROBE_EVERY_S} s, no retries). The before rows run the same load, without faults and with SIGKILLs, "
+            f"against the tree at `{args.before}`{BEFORE_NOTE.get(args.before, '')}, imported from a `git archive` "
+            "copy. Latency is over the successful requests only.",
+            "",
+            render(summaries),
+            "",
+            reading(summaries, before_note),
+            "",
+        ]
+    )
     print(section)
     if args.update_docs:
         replace_section(args.update_docs, HEADING, section)

@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from tp_supervise.supervisor.processes.cgroup import RunCgroup
 from tests.conftest import fake_rank
 from tests.live import wait_for
+from tests.support.procs import alive
+from tp_supervise.supervisor.processes.cgroup import RunCgroup
 
 
 def _cgroups_usable() -> bool:
@@ -30,14 +31,6 @@ def _cgroups_usable() -> bool:
 pytestmark = pytest.mark.skipif(not _cgroups_usable(), reason="no writable cgroup hierarchy on this host")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def _escapee(path) -> int:
     wait_for(lambda: path.exists() and path.read_text().strip(), 30, "the escapee's pid file")
     return int(path.read_text())
@@ -45,20 +38,23 @@ def _escapee(path) -> int:
 
 def test_teardown_kills_an_escapee_that_scrubbed_its_environment(supervise, tmp_path):
     pidfile = tmp_path / "escapee.pid"
-    run = supervise(["--nproc-per-node", "2", "--kill-grace", "1"], fake_rank("--all", "sleep", "--on", "1=scrubbed"),
-                    env={"FAKE_ESCAPEE_FILE": str(pidfile)})
+    run = supervise(
+        ["--nproc-per-node", "2", "--kill-grace", "1"],
+        fake_rank("--all", "sleep", "--on", "1=scrubbed"),
+        env={"FAKE_ESCAPEE_FILE": str(pidfile)},
+    )
     pid = _escapee(pidfile)
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             assert b"SUPERVISE_RUN_ID" not in f.read()  # the marker scan cannot find it
         run.proc.send_signal(signal.SIGINT)
         assert run.wait(60) == 0, run.stderr[-3000:]
-        wait_for(lambda: not _alive(pid), 5, "the escapee to be gone")
+        wait_for(lambda: not alive(pid), 5, "the escapee to be gone")
         tracking = run.events("process tracking")
         assert tracking and tracking[0]["mechanism"].startswith("cgroup"), run.stderr[-2000:]
         assert not RunCgroup.existing(run.run_id()), "the run's cgroup was left behind"
     finally:
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -71,13 +67,13 @@ def test_the_next_run_sweeps_the_cgroup_of_a_sigkilled_supervisor(supervise, tmp
         os.kill(run.proc.pid, signal.SIGKILL)
         run.proc.wait(timeout=10)
         time.sleep(1.0)
-        assert _alive(pid), "nothing but the cgroup could have found it"
+        assert alive(pid), "nothing but the cgroup could have found it"
         nxt = supervise(["--nproc-per-node", "1"], fake_rank("--all", "finish", "--steps", "3"))
         assert nxt.wait(60) == 0, nxt.stderr[-3000:]
         swept = nxt.events("swept a run whose supervisor died")
         assert swept and pid in swept[0]["killed"], nxt.stderr[-3000:]
-        wait_for(lambda: not _alive(pid), 5, "the escapee to be gone")
+        wait_for(lambda: not alive(pid), 5, "the escapee to be gone")
     finally:
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
         run.wait(timeout=10)

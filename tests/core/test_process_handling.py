@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import marked_pids
+from tests.live import wait_for
+from tests.support.freezer import FREEZER_ROOT, FROZEN_CHILD, freeze_survivor, remove_run_cgroups, thaw, wait_empty
 
-FREEZER_ROOT = Path("/sys/fs/cgroup/freezer")
+CHILD_LIMIT_S = 20.0  # until rank 0's child is in the freezer
+POLL_S = 0.05
 
 # A rank that keeps leaving orphans: each child double-forks a grandchild that
 # lives briefly; the grandchild reparents to the supervisor (subreaper) and dies.
@@ -38,15 +41,6 @@ while True:
     time.sleep(3600)
 """
 
-# Rank 0 forks a child that moves itself into a v1 freezer cgroup, then both sleep.
-FROZEN_CHILD = """
-import os, sys, time
-if os.environ.get("RANK") == "0" and os.fork() == 0:
-    with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
-while True:
-    time.sleep(3600)
-"""
 
 def _script(tmp_path: Path, name: str, code: str) -> str:
     path = tmp_path / name
@@ -71,21 +65,13 @@ def _zombie_children(pid: int) -> int:
     return count
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_orphans_are_reaped_while_the_run_goes_on(supervise, tmp_path):
     done = tmp_path / "done"
-    run = supervise(["--nproc-per-node", "1", "--kill-grace", "1"],
-                    [sys.executable, _script(tmp_path, "orphans.py", ORPHAN_MAKER), "4", str(done)])
-    _wait_for(lambda: run.proc.poll() is not None or len(marked_pids(supervise.mark)) >= 2, 30, "the rank")
+    run = supervise(
+        ["--nproc-per-node", "1", "--kill-grace", "1"],
+        [sys.executable, _script(tmp_path, "orphans.py", ORPHAN_MAKER), "4", str(done)],
+    )
+    wait_for(lambda: run.proc.poll() is not None or len(marked_pids(supervise.mark)) >= 2, 30, "the rank", POLL_S)
     most = 0
     while not done.exists() and run.proc.poll() is None:
         most = max(most, _zombie_children(run.proc.pid))
@@ -101,9 +87,14 @@ def test_orphans_are_reaped_while_the_run_goes_on(supervise, tmp_path):
 
 
 def test_one_marker_scan_per_teardown(supervise, tmp_path):
-    run = supervise(["--nproc-per-node", "2", "--kill-grace", "1"],
-                    [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                                           "time.sleep(1); raise SystemExit(3)"])
+    run = supervise(
+        ["--nproc-per-node", "2", "--kill-grace", "1"],
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(1); raise SystemExit(3)",
+        ],
+    )
     assert run.wait(timeout=30) == 80, run.stderr[-3000:]
     done = run.events("teardown complete")
     assert done and done[-1]["marker_scans"] == 1, done
@@ -134,12 +125,11 @@ def freezer(tmp_path):
 
 def test_a_process_that_survives_sigkill_is_exit_85(supervise, tmp_path, freezer):
     grace = 1.0
-    run = supervise(["--nproc-per-node", "2", "--kill-grace", str(grace)],
-                    [sys.executable, _script(tmp_path, "frozen.py", FROZEN_CHILD), str(freezer)])
-    survivor = _wait_for(lambda: (freezer / "cgroup.procs").read_text().split(), 20, "the child in the freezer")
-    survivor = int(survivor[0])
-    (freezer / "freezer.state").write_text("FROZEN")
-    _wait_for(lambda: (freezer / "freezer.state").read_text().strip() == "FROZEN", 5, "the freeze")
+    run = supervise(
+        ["--nproc-per-node", "2", "--kill-grace", str(grace)],
+        [sys.executable, _script(tmp_path, "frozen.py", FROZEN_CHILD), str(freezer)],
+    )
+    survivor = freeze_survivor(freezer, CHILD_LIMIT_S)
     try:
         t0 = time.monotonic()
         run.proc.send_signal(signal.SIGTERM)
@@ -154,14 +144,11 @@ def test_a_process_that_survives_sigkill_is_exit_85(supervise, tmp_path, freezer
         assert incomplete[0]["duration_s"] < grace + 2.0 + 1.5, incomplete
         print(f"teardown with a survivor: {incomplete[0]['duration_s']:.3f} s; SIGTERM to exit {stop_to_exit:.3f} s")
     finally:
-        (freezer / "freezer.state").write_text("THAWED")  # its pending SIGKILL takes it now
-    _wait_for(lambda: not (freezer / "cgroup.procs").read_text().strip(), 10, "the survivor to die once thawed")
+        thaw(freezer)
+    wait_empty(freezer)
     run_id = run.run_id()
     if run_id:  # the run's cgroup could not be removed while the survivor was in it
-        for base in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/pids")):
-            leftover = base / f"tp-supervise-{run_id}"
-            if leftover.is_dir():
-                leftover.rmdir()
+        assert remove_run_cgroups(run_id) == []
 
 
 def _fds(pid: int) -> set[int]:
@@ -191,8 +178,9 @@ def _fd_targets(pid: int) -> dict[int, str]:
 def test_no_fd_leak_across_restarts_and_ranks_inherit_only_what_they_should(supervise):
     # Each attempt's ranks (a shell: no Python start-up hook opens anything) live 1.5 s, then exit 3:
     # a fault, so --max-restarts launches the group again.
-    run = supervise(["--nproc-per-node", "2", "--kill-grace", "1", "--max-restarts", "2"],
-                    ["/bin/sh", "-c", "sleep 1.5; exit 3"])
+    run = supervise(
+        ["--nproc-per-node", "2", "--kill-grace", "1", "--max-restarts", "2"], ["/bin/sh", "-c", "sleep 1.5; exit 3"]
+    )
     supervisor_fds: list[int] = []  # per attempt, while its ranks run
     rank_fds: dict[int, dict[int, str]] = {}
     attempts: list[set[int]] = []
@@ -219,8 +207,9 @@ def test_no_fd_leak_across_restarts_and_ranks_inherit_only_what_they_should(supe
 
 
 def test_log_lines_and_bundles_name_their_attempt(supervise):
-    run = supervise(["--nproc-per-node", "1", "--kill-grace", "1", "--max-restarts", "1"],
-                    ["/bin/sh", "-c", "sleep 0.5; exit 3"])
+    run = supervise(
+        ["--nproc-per-node", "1", "--kill-grace", "1", "--max-restarts", "1"], ["/bin/sh", "-c", "sleep 0.5; exit 3"]
+    )
     assert run.wait(timeout=60) == 80, run.stderr[-3000:]
     assert [line["attempt"] for line in run.events("rank started")] == [1, 2]
     assert [line["attempt"] for line in run.events("teardown complete")] == [1, 2]

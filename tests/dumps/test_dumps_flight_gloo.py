@@ -19,16 +19,16 @@ from pathlib import Path
 import pytest
 
 from tp_supervise.dumps import flight_capture as flight
-from tp_supervise.supervisor.rank import flight as rank_flight
 from tp_supervise.dumps.bundle import SUMMARY_JSON, BundleWriter
 from tp_supervise.dumps.capture import find_pyspy
 from tp_supervise.dumps.incident import write_incident
+from tp_supervise.supervisor.processes.spawn import HOOK_DIR
+from tp_supervise.supervisor.rank import flight as rank_flight
+from tp_supervise.supervisor.rank.net import free_port
 
 pytestmark = pytest.mark.e2e
 
-GLOO_RANK = Path(__file__).with_name("gloo_rank.py")
-from tp_supervise.supervisor.processes.spawn import HOOK_DIR  # noqa: E402
-from tp_supervise.supervisor.rank.net import free_port
+GLOO_RANK = Path(__file__).resolve().parents[1] / "fakes" / "gloo_rank.py"  # shared with bench/bench_dumps.py
 START_TIMEOUT_S = 90.0
 FR_WAIT_S = 20.0
 
@@ -86,7 +86,9 @@ def test_flight_recorder_names_rank_missing_from_collective(fake_ranks, tmp_path
     # PyTorch's analyzer reads the bundle's fr/ as it reads torch's own dumps: every rank answered.
     frtrace = subprocess.run(
         [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(res.path / "fr")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert frtrace.returncode == 0, frtrace.stderr[-3000:]
 

@@ -44,6 +44,7 @@ import pytest
 
 from tests.conftest import MARK_VAR, ROOT, fake_rank, marked_pids, wait_no_marked
 from tests.live import http_get, metric_value
+from tests.support.serving import KINDS, openai_client, request_ok, stop_supervisor, wait_serving
 from tp_supervise.engine.inject import POISON_MARKER
 from tp_supervise.supervisor.rank.net import free_port
 
@@ -88,14 +89,22 @@ class Served:
         return out
 
     def events(self, name: str) -> list[dict]:
-        return [line for line in self.lines() if line.get("event") == name and "logger" in line
-                and str(line["logger"]).startswith("tp_supervise.supervisor")]
+        return [
+            line
+            for line in self.lines()
+            if line.get("event") == name
+            and "logger" in line
+            and str(line["logger"]).startswith("tp_supervise.supervisor")
+        ]
 
     def bundles(self, reason: str) -> list[dict]:
         if not self.dump_dir.is_dir():
             return []
-        return [json.loads((b / "summary.json").read_text()) for b in sorted(self.dump_dir.iterdir())
-                if b.is_dir() and b.name.endswith(reason) and (b / "summary.json").is_file()]
+        return [
+            json.loads((b / "summary.json").read_text())
+            for b in sorted(self.dump_dir.iterdir())
+            if b.is_dir() and b.name.endswith(reason) and (b / "summary.json").is_file()
+        ]
 
     def rank_pid(self, rank: int) -> int:
         needles = {f"{MARK_VAR}={self.mark}".encode(), f"RANK={rank}".encode(), f"SUPERVISE_SLOT={rank}".encode()}
@@ -121,13 +130,7 @@ class Served:
         return http_get(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=5)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(30)
+        return stop_supervisor(self.proc, EXIT_TIMEOUT_S)
 
 
 def serve(tmp: Path, *args: str) -> Served:
@@ -137,26 +140,22 @@ def serve(tmp: Path, *args: str) -> Served:
     log_path = tmp / "supervise.log"
     argv = [sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tp", "2", "--port", str(port),
             "--metrics-addr", f"127.0.0.1:{metrics_port}", "--metrics-linger", "0", "--log-format", "json",
-            "--dump-dir", str(tmp / "dumps"), *args]
+            "--dump-dir", str(tmp / "dumps"), *args]  # fmt: skip
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log_file)
     served = Served(proc, port, metrics_port, tmp / "dumps", log_path, mark)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return served
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
+    if wait_serving(proc, port, READY_TIMEOUT_S):
+        return served
     served.stop()
     raise AssertionError(f"the engine never became ready:\n{log_path.read_text()[-3000:]}")
 
 
 def post_status(port: int, body: dict, timeout: float = CLIENT_TIMEOUT_S) -> int:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status
@@ -196,8 +195,7 @@ class RecordingTransport(httpx2.HTTPTransport):
 
 
 def client(port: int, attempts: list) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=CLIENT_TIMEOUT_S,
-                         http_client=httpx2.Client(transport=RecordingTransport(attempts)))
+    return openai_client(port, RecordingTransport(attempts), CLIENT_TIMEOUT_S)
 
 
 @dataclass
@@ -211,34 +209,11 @@ class Outcome:
     error_type: str = ""
 
 
-KINDS = ("completion", "completion_stream", "chat", "chat_stream")
-
-
 def one_request(api: openai.OpenAI, worker: int, n: int, kind: str) -> Outcome:
     started = time.time()
     prompt = f"worker {worker} request {n}: the quick brown fox"
     try:
-        if kind == "completion":
-            out = api.completions.create(model="random-tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                         extra_body={"ignore_eos": True})
-            ok = bool(out.choices) and out.usage.completion_tokens == MAX_TOKENS
-        elif kind == "chat":
-            out = api.chat.completions.create(model="random-tiny", messages=[{"role": "user", "content": prompt}],
-                                              max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
-            ok = out.choices[0].message.role == "assistant" and out.usage.completion_tokens == MAX_TOKENS
-        elif kind == "completion_stream":
-            finish = None
-            for chunk in api.completions.create(model="random-tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                                temperature=0, stream=True, extra_body={"ignore_eos": True}):
-                finish = chunk.choices[0].finish_reason if chunk.choices else finish
-            ok = finish == "length"
-        else:
-            finish = None
-            for chunk in api.chat.completions.create(model="random-tiny", messages=[{"role": "user", "content": prompt}],
-                                                     max_tokens=MAX_TOKENS, temperature=0, stream=True,
-                                                     extra_body={"ignore_eos": True}):
-                finish = chunk.choices[0].finish_reason if chunk.choices else finish
-            ok = finish == "length"
+        ok = request_ok(api, kind, prompt, MAX_TOKENS)
         return Outcome(worker, kind, started, time.time(), ok, "" if ok else "incomplete answer")
     except Exception as exc:
         return Outcome(worker, kind, started, time.time(), False, str(exc)[:500], type(exc).__name__)
@@ -360,11 +335,15 @@ def test_every_request_completes_across_a_sigkilled_rank_and_no_client_is_refuse
     assert across, "no request was in flight across the fault: the test did not test anything"
     after = [o for o in outcomes if o.ok and o.started > run.ready_again_at]
     assert {o.kind for o in after} == set(KINDS), "every kind works on the new attempt"
-    refused = [a for a in run.load.attempts if a[0] == "error" and ("refused" in a[3].lower() or a[2] == "ConnectError")]
+    refused = [
+        a for a in run.load.attempts if a[0] == "error" and ("refused" in a[3].lower() or a[2] == "ConnectError")
+    ]
     assert refused == [], refused[:5]
     retried = sorted({a[2] for a in run.load.attempts})
-    print(f"\n{len(outcomes)} ok, {len(across)} completed across the fault; attempts retried by the clients: "
-          f"{len(run.load.attempts)} ({retried})")
+    print(
+        f"\n{len(outcomes)} ok, {len(across)} completed across the fault; attempts retried by the clients: "
+        f"{len(run.load.attempts)} ({retried})"
+    )
 
 
 def test_the_relay_hides_the_failed_attempt_from_every_client(kill_run):
@@ -387,8 +366,10 @@ def test_latency_is_bounded_by_the_restart(kill_run):
     restart_s = run.ready_again_at - run.killed_at
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
     assert max(latencies) <= restart_s + LATENCY_MARGIN_S, (max(latencies), restart_s)
-    print(f"\nrequests ok {len(latencies)}, p50 {statistics.median(latencies):.2f} s, p99 {p99:.2f} s, "
-          f"max {max(latencies):.2f} s, restart {restart_s:.2f} s")
+    print(
+        f"\nrequests ok {len(latencies)}, p50 {statistics.median(latencies):.2f} s, p99 {p99:.2f} s, "
+        f"max {max(latencies):.2f} s, restart {restart_s:.2f} s"
+    )
 
 
 def test_readyz_turns_503_at_the_ruling_and_200_only_when_the_new_attempt_is_ready(kill_run):
@@ -422,8 +403,9 @@ class PoisonRun:
 @pytest.fixture(scope="module")
 def poison_run(tmp_path_factory) -> PoisonRun:
     served = serve(tmp_path_factory.mktemp("poison"), "--max-restarts", "3", "--inject", "poison@1")
-    load = Load(served.port, POISON_BACKGROUND_CLIENTS, kinds=("completion", "chat", "completion_stream"),
-                pause_s=0.3).start()
+    load = Load(
+        served.port, POISON_BACKGROUND_CLIENTS, kinds=("completion", "chat", "completion_stream"), pause_s=0.3
+    ).start()
     attempts: list = []
     error: Exception | None = None
     try:
@@ -431,8 +413,9 @@ def poison_run(tmp_path_factory) -> PoisonRun:
         api = client(served.port, attempts)
         for _ in range(3):  # each call is up to three sends (the client's default retries)
             try:
-                api.completions.create(model="random-tiny", prompt=f"please {POISON_MARKER} now", max_tokens=4,
-                                       temperature=0)
+                api.completions.create(
+                    model="random-tiny", prompt=f"please {POISON_MARKER} now", max_tokens=4, temperature=0
+                )
             except openai.BadRequestError as exc:
                 error = exc
                 break
@@ -488,8 +471,10 @@ def test_other_requests_keep_being_served_around_the_quarantine(poison_run):
     assert innocent_400 == [] and len(run.served.events("request_quarantined")) == 1, innocent_400
     others = [o for o in outcomes if not o.ok and o not in innocent_400]
     assert others == [], others[:5]  # what was in flight at the failures was resent by the relay
-    print(f"\n{sum(o.ok for o in outcomes)} other requests ok, {len(innocent_400)} quarantined with the poison, "
-          f"group failures {len(run.served.events('rank_exited'))}")
+    print(
+        f"\n{sum(o.ok for o in outcomes)} other requests ok, {len(innocent_400)} quarantined with the poison, "
+        f"group failures {len(run.served.events('rank_exited'))}"
+    )
 
 
 def test_a_relay_that_dies_is_started_again_and_no_client_is_refused(poison_run):
@@ -504,8 +489,9 @@ def test_a_relay_that_dies_is_started_again_and_no_client_is_refused(poison_run)
 # -- prompt exit when nobody scrapes -------------------------------------------------------------------------------
 def test_a_failed_rank_with_nobody_scraping_exits_within_kill_grace_plus_one_second(supervise):
     kill_grace = 5.0  # the default
-    run = supervise(["--nproc-per-node", "2"], fake_rank("--all", "sleep", "--on", "1=exit:1", "--delay", "2"),
-                    default_linger=True)
+    run = supervise(
+        ["--nproc-per-node", "2"], fake_rank("--all", "sleep", "--on", "1=exit:1", "--delay", "2"), default_linger=True
+    )
     code = run.wait(timeout=60)
     ended = time.time()
     assert code == 80
@@ -532,14 +518,7 @@ def test_listen_hands_the_port_to_a_commands_rank_0_the_systemd_way_across_a_res
     port = free_port()
     engine = [sys.executable, "-m", "tp_supervise.engine", "--port", "1"]  # --port is ignored: it was given a socket
     run = supervise(["--nproc-per-node", "2", "--max-restarts", "1", "--listen", f"127.0.0.1:{port}"], engine)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline and run.proc.poll() is None:
-        try:
-            if http_get(url + "/health", timeout=2)[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.2)
+    wait_serving(run.proc, port, READY_TIMEOUT_S)
     attempts: list = []
     api = client(port, attempts)
     assert one_request(api, 0, 0, "completion").ok
@@ -547,8 +526,11 @@ def test_listen_hands_the_port_to_a_commands_rank_0_the_systemd_way_across_a_res
     rank0 = served.rank_pid(0)
     env = Path(f"/proc/{rank0}/environ").read_bytes().split(b"\0")
     assert f"LISTEN_PID={rank0}".encode() in env and b"LISTEN_FDS=1" in env
-    assert Path(f"/proc/{rank0}/cmdline").read_bytes().split(b"\0")[:3] == [sys.executable.encode(), b"-m",
-                                                                               b"tp_supervise.engine"]
+    assert Path(f"/proc/{rank0}/cmdline").read_bytes().split(b"\0")[:3] == [
+        sys.executable.encode(),
+        b"-m",
+        b"tp_supervise.engine",
+    ]
     os.kill(served.rank_pid(1), signal.SIGKILL)
     time.sleep(0.5)  # the group is failing or restarting: the request waits in the backlog, then the new rank 0 answers
     after = one_request(api, 0, 1, "chat")
