@@ -95,7 +95,7 @@ from .rank.net import free_port
 from .restart import RESTART_STABLE_S, RestartPolicy
 from .signals import Hurry
 from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
-from .state import EngineState, Event, next_state
+from .state import AttemptCase, EngineState, Event, next_state
 
 # Events produced for one attempt (they carry its number): acted on only in that attempt.
 ATTEMPT_EVENTS = (
@@ -153,11 +153,7 @@ class Supervisor(NodeGroupRules):
         self.node_link: link.NodeLink | None = None
         self.group_end: Outcome | None = None  # multi-node: why the group could not restart
         self.carried: list = []  # multi-node: events of the next attempt that arrived between attempts
-        # multi-node: a rank failure that looks like a consequence of another node's, waiting for its news
-        self.suspect: tuple[RankHandle, ExitInfo, float, str | None] | None = None
-        self.hang_query: messages.HangQuery | None = None  # this node asked the others where the missing rank is
-        self.peer_hang_query: messages.HangQuery | None = None  # another node asked this one
-        self.deferred_hang: WatchdogVerdict | None = None  # the hard verdict waiting for the answer
+        self.case = AttemptCase()  # what the decider holds about the attempt that runs (a new one per launch)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.post: Callable[[object], None] = self.events.put
         self.state = EngineState.STARTING
@@ -203,7 +199,6 @@ class Supervisor(NodeGroupRules):
             events.ConsequenceWindowOver: self._on_consequence_window_over,
         }
         self.last_teardown: TeardownResult | None = None
-        self.suspicions: set[str] = set()  # why the engine is SUSPECT: "hang", "divergence"
 
     # What _setup creates (run() calls it first): reading one before is a bug, said as one.
     @property
@@ -484,8 +479,7 @@ class Supervisor(NodeGroupRules):
         logs.bind_attempt(self.attempt.number)
         if self.attempt.number > 1:  # torch's own dump files of the attempt that ended are not this one's
             shutil.rmtree(self.run_dir / "fr-dump", ignore_errors=True)
-        self.suspicions = set()
-        self.suspect = None
+        self.case = AttemptCase()
         self.quarantine.before_attempt()
         extra_env = self.services.rank_env
         if self.spec.tree:
@@ -743,7 +737,7 @@ class Supervisor(NodeGroupRules):
             return
         kind = ev.kind
         if kind is VerdictKind.SOFT:
-            self.suspicions.add("hang")
+            self.case.suspicions.add("hang")
             self.transition(Event.SOFT_HANG)
             self.services.on_hang("soft")
             log.warning("hang suspected: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)
@@ -751,8 +745,8 @@ class Supervisor(NodeGroupRules):
         elif kind is VerdictKind.RECOVERED:
             log.info("progress resumed", stalled_s=round(ev.stalled_s, 2))
             self._clear_suspicion("hang")
-            if self.deferred_hang is not None:  # asked the other nodes, then progress came back: no hang
-                self.deferred_hang = self.hang_query = None
+            if self.case.deferred_hang is not None:  # asked the other nodes, then progress came back: no hang
+                self.case.deferred_hang = self.case.hang_query = None
         elif kind is VerdictKind.HARD:
             if self._divergence_was_first() or self._ask_the_other_nodes(ev):
                 return
@@ -768,9 +762,9 @@ class Supervisor(NodeGroupRules):
         self.transition(Event.HARD_HANG)
         self.services.on_hang("hard")
         log.error("hang: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)
-        asked = self.hang_query or self.peer_hang_query
+        asked = self.case.hang_query or self.case.peer_hang_query
         # Answering another node's query, the rank that is elsewhere is known before any capture.
-        rank = ev.verdict.outside_collective[0] if self.peer_hang_query and ev.verdict.outside_collective else None
+        rank = ev.verdict.outside_collective[0] if self.case.peer_hang_query and ev.verdict.outside_collective else None
         incident_id = self._announce_fault(
             "hang", rank, "hang: " + ev.message, incident_id=asked.incident_id if asked else None
         )
@@ -821,7 +815,7 @@ class Supervisor(NodeGroupRules):
             return
         enforce = self.spec.consensus == "enforce"
         if not enforce:
-            self.suspicions.add("divergence")
+            self.case.suspicions.add("divergence")
         self.transition(Event.DIVERGENCE_ENFORCED if enforce else Event.DIVERGENCE_OBSERVED)
         self.services.on_divergence()
         log.error("divergence: " + ev.verdict.verdict, step=ev.verdict.step, culprit_ranks=ev.verdict.culprit_ranks)
@@ -841,8 +835,8 @@ class Supervisor(NodeGroupRules):
     def _clear_suspicion(self, reason: str) -> None:
         """/readyz stays 503 while any suspicion (soft hang, observed
         divergence) is open; each clears on its own evidence."""
-        self.suspicions.discard(reason)
-        if not self.suspicions:
+        self.case.suspicions.discard(reason)
+        if not self.case.suspicions:
             self.transition(Event.PROGRESS)
 
     def _on_control(self, ev: ControlRequest) -> None:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from .processes.spawn import RankHandle
     from .restart import RestartPolicy
     from .spec import LaunchSpec
+    from .state import AttemptCase
 
 log = structlog.get_logger("supervise")
 
@@ -61,10 +62,7 @@ class NodeGroupRules:
         node_link: NodeLink | None
         stopping: SignalReceived | None
         group_end: Outcome | None
-        hang_query: messages.HangQuery | None
-        peer_hang_query: messages.HangQuery | None
-        deferred_hang: WatchdogVerdict | None
-        suspect: tuple[RankHandle, ExitInfo, float, str | None] | None
+        case: AttemptCase
         post: Callable[[object], None]
         nodes: tuple[NodeTransport, NodeGroup] | None
 
@@ -163,7 +161,6 @@ class NodeGroupRules:
             self._link.add(key, 1)
             self._link.watch(key, lambda raw: messages.counter(raw) >= nnodes)  # junk: dropped by the link
             if self._between_attempts(self.spec.rendezvous_timeout, key=key) is not None:
-                self.hang_query = self.peer_hang_query = self.deferred_hang = None
                 log.info("every node is ready for the next attempt", event_name="group_restart_ready", attempt=n)
                 return True
         if self.stopping is not None:
@@ -229,9 +226,9 @@ class NodeGroupRules:
     ) -> None:
         """``incident_id``: the other node's (a lost node told nothing: this node's own); ``final``: that node
         said no node restarts after it (node 0's restart policy honours it)."""
-        if self.suspect is not None:  # this node's rank died first here, but of the peer's failure
-            handle, info, _at, why = self.suspect
-            self.suspect = None
+        if self.case.suspect is not None:  # this node's rank died first here, but of the peer's failure
+            handle, info, _at, why = self.case.suspect
+            self.case.suspect = None
             verdict += (
                 f"; rank {handle.rank} of this node died of it first ({info.description}"
                 + (f": {why}" if why else "")
@@ -258,22 +255,24 @@ class NodeGroupRules:
         v = ev.verdict
         if (
             self.node_link is None
-            or self.hang_query is not None
-            or self.peer_hang_query is not None
+            or self.case.hang_query is not None
+            or self.case.peer_hang_query is not None
             or v.outside_collective
             or not v.in_collective
         ):
             return False
         seq = max(c.coll_seq for c in v.in_collective)
-        self.hang_query = messages.HangQuery(self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500])
-        self.deferred_hang = ev
-        self._link.ask_where(self.hang_query)
+        self.case.hang_query = messages.HangQuery(
+            self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500]
+        )
+        self.case.deferred_hang = ev
+        self._link.ask_where(self.case.hang_query)
         log.warning(
             "hang here, cause elsewhere: every rank of this node waits in a collective; asking the other nodes",
             event_name="hang_query_sent",
             seq=seq,
             wait_s=messages.HANG_QUERY_WAIT_S,
-            incident_id=self.hang_query.incident_id,
+            incident_id=self.case.hang_query.incident_id,
         )
         timer = threading.Timer(messages.HANG_QUERY_WAIT_S, self.post, args=(HangQueryUnanswered(self.attempt.number),))
         timer.daemon = True
@@ -281,16 +280,16 @@ class NodeGroupRules:
         return True
 
     def _on_hang_query_unanswered(self, ev: HangQueryUnanswered) -> None:
-        if self.attempt.outcome is None and self.deferred_hang is not None:
+        if self.attempt.outcome is None and self.case.deferred_hang is not None:
             log.warning(
                 "no other node holds the missing rank: ruling the hang on this node's evidence",
                 event_name="hang_query_unanswered",
-                incident_id=self.hang_query.incident_id if self.hang_query else None,
+                incident_id=self.case.hang_query.incident_id if self.case.hang_query else None,
             )
-            self._rule_hang(self.deferred_hang)
+            self._rule_hang(self.case.deferred_hang)
 
     def _on_peer_hang_query(self, ev: events.PeerHangQuery) -> None:
-        if self.attempt.outcome is not None or self.hang_query is not None:
+        if self.attempt.outcome is not None or self.case.hang_query is not None:
             return
         log.warning(
             "another node's ranks all wait in a collective: looking for the missing rank here",
@@ -299,7 +298,7 @@ class NodeGroupRules:
             seq=ev.query.seq,
             incident_id=ev.query.incident_id,
         )
-        self.peer_hang_query = ev.query
+        self.case.peer_hang_query = ev.query
         self.watchdog.answer_hang_query(ev.query.seq, ev.query.node)
 
     # -- cause before consequence: a rank that died of a broken peer connection waits for the peer's news
@@ -308,10 +307,10 @@ class NodeGroupRules:
         of a broken peer connection, until CONSEQUENCE_WAIT_S after its exit.  True: the ruling is held."""
         if self.node_link is None or self.attempt.outcome is not None or handle.rank < 0:
             return False
-        if self.suspect is not None:
+        if self.case.suspect is not None:
             return True  # already waiting: the first failure decides, and root_cause names it
         exited_at = handle.exited_at or time.monotonic()
-        self.suspect = (handle, info, exited_at, None)
+        self.case.suspect = (handle, info, exited_at, None)
         status_signal = info.status.signal if info.status is not None else None
         attempt, slot, rank, post = self.attempt.number, handle.slot, handle.rank, self.post
 
@@ -330,14 +329,14 @@ class NodeGroupRules:
         return True
 
     def _on_consequence_checked(self, ev: ConsequenceChecked) -> None:
-        if self.suspect is None or self.attempt.outcome is not None or ev.slot != self.suspect[0].slot:
+        if self.case.suspect is None or self.attempt.outcome is not None or ev.slot != self.case.suspect[0].slot:
             return
-        handle, info, exited_at, _ = self.suspect
+        handle, info, exited_at, _ = self.case.suspect
         if ev.why is None:
-            self.suspect = None
+            self.case.suspect = None
             self._rule_rank_failure(handle, info)
             return
-        self.suspect = (handle, info, exited_at, ev.why)
+        self.case.suspect = (handle, info, exited_at, ev.why)
         wait_s = max(0.0, exited_at + CONSEQUENCE_WAIT_S - time.monotonic())
         log.warning(
             "rank died of a broken peer connection: waiting for the other nodes' news before ruling",
@@ -352,10 +351,10 @@ class NodeGroupRules:
         timer.start()
 
     def _on_consequence_window_over(self, ev: ConsequenceWindowOver) -> None:
-        if self.suspect is None or self.attempt.outcome is not None or ev.slot != self.suspect[0].slot:
+        if self.case.suspect is None or self.attempt.outcome is not None or ev.slot != self.case.suspect[0].slot:
             return
-        handle, info, _, _ = self.suspect
-        self.suspect = None
+        handle, info, _, _ = self.case.suspect
+        self.case.suspect = None
         log.info("no other node failed: the rank's death is ruled as this node's own", rank=handle.rank)
         self._rule_rank_failure(handle, info)
 

@@ -22,6 +22,14 @@ a late event about an incident already being handled changes nothing.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .events import WatchdogVerdict
+    from .nodes.messages import HangQuery
+    from .processes.exits import ExitInfo
+    from .processes.spawn import RankHandle
 
 
 class EngineState(str, enum.Enum):
@@ -91,3 +99,16 @@ def healthy(state: EngineState) -> bool:
 def ready(state: EngineState) -> bool:
     """/readyz: serving, with nothing suspected."""
     return state is S.READY
+
+
+@dataclass
+class AttemptCase:
+    """What the decider holds about one attempt while it runs, built when the attempt is launched (the next
+    attempt gets a new one: nothing of this is reset by hand)."""
+
+    suspicions: set[str] = field(default_factory=set)  # why the engine is SUSPECT: "hang", "divergence"
+    # multi-node: a rank failure that looks like a consequence of another node's, waiting for its news
+    suspect: tuple[RankHandle, ExitInfo, float, str | None] | None = None
+    hang_query: HangQuery | None = None  # this node asked the others where the missing rank is
+    peer_hang_query: HangQuery | None = None  # another node asked this one
+    deferred_hang: WatchdogVerdict | None = None  # the hard verdict waiting for the answer
