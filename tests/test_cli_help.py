@@ -24,6 +24,7 @@ from importlib import metadata
 
 import pytest
 
+from tests.test_docs_flags import subcommands
 from tp_supervise.supervisor.cli import DISTRIBUTION, build_parser
 
 HELP_TIMEOUT_S = 60
@@ -83,16 +84,6 @@ def problems(text: str) -> list[str]:
         if said > 1:
             found.append(f"{name} states its default {said} times: {entry.help!r}")
     return found
-
-
-def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    out: dict[str, argparse.ArgumentParser] = {}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                if all(sub is not seen for seen in out.values()):  # an alias names a parser already seen
-                    out[name] = sub
-    return out
 
 
 def has_default_to_state(action: argparse.Action) -> bool:

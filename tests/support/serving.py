@@ -10,31 +10,21 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 import httpx2
 import openai
 
+from tp_supervise.supervisor.drill import wait_engine_health
+
 MODEL = "random-tiny"
 KINDS = ("completion", "completion_stream", "chat", "chat_stream")
-HEALTH_POLL_S = 0.2
-HEALTH_REQUEST_S = 2.0
 KILL_WAIT_S = 30.0
 
 
 def wait_serving(proc: subprocess.Popen, port: int, limit_s: float) -> bool:
-    """Poll ``/health`` on ``port`` until it answers 200 (True), or ``proc`` exited or ``limit_s`` passed (False)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=HEALTH_REQUEST_S) as resp:
-                if resp.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(HEALTH_POLL_S)
-    return False
+    """Poll ``/health`` on ``port`` until it answers 200 (True), or ``proc`` exited or ``limit_s`` passed (False):
+    the product's own wait (``supervise drill`` uses it)."""
+    return wait_engine_health(port, proc, time.monotonic() + limit_s)
 
 
 def stop_supervisor(proc: subprocess.Popen, limit_s: float) -> int:
