@@ -8,6 +8,8 @@ apart, their difference, and the difference in words::
     ...                                  # the window (a second or more)
     delta = slowness_delta(before, read_slowness(pid))
     fragment = explain(delta)            # "its CPU was throttled by its cgroup for 38 % of the window"
+    why = explain_straggler(delta, 0.62)  # a straggler's (its group waited 62 % of the time for it): a cause only
+                                          # where one accounts for that, else "the rank itself is slow"
 
 What is read, for the whole process (every thread of it, at most
 ``MAX_THREADS``):
@@ -17,7 +19,7 @@ What is read, for the whole process (every thread of it, at most
   switches (the process's own ``status`` counts its main thread only);
 * ``/proc/<pid>/task/<tid>/schedstat``: time on a CPU and time waiting
   for one on a run queue (nanoseconds; needs ``CONFIG_SCHED_INFO``, which
-  distribution kernels have);
+  distribution kernels have), summed and per thread;
 * the cgroup's ``cpu.stat``, cgroup v1, under the ``cpu`` controller's
   mount (``/proc/<pid>/cgroup``'s ``cpu`` line joined to that mount from
   ``/proc/self/mountinfo``): ``nr_periods``, ``nr_throttled``,
@@ -26,7 +28,19 @@ What is read, for the whole process (every thread of it, at most
   shared by every process in it: throttling is the cgroup's.
 
 A throttled thread is runnable and waits on the run queue: the contention
-the sentence names is the run-queue delay beyond the throttled time.
+the sentence names is the run-queue delay beyond the throttled time, of the
+thread that waited longest (every runnable thread of a throttled process
+waits through the same throttled time: their sum would count it once per
+thread).
+
+**What accounts for a straggler.**  ``explain_straggler(delta, lateness)``, with
+the share of the group's time its peers spent waiting for the rank over the
+same window, names a counter as the cause only when the time it measures is
+at least ``ACCOUNTS_FOR`` (half) of that share: throttled 40 % of the window
+accounts for a rank the group waited for 60 % of its time; a run-queue delay
+of 20 % on a shared 2-core host does not account for a rank that sleeps
+300 ms per step (62 %).  When nothing does, it says so and that the rank
+itself is slow (its stack, in the same bundle, shows where).
 
 Every read is a small ``/proc`` or ``/sys/fs/cgroup`` file (at most
 ``READ_LIMIT`` bytes), none of which waits on the process; any error leaves
@@ -47,6 +61,7 @@ _NS = 1e9
 THROTTLED_NOTABLE = 0.05  # of the window
 RUNQ_NOTABLE = 0.10  # of the window, summed over the threads
 INVOLUNTARY_NOTABLE = 100.0  # preemptions per second
+ACCOUNTS_FOR = 0.5  # a counter is a straggler's cause when its time is at least this part of the group's waiting
 
 
 @dataclass(frozen=True)
@@ -70,9 +85,10 @@ class SlownessSample:
     voluntary: int | None
     involuntary: int | None
     run_s: float | None  # on a CPU (schedstat)
-    runq_s: float | None  # waiting for a CPU on a run queue (schedstat)
+    runq_s: float | None  # waiting for a CPU on a run queue (schedstat), summed over the threads
     threads: int
     cgroup: CgroupCpu | None
+    thread_runq: tuple[tuple[int, float], ...] = ()  # (tid, runq_s) of each thread read
 
 
 @dataclass(frozen=True)
@@ -89,6 +105,7 @@ class SlownessDelta:
     nr_throttled: int | None
     throttled_s: float | None
     cgroup_path: str | None
+    runq_thread_s: float | None = None  # the run-queue delay of the thread that waited longest (None: unknown)
 
     @property
     def cpu_share(self) -> float | None:
@@ -105,10 +122,12 @@ class SlownessDelta:
     @property
     def contention_share(self) -> float | None:
         """Run-queue delay not explained by the cgroup's throttling (a throttled thread is runnable and
-        waits on the run queue too): other processes on its CPUs."""
-        if self.runq_s is None:
+        waits on the run queue too): other processes on its CPUs.  Of the thread that waited longest where
+        the threads were read one by one (the throttled time is the cgroup's, once), else of their sum."""
+        runq = self.runq_thread_s if self.runq_thread_s is not None else self.runq_s
+        if runq is None:
             return None
-        return max(0.0, self.runq_s - (self.throttled_s or 0.0)) / self.window_s
+        return max(0.0, runq - (self.throttled_s or 0.0)) / self.window_s
 
     def to_dict(self) -> dict:
         return {
@@ -120,6 +139,7 @@ class SlownessDelta:
             "involuntary_context_switches": self.involuntary,
             "run_queue_seconds": self.runq_s,
             "run_queue_share": self.runq_share,
+            "run_queue_thread_seconds": self.runq_thread_s,
             "contention_share": self.contention_share,
             "cgroup": self.cgroup_path,
             "cgroup_periods": self.nr_periods,
@@ -251,6 +271,7 @@ def read_slowness(pid: int) -> SlownessSample:
     run = wait = 0
     switches_ok = sched_ok = False
     tids = _threads(pid)
+    per_thread = []
     for tid in tids:
         sw = _switches(_read(f"/proc/{pid}/task/{tid}/status"))
         if sw is not None:
@@ -262,6 +283,7 @@ def read_slowness(pid: int) -> SlownessSample:
             run += st[0]
             wait += st[1]
             sched_ok = True
+            per_thread.append((int(tid), st[1] / _NS))
     return SlownessSample(
         pid=pid,
         at=at,
@@ -272,6 +294,7 @@ def read_slowness(pid: int) -> SlownessSample:
         runq_s=wait / _NS if sched_ok else None,
         threads=len(tids),
         cgroup=read_cgroup_cpu(pid),
+        thread_runq=tuple(per_thread),
     )
 
 
@@ -303,7 +326,15 @@ def slowness_delta(before: SlownessSample, after: SlownessSample) -> SlownessDel
         nr_throttled=throttled_periods,
         throttled_s=throttled,
         cgroup_path=cg_after.path if cg_after is not None else None,
+        runq_thread_s=_longest_wait(before.thread_runq, after.thread_runq),
     )
+
+
+def _longest_wait(before: tuple[tuple[int, float], ...], after: tuple[tuple[int, float], ...]) -> float | None:
+    """The largest run-queue delay one thread had between the readings (threads in both; None: none was)."""
+    then = dict(before)
+    waits = [max(0.0, runq - then[tid]) for tid, runq in after if tid in then]
+    return max(waits) if waits else None
 
 
 def explain(delta: SlownessDelta | None) -> str:
@@ -314,16 +345,57 @@ def explain(delta: SlownessDelta | None) -> str:
     """
     if delta is None:
         return ""
-    parts = []
-    throttled = delta.throttled_share
-    if throttled is not None and throttled >= THROTTLED_NOTABLE:
-        periods = ""
-        if delta.nr_periods:
-            periods = f" (cpu.stat: {delta.nr_throttled} of {delta.nr_periods} periods)"
-        parts.append(f"its CPU was throttled by its cgroup for {throttled * 100:.0f} % of the window{periods}")
-    contention = delta.contention_share
-    if contention is not None and contention >= RUNQ_NOTABLE:
-        parts.append(f"it waited for a CPU {contention * 100:.0f} % of the time (run-queue delay): CPU contention")
+    parts = [text for _share, text in _notable(delta)]
     if delta.involuntary is not None and delta.involuntary / delta.window_s >= INVOLUNTARY_NOTABLE and not parts:
         parts.append(f"it was preempted {delta.involuntary / delta.window_s:.0f} times a second")
     return "; ".join(parts)
+
+
+def explain_straggler(delta: SlownessDelta | None, lateness: float, gpu: str = "") -> str:
+    """Why a straggler is slow, as far as its counters account for it: a fragment for its verdict.
+
+    ``lateness``: the share of the group's time its peers spent waiting for it, over the window ``delta``
+    covers.  The throttling and the contention are said when each accounts for it (``accounts_for``); ``gpu``
+    (``watchdogs.gpu.explain_gpu``'s words, "" without one) is a cause of its own.  When nothing is, the
+    fragment says that the rank itself is slow, with what the counters did show ("its CPU counters do not
+    account for it (waited for a CPU 20 % of the time): the rank itself is slow (its stack shows where)").
+    Preemptions are a count, not a time: their delay is in the run-queue figure.
+    """
+    if delta is None:  # no counters read: nothing to say of them, either way
+        return gpu
+    causes = [text for share, text in _notable(delta) if accounts_for(share, lateness)]
+    causes += [gpu] if gpu else []
+    if causes:
+        return "; ".join(causes)
+    shown = ", ".join(text for _share, text in _notable(delta, short=True))
+    counters = (
+        f"its CPU counters do not account for it ({shown})" if shown else "its CPU counters do not account for it"
+    )
+    return f"{counters}: the rank itself is slow (its stack shows where)"
+
+
+def accounts_for(share: float, lateness: float) -> bool:
+    """Whether a delay of ``share`` of a window explains a rank its group waited for ``lateness`` of it."""
+    return share >= ACCOUNTS_FOR * lateness
+
+
+def _notable(delta: SlownessDelta, short: bool = False) -> list[tuple[float, str]]:
+    """(share of the window, words) of the throttling and of the contention, where worth a word."""
+    out = []
+    throttled = delta.throttled_share
+    if throttled is not None and throttled >= THROTTLED_NOTABLE:
+        if short:
+            out.append((throttled, f"throttled by its cgroup for {throttled * 100:.0f} % of the window"))
+        else:
+            periods = f" (cpu.stat: {delta.nr_throttled} of {delta.nr_periods} periods)" if delta.nr_periods else ""
+            out.append(
+                (throttled, f"its CPU was throttled by its cgroup for {throttled * 100:.0f} % of the window{periods}")
+            )
+    contention = delta.contention_share
+    if contention is not None and contention >= RUNQ_NOTABLE:
+        if short:
+            out.append((contention, f"waited for a CPU {contention * 100:.0f} % of the time"))
+        else:
+            text = f"it waited for a CPU {contention * 100:.0f} % of the time (run-queue delay): CPU contention"
+            out.append((contention, text))
+    return out

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .straggler import StragglerReport, _median, _ms, sentence
+from .straggler import StragglerConfig, StragglerReport, _median, _ms, sentence
 
 
 def summarize(
@@ -162,7 +162,7 @@ def merge_nodes(
     min_compared: int = 3,
     share_threshold: float = 0.1,
     baselines: Mapping[int, float | None] | None = None,
-    gross_share: float = 0.5,
+    gross_share: float = StragglerConfig.gross_share,
 ) -> CrossNodeJudgement:
     """One judgement over every node's summary (each node runs it on what it received and its own).
 

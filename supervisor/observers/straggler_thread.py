@@ -7,7 +7,9 @@ the metrics (``on_report``) and posts ``StragglerNamed`` / ``StragglerCleared``
 when an episode starts or ends.  It also keeps, every ``SLOWNESS_EVERY_S``, a
 ``/proc`` reading of each rank (CPU time, context switches, run-queue delay,
 cgroup throttling: ``dumps.slowness``), so a named straggler comes with what
-its counters did over the window in which it held the group back.  It never
+its counters did over the window in which it held the group back, and a
+cause only where one accounts for the waiting (else: the rank itself is
+slow).  It never
 acts: the main loop decides (a bundle, and with ``--on-straggler`` a restart
 or a stop).
 
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
-from tp_supervise.dumps.slowness import SlownessSample, explain, read_slowness, slowness_delta
+from tp_supervise.dumps.slowness import SlownessSample, explain, explain_straggler, read_slowness, slowness_delta
 from tp_supervise.watchdogs.gpu import GpuReading, explain_gpu
 from tp_supervise.watchdogs.straggler import NAMED, StragglerConfig, StragglerDetector, StragglerReport
 from tp_supervise.watchdogs.straggler_nodes import NodeBaselines, NodeSummary, merge_nodes, summarize
@@ -160,7 +162,7 @@ class StragglerThread:
         for ev in report.events:
             if ev.kind == NAMED:
                 pids = {r.rank: r.pid for r in live.values()}
-                evidence = self._evidence(ev.rank, pids)
+                evidence = self._evidence(ev.rank, pids, since=ev.since, lateness=ev.lag.wait_share)
                 self.post(StragglerNamed(ev, report, evidence, attempt.number))
             else:
                 self.post(StragglerCleared(ev, attempt.number))
@@ -170,37 +172,46 @@ class StragglerThread:
         while self._samples and now - self._samples[0][0] > self.config.window_s + SLOWNESS_EVERY_S:
             self._samples.popleft()
 
-    def _evidence(self, rank: int, pids: dict[int, int]) -> dict:
+    def _evidence(
+        self, rank: int, pids: dict[int, int], since: float | None = None, lateness: float | None = None
+    ) -> dict:
         """The slow rank's and one peer's counters over the window (deltas) and, where NVML is present, their
-        GPUs' clocks, clock event reasons, temperature and power; a sentence fragment for the verdict."""
+        GPUs' clocks, clock event reasons, temperature and power; a sentence fragment for the verdict.
+
+        ``since``: when the run that named it began (the deltas start at the first reading from then on, where
+        there is one); ``lateness``: its share of the group's time over that run, which a counter must account
+        for to be said as the cause (``dumps.slowness.explain_straggler``); when neither a counter nor its GPU does,
+        the fragment says the rank itself is slow."""
         peer = next((r for r in sorted(pids) if r != rank), None)
         out: dict = {"ranks": {}, "gpu": {}, "explanation": ""}
-        said = []
+        slow_delta, gpu_said = None, ""
         reading = self.gpu() if self.gpu is not None else None
         for r in (rank, peer):
             if r is None:
                 continue
             now = read_slowness(pids[r])
-            # From the oldest reading in the window that was in the cgroup the rank is in now: a rank moved into
-            # a CPU-limited cgroup during the window has its throttling counted since the move (counters of two
-            # cgroups do not subtract).
+            # From the oldest reading of the run that named it, in the cgroup the rank is in now: a rank moved
+            # into a CPU-limited cgroup during the window has its throttling counted since the move (counters
+            # of two cgroups do not subtract).
             readings = [sample[r] for _at, sample in self._samples if sample.get(r) is not None]
-            before = next(
-                (b for b in readings if _cgroup_path(b) == _cgroup_path(now)), readings[0] if readings else None
-            )
+            in_run = [b for b in readings if since is None or b.at >= since - SLOWNESS_EVERY_S] or readings
+            before = next((b for b in in_run if _cgroup_path(b) == _cgroup_path(now)), in_run[0] if in_run else None)
             if before is not None:
                 delta = slowness_delta(before, now)
                 out["ranks"][str(r)] = delta.to_dict() if delta is not None else None
                 if r == rank:
-                    said.append(explain(delta))
+                    slow_delta = delta
             gpu = None
             if reading is not None:
                 gpu = next((g for g in reading.samples if any(p.pid == pids[r] for p in g.processes)), None)
             if gpu is not None:
                 out["gpu"][str(r)] = gpu.to_dict()
                 if r == rank:
-                    said.append(explain_gpu(gpu))
-        out["explanation"] = "; ".join(part for part in said if part)
+                    gpu_said = explain_gpu(gpu)
+        if lateness is None:
+            out["explanation"] = "; ".join(part for part in (explain(slow_delta), gpu_said) if part)
+        else:
+            out["explanation"] = explain_straggler(slow_delta, lateness, gpu_said)
         return out
 
     # -- across nodes ----------------------------------------------------------------------------
