@@ -236,7 +236,7 @@ def trial(kind: str, base: Path, share: float = 0.2, slow_at: float = SLOW_AT_S,
           window: float | None = None) -> Trial:
     name = f"{kind}-{share}-{uuid.uuid4().hex[:6]}"
     seconds = slow_at + limit + 30  # the loop outlives the trial: the bench stops it
-    extra = [] if window is None else ["--straggler-window", str(window)]
+    extra = [] if window is None else ["--straggler-sustain", str(window)]
     if kind == "sleep":
         command = loop(seconds, "--slow-rank", "1", "--slow-from", str(slow_at), "--slow-share", str(share))
     else:

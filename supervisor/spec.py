@@ -345,7 +345,7 @@ class LaunchSpec:
                 "(e.g. 0.1), or 'off'"
             )
         if not 1.0 <= self.straggler_window < math.inf:
-            raise UsageError(f"--straggler-window {self.straggler_window}: must be >= 1 second")
+            raise UsageError(f"--straggler-sustain {self.straggler_window}: must be >= 1 second")
         if self.on_straggler not in STRAGGLER_ACTIONS:
             raise UsageError(f"--on-straggler {self.on_straggler!r}: choose one of {', '.join(STRAGGLER_ACTIONS)}")
         if self.consensus_inband < 0:

@@ -95,7 +95,7 @@ RANK = textwrap.dedent(
 NEVER = -1
 FIRST_S = 120.0  # the straggler's attempt, never torn down, would end by itself after this: a bound, not a pace
 LATER_S = 3.0  # an attempt after the straggler's runs this long, then ends cleanly
-STRAGGLER_ARGS = ["--straggler-window", "2", "--kill-grace", "2"]
+STRAGGLER_ARGS = ["--straggler-sustain", "2", "--kill-grace", "2"]
 EXIT_S = 150  # the detector's warm-up and 2 s sustained, on a loaded 2-core host: generous
 
 
