@@ -436,6 +436,9 @@ def install() -> None:
         # status, and a rank leaving with code 0 while its peers run is a fault.
         sys.excepthook = _note_crash(sys.excepthook)
         atexit.register(_at_exit)
+        # Every process of a launcher's tree ends with the supervisor, rank or not (vLLM's engine core): only
+        # the launcher has the parent-death signal, and a launcher's spawned children inherit no death pipe.
+        runtime.state.start_death_watch()
     if os.environ.get(runtime.ENV_SLOT):
         # Spawn mode: the rank's slot is known; claim it now so liveness and
         # the stack signal work even before (or without) a process group.

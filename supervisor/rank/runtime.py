@@ -200,7 +200,11 @@ def _death_pipe_fd(value: str) -> int | None:
 
 
 def _supervisor_gone() -> None:
-    print("supervise: supervisor is gone, rank exiting", file=sys.stderr, flush=True)
+    try:
+        # Best effort: this process's stderr is often a pipe the dead supervisor read (BrokenPipeError).
+        print("supervise: supervisor is gone, rank exiting", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
     os._exit(EXIT_SUPERVISOR_GONE)
 
 

@@ -87,6 +87,29 @@ def test_engine_process_killed_is_the_first_failure(supervise, tmp_path):
     assert first["signal"] == "SIGKILL" or first["reason"] == "lost", first
 
 
+def test_supervisor_sigkill_takes_the_whole_launcher_tree(supervise, tmp_path):
+    """launcher -> engine core -> workers (vLLM's shape), the supervisor SIGKILLed: the launcher dies of its
+    parent-death signal, and the engine core and the workers, which have none, of the hook's watch on the
+    supervisor (their stderr is a pipe to the dead supervisor: the watch must not die writing to it)."""
+    import psutil
+
+    pidfile = tmp_path / "core.pid"
+    run = supervise(
+        ["--tree", "--nproc-per-node", "2"],
+        mp_launcher("--tp", "2", "--iters", "100000", "--set-title", "--engine-core", str(pidfile)),
+    )
+    core = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 60, "the engine core's pid file"))
+    wait_for(lambda: all(pidfile.with_name(f"core.pid.joined-{r}").exists() for r in (0, 1)), 60, "both ranks joined")
+    tree = [psutil.Process(core), *psutil.Process(core).children(recursive=True)]
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.wait(timeout=10)
+
+    def alive() -> list[int]:
+        return [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    wait_for(lambda: not alive(), 10, "the engine core and its workers gone")
+
+
 def test_multiprocessing_launcher_crashed_rank(supervise):
     run = supervise(
         ["--tree", "--nproc-per-node", "2", "--kill-grace", "2"],
