@@ -167,12 +167,18 @@ PEER_CONSEQUENCE_PATTERNS = (
 )
 
 
+def killed_here(status_signal: int | None) -> bool:
+    """A rank killed by a signal other than SIGABRT (SIGKILL, SIGSEGV, ...) died of something on its own
+    node, never of a peer's broken connection: its ruling waits for nobody."""
+    return status_signal is not None and status_signal != signal.SIGABRT
+
+
 def peer_consequence(status_signal: int | None, stderr_tail: str) -> str | None:
     """Why a failed rank looks like the consequence of a peer's failure (the matching line), else None.
 
-    A rank killed by a signal other than SIGABRT died of something here; one that raised (or aborted)
-    with a broken-connection error from its collectives or the store is a suspected consequence."""
-    if status_signal is not None and status_signal != signal.SIGABRT:
+    One that raised (or aborted) with a broken-connection error from its collectives or the store is a
+    suspected consequence (``killed_here``: never)."""
+    if killed_here(status_signal):
         return None
     for line in reversed(stderr_tail.splitlines()[-200:]):
         low = line.lower()

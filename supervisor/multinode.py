@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from . import events
-from .arbitration import peer_consequence
+from .arbitration import killed_here, peer_consequence
 from .events import ConsequenceChecked, ConsequenceWindowOver, HangQueryUnanswered, WatchdogVerdict
 from .nodes import messages
 from .outcome import EXIT_OK, EXIT_PEER, Outcome, new_incident_id
@@ -309,9 +309,11 @@ class NodeGroupRules:
             return False
         if self.case.suspect is not None:
             return True  # already waiting: the first failure decides, and root_cause names it
+        status_signal = info.status.signal if info.status is not None else None
+        if killed_here(status_signal):
+            return False  # ruled now: no stderr makes it a consequence, so nothing is waited for
         exited_at = handle.exited_at or time.monotonic()
         self.case.suspect = (handle, info, exited_at, None)
-        status_signal = info.status.signal if info.status is not None else None
         attempt, slot, rank, post = self.attempt.number, handle.slot, handle.rank, self.post
 
         def check() -> None:

@@ -8,14 +8,16 @@ connection:
 
 - ``store``: a tunnelled store client of another node; its frames are piped to
   the loopback store and back;
-- ``link``: one per node, for as long as its supervisor lives.  The node pings
-  every ``BEAT_S`` and the gate answers; ``ring`` frames (something was
-  published: a fault, a stop, a hang query) are passed to every other node at
-  once, so nobody waits for a poll; ``bye`` says the node ends cleanly.  The
-  link closing without ``bye`` (the supervisor died: the kernel closed its
-  sockets) or staying silent for ``NODE_LOST_S`` (its host is gone, or a
-  partition) makes the node lost here and, through a ``lost`` frame, on every
-  other node within moments;
+- ``link``: one per node, for as long as its supervisor lives: the connection
+  that carries its frames (a dial abandoned after its hello carries none, and
+  is nobody's link).  The node pings every ``BEAT_S`` and the gate answers;
+  ``ring`` frames (something was published: a fault, a stop, a hang query)
+  are passed to every other node at once, so nobody waits for a poll; ``bye``
+  says the node ends (cleanly, or with its end known to the group).  The link
+  closing without ``bye`` (the supervisor died: the kernel closed its sockets)
+  or staying silent for ``NODE_LOST_S`` (its host is gone, or a partition)
+  makes the node lost here and, through a ``lost`` frame, on every other node
+  within moments;
 - ``probe``: a second supervisor that was told ``--node-rank 0`` too found
   the port taken and asks who holds it; both refuse (exit 64).
 
@@ -67,8 +69,8 @@ class Gate:
         self.on_lost, self.on_ring, self.on_refused = on_lost, on_ring, on_refused
         self.node_lost_s = node_lost_s
         self._lock = threading.Lock()
-        self._links: dict[int, Channel] = {}
-        self._heard: set[int] = set()  # nodes whose current link carried a frame
+        self._links: dict[int, Channel] = {}  # node -> its link: the connection that carried its frames
+        self._pending: dict[Channel, int] = {}  # links past their hello that carried no frame yet
         self._done: set[int] = set()
         self._conns = 0
         self._max_conns = CONNECTIONS_PER_NODE * nnodes + 16
@@ -100,6 +102,11 @@ class Gate:
         with self._lock:
             return set(self._links)
 
+    def departed(self) -> set[int]:
+        """The other nodes whose link is down (their supervisor exited) or said goodbye."""
+        with self._lock:
+            return {n for n in range(1, self.nnodes) if n not in self._links or n in self._done}
+
     def close(self) -> None:
         self._closing = True
         try:
@@ -107,7 +114,7 @@ class Gate:
         except OSError:
             pass
         with self._lock:
-            links = list(self._links.values())
+            links = list(self._links.values()) + list(self._pending)
         for chan in links:
             chan.close()
 
@@ -176,22 +183,17 @@ class Gate:
         splice(chan, store, "node-gate-pipe", STORE_CONNECT_S)
 
     def _serve_link(self, node: int, chan: Channel, peer: str) -> None:
+        """A link becomes ``node``'s life line with its first frame, not with its hello: a dial its client
+        gave up on (its hello timed out on a busy gate, and it dialled again) waited in the backlog with its
+        hello and may finish it after the real link did, but it never carries a frame.  Registered at its
+        hello it took the real link's place, and the real link's close (the supervisor SIGKILLed) was then
+        nobody's loss: the node was lost only when its beats stopped (issue 26)."""
         with self._lock:
-            old = self._links.get(node)
-            # An earlier link of this node that never carried a frame was abandoned by its client (its hello
-            # timed out under load and it dialled again): the new one replaces it.
-            duplicate = old is not None and node in self._heard
-            if not duplicate:
-                self._links[node] = chan
-                self._heard.discard(node)
-        if duplicate:
-            self._refusal(
-                "link", node, f"a second link for node {node} from {peer}: is --node-rank {node} given twice?"
-            )
-            return
+            self._pending[chan] = node  # rings reach it from its hello on
         chan.sock.settimeout(BEAT_S)
         last = time.monotonic()
         why = ""
+        mine = False  # this connection carried a frame: it is the node's link
         try:
             while not self._closing:
                 try:
@@ -206,8 +208,19 @@ class Gate:
                     why = f"node {node}'s supervisor ({peer}) closed its link without saying goodbye: it is gone"
                     break
                 last = time.monotonic()
-                with self._lock:
-                    self._heard.add(node)
+                if not mine:
+                    with self._lock:
+                        self._pending.pop(chan, None)
+                        mine = node not in self._links
+                        if mine:
+                            self._links[node] = chan
+                    if not mine:  # another live link of this node beats already: two supervisors, one rank
+                        self._refusal(
+                            "link",
+                            node,
+                            f"a second link for node {node} from {peer}: is --node-rank {node} given twice?",
+                        )
+                        return
                 if frame == b"ping":
                     chan.send(b"pong %.9f" % time.monotonic())  # node 0's clock: the others' offset to it
                 elif frame == b"ring":
@@ -220,21 +233,20 @@ class Gate:
             why = f"node {node}'s link ({peer}) broke: {exc}"[:300]
         finally:
             with self._lock:
-                current = self._links.get(node) is chan
-                if current:
+                self._pending.pop(chan, None)
+                if mine:
                     del self._links[node]
-                heard = current and node in self._heard
                 done = node in self._done
             chan.close()
-        # A link that never carried a frame was never a node's life line (an abandoned dial): no loss.  A link
-        # replaced by a newer one of the same node is not its loss either.
-        if why and heard and not done and not self._closing:
+        # A link that never carried a frame was never a node's life line (an abandoned dial): no loss.
+        if why and mine and not done and not self._closing:
             self.on_lost(node, why)
             self.lost(node, why)
 
     def _broadcast(self, frame: bytes, skip: int | None) -> None:
         with self._lock:
             targets = [(n, c) for n, c in self._links.items() if n != skip]
+            targets += [(n, c) for c, n in self._pending.items() if n != skip]
         for _node, chan in targets:
             try:
                 chan.send(frame)

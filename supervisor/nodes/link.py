@@ -116,6 +116,8 @@ class NodeLink:
         self._keys_ready = False
         self._attempt = 1  # fault/<n> and hang/<n> of this group attempt are watched (--max-restarts)
         self._stop_posted = False
+        # The group knows how this node's attempt ends: its fault, stop or clean end published, or a fault read.
+        self._announced = False
         self._retry: deque = deque()  # an outbox item whose store call failed: first in line next pass
         self._watches: dict[str, Callable[[bytes], bool]] = {}  # key -> condition; StoreKeySeen once it holds
 
@@ -137,24 +139,36 @@ class NodeLink:
 
     def stop(self) -> None:
         """End the link; node 0 (the store's host) first gives the others a bounded moment to read what is
-        there (a fault, the end of the run) before its exit takes the store away."""
+        there (a fault, the end of the run) before its exit takes the store away.  Another node whose end the
+        group knows of (a fault, a stop, its clean end) says goodbye on its link: it reads the store no more,
+        and node 0 need not wait for it."""
         self._stop.set()
         self._wake.set()
         self._thread.join(STORE_TIMEOUT_S + 1.0)
         self._drain_outbox_safely()  # what the main thread handed over last (the thread has stopped)
         if self.group.node_rank != 0:
+            if self.transport is not None and self._announced and 0 not in self._reported:
+                self.transport.bye()
             return
         deadline = time.monotonic() + STORE_LINGER_S
         while time.monotonic() < deadline:
             try:
-                if all(
-                    n in self._reported or self.store.get_nowait(f"done/{self._attempt}/{n}")
-                    for n in range(1, self.group.nnodes)
-                ):  # a node declared lost will never say it is done
+                if all(self._left(n) for n in range(1, self.group.nnodes)):
                     return
             except Exception:
                 return
             time.sleep(POLL_S)
+
+    def _left(self, node: int) -> bool:
+        """Node 0 at its exit: ``node`` needs its store no more.  Lost; gone from the gate (its supervisor
+        exited, or said goodbye); or it said it is done.  The node where an incident began never says done
+        (it reads the store until its bundle is merged), so without the gate's word node 0 waited out the
+        whole linger after every fault of another node (issue 26)."""
+        if node in self._reported:  # a node declared lost will never say it is done
+            return True
+        if self.transport is not None and node in self.transport.departed():
+            return True
+        return bool(self.store.get_nowait(f"done/{self._attempt}/{node}"))
 
     def _drain_outbox_safely(self) -> None:
         try:
@@ -230,6 +244,7 @@ class NodeLink:
         """What the link knew of the attempt that ended does not hold for the next: who finished or saw
         its fault, the beat history, the fault and hang query it posted."""
         self._attempt, self._fault_posted, self._query_posted = number, False, False
+        self._announced = self._stop_posted
         self._done, self._seen = set(), {}
         self._store_ok_at = time.monotonic()
         self._create_attempt_keys()
@@ -353,8 +368,10 @@ class NodeLink:
         """One queued item: one store call (or none)."""
         if kind == "fault":
             self._publish(f"fault/{self._attempt}", item.encode())
+            self._announced = True
         elif kind == "stop":
             self._publish("stop", item.encode())
+            self._announced = True
         elif kind == "hang":
             self._publish(f"hang/{self._attempt}", item.encode())
         elif kind == "attempt":
@@ -367,6 +384,7 @@ class NodeLink:
             self._watches[item[0]] = item[1]
         elif kind == "done":
             self.store.set(f"done/{self._attempt}/{self.group.node_rank}", b"1")
+            self._announced = True
             if self.transport is not None:
                 self.transport.bye()
 
@@ -384,7 +402,7 @@ class NodeLink:
             # A node stopped on a signal, in an attempt or between two: every node stops (exit 0).
             fault = self._decode("stop", seen["stop"], Fault)
             if isinstance(fault, Fault):
-                self._stop_posted = True
+                self._stop_posted = self._announced = True
                 if fault.node != self.group.node_rank:
                     self.post(PeerFailed(fault, time.monotonic(), self._attempt))
         if self._fault_posted:
@@ -401,7 +419,7 @@ class NodeLink:
         fault = self._decode(f"fault/{self._attempt}", raw, Fault)
         if not isinstance(fault, Fault):
             return
-        self._fault_posted = True
+        self._fault_posted = self._announced = True
         if fault.node != self.group.node_rank:
             self.post(PeerFailed(fault, time.monotonic(), self._attempt))
             self.store.set(f"done/{self._attempt}/{self.group.node_rank}", b"seen the fault")  # node 0 may go

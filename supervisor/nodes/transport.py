@@ -100,6 +100,10 @@ class NodeTransport:
         elif self.link is not None:
             self.link.bye()
 
+    def departed(self) -> set[int]:
+        """Node 0: the nodes whose link is down or said goodbye (they read its store no more)."""
+        return self.gate.departed() if self.gate is not None else set()
+
     def clock_offset(self) -> tuple[float, float] | None:
         """(offset, error) of node 0's monotonic clock against this host's; node 0: (0, 0)."""
         if self.gate is not None:
