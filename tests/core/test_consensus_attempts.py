@@ -110,7 +110,7 @@ def test_main_loop_drops_consensus_events_of_an_earlier_attempt(supervisor, tmp_
     assert DivergenceFound in ATTEMPT_EVENTS and ConsensusAgreed in ATTEMPT_EVENTS
     sup = supervisor
     sup.attempt = Attempt(sup.attempt_view.set, started_at=time.monotonic(), restarts=1, number=2)  # as restart() does
-    sup.suspicions = {"divergence"}
+    sup.case.suspicions = {"divergence"}
 
     # A real verdict, as attempt 1's ranks would have produced it.
     ranks = Ranks(tmp_path)
@@ -128,8 +128,8 @@ def test_main_loop_drops_consensus_events_of_an_earlier_attempt(supervisor, tmp_
     sup._handle(DivergenceFound(verdicts[0], time.monotonic(), attempt=1))
     sup._handle(ConsensusAgreed(CONSENSUS_AGREE_STEPS, time.monotonic(), attempt=1))
     assert sup.attempt.outcome is None
-    assert sup.suspicions == {"divergence"}
+    assert sup.case.suspicions == {"divergence"}
 
     # The same event of the current attempt is acted on.
     sup._handle(ConsensusAgreed(CONSENSUS_AGREE_STEPS, time.monotonic(), attempt=2))
-    assert sup.suspicions == set()
+    assert sup.case.suspicions == set()
