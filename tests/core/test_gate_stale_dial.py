@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.core.test_gate import _addr, _wait
 from tp_supervise.supervisor.nodes.gate import Gate
 from tp_supervise.supervisor.nodes.tunnel import open_channel
 from tp_supervise.supervisor.nodes.wire import MAGIC, NONCE_BYTES
@@ -41,20 +42,6 @@ def gate():
     g.lost_seen = lost
     yield g
     g.close()
-
-
-def _addr(g: Gate) -> tuple[str, int]:
-    host, port = g.address.rsplit(":", 1)
-    return host, int(port)
-
-
-def _wait(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def _abandoned_dial(g: Gate) -> socket.socket:
