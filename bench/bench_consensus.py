@@ -45,7 +45,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench._docs import Stamp, add_common_args, replace_section
-from bench._logs import json_lines
+from tests.support.logs import json_lines
 from tp_supervise.consensus.monitor import ConsensusMonitor
 from tp_supervise.supervisor.drill import wait_engine_health
 from tp_supervise.supervisor.observers.consensus_thread import CONSENSUS_POLL_S

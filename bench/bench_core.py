@@ -40,9 +40,9 @@ from datetime import datetime
 from pathlib import Path
 
 from bench._docs import ROOT, Stamp, add_common_args, replace_section
-from bench._logs import json_lines
 from bench.teardown_rank import STEP_S
 from tests.support.freezer import FREEZER_ROOT, FROZEN_CHILD, freeze_survivor, remove_run_cgroups, thaw, wait_empty
+from tests.support.logs import json_lines
 from tp_supervise.supervisor.processes import pidfds as procs
 from tp_supervise.supervisor.processes import spawn as launch
 from tp_supervise.supervisor.processes.exit_monitor import ExitMonitor

@@ -63,7 +63,7 @@ import httpx2
 import openai
 
 from bench._docs import Stamp, add_common_args, replace_section
-from bench._logs import json_lines_of
+from tests.support.logs import json_lines_of
 from tests.support.serving import openai_client, request_ok, stop_supervisor, wait_serving
 
 HEADING = "## Serving through faults (issue 21)"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from bench._logs import json_lines_of
+from tests.support.logs import json_lines_of
 from tp_supervise.supervisor.rank.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

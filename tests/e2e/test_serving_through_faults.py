@@ -44,6 +44,7 @@ import pytest
 
 from tests.conftest import MARK_VAR, ROOT, fake_rank, marked_pids, wait_no_marked
 from tests.live import http_get, metric_value
+from tests.support.logs import json_lines
 from tests.support.serving import KINDS, openai_client, request_ok, stop_supervisor, wait_serving
 from tp_supervise.engine.inject import POISON_MARKER
 from tp_supervise.supervisor.rank.net import free_port
@@ -79,14 +80,7 @@ class Served:
     mark: str
 
     def lines(self) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-        return out
+        return json_lines(self.log_path.read_text(errors="replace"))
 
     def events(self, name: str) -> list[dict]:
         return [

@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: the supervisor's JSON log lines (``--log-format json``) out of a captured stream."""
+"""Shared by the benchmarks and the tests: the supervisor's JSON log lines (``--log-format json``) out of a captured stream."""
 
 from __future__ import annotations
 
