@@ -146,7 +146,7 @@ class Attempt:
         return list(self._engine_processes.values())
 
     def holds_process(self, pid: int) -> bool:
-        return pid in self._engine_processes or any(h.pid == pid for h in (*self._ranks.values(), self.launcher) if h)
+        return any(h.pid == pid for h in self.processes())
 
     def look_at_shm(self, now: float, every_s: float) -> None:
         """Note what the live processes map in /dev/shm, at most once per ``every_s`` (off this thread)."""
