@@ -82,13 +82,17 @@ class Watch:
         pids = list(pids)
 
         def run() -> None:
+            # No deadline here (this thread is the deadline's reason): each process's names count as soon as they
+            # are read. A torch process's maps run to thousands of lines; on a loaded host a look at every
+            # process took past INVENTORY_TIMEOUT_S and a deadline threw away what it had read.
             try:
-                found = inventory(pids)
+                for pid in pids:
+                    names = _mapped_shm(pid)
+                    with self._lock:
+                        self._seen |= names
             finally:
                 with self._lock:
                     self._busy = False
-            with self._lock:
-                self._seen |= found
 
         threading.Thread(target=run, name="shm-watch", daemon=True).start()
 
