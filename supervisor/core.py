@@ -58,7 +58,17 @@ from .events import (
 )
 from .incidents.desk import IncidentDesk
 from .incidents.quarantine import RequestQuarantine
-from .multinode import NodeGroupRules
+from .multinode import (
+    Between,
+    GroupOfNodes,
+    NodeRules,
+    NodeRuling,
+    PeerIncident,
+    RuleFailure,
+    RuleHang,
+    SingleNode,
+    StopToo,
+)
 from .nodes import handshake, link, messages
 from .nodes.transport import NodeTransport
 from .observers.services import Services
@@ -128,7 +138,7 @@ def _set_up(value: T | None, name: str) -> T:
     return value
 
 
-class Supervisor(NodeGroupRules):
+class Supervisor:
     def __init__(
         self,
         spec: LaunchSpec,
@@ -150,9 +160,8 @@ class Supervisor(NodeGroupRules):
         # alone on one node; with several nodes (several may share a host) the node rank too.
         self.run_key = self.run_id if spec.nnodes == 1 else f"{self.run_id}.n{spec.node_rank}"
         self.nodes = nodes
-        self.node_link: link.NodeLink | None = None
-        self.group_end: Outcome | None = None  # multi-node: why the group could not restart
-        self.carried: list = []  # multi-node: events of the next attempt that arrived between attempts
+        # The other nodes (multi-node rules, decided there, acted on here); a run of one node has none.
+        self.node_rules: NodeRules = SingleNode()
         self.case = AttemptCase()  # what the decider holds about the attempt that runs (a new one per launch)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.post: Callable[[object], None] = self.events.put
@@ -177,6 +186,8 @@ class Supervisor(NodeGroupRules):
         self._quarantine: RequestQuarantine | None = None  # incident file, in-flight requests, quarantine.json
         # Threads that post events: started in this order, stopped in reverse.
         self.sources: list = [self.monitor]
+        # One dispatcher (_dispatch), one handler table per phase: while an attempt runs, and between attempts
+        # (a backoff, node 0's restart decision, the group's barrier).
         self.handlers: dict[type, Callable[[Any], None]] = {
             ProcessExited: self._on_exit,
             EarlyExitCheck: self._on_early_exit_check,
@@ -198,6 +209,14 @@ class Supervisor(NodeGroupRules):
             events.ConsequenceChecked: self._on_consequence_checked,
             events.ConsequenceWindowOver: self._on_consequence_window_over,
         }
+        self.between_handlers: dict[type, Callable[[Any], None]] = {
+            SignalReceived: self._stop_between,
+            ControlRequest: self._refuse_between,
+            events.NodeLost: self._nodes_between,
+            events.PeerFailed: self._nodes_between,
+            events.StoreKeySeen: self._key_between,
+        }
+        self._awaited: tuple[str | None, bytes | None] = (None, None)  # between attempts: the key waited for
         self.last_teardown: TeardownResult | None = None
 
     # What _setup creates (run() calls it first): reading one before is a bug, said as one.
@@ -288,7 +307,7 @@ class Supervisor(NodeGroupRules):
         )
         if self.nodes is not None:
             transport, group = self.nodes
-            self.node_link = link.NodeLink(
+            node_link = link.NodeLink(
                 transport.store,
                 group,
                 self.post,
@@ -298,7 +317,8 @@ class Supervisor(NodeGroupRules):
                 world_size=self.spec.world_size,
                 node_lost_s=self.spec.node_timeout,
             )
-            self.sources.append(self.node_link)
+            self.node_rules = GroupOfNodes(self.spec, self.run_id, node_link, transport)
+            self.sources += self.node_rules.sources()
             self.services.compare_across_nodes(self.nodes[1])
             self.desk.link_nodes(self.nodes[1])
         if self.spec.straggler_threshold is not None:
@@ -309,7 +329,7 @@ class Supervisor(NodeGroupRules):
                     self.attempt_view,
                     self.post,
                     self.services.on_straggler_report,
-                    nodes=self._node_stragglers(),
+                    nodes=self.node_rules.stragglers(),
                     gpu=self.services.gpu.latest,
                 )
             )
@@ -388,25 +408,23 @@ class Supervisor(NodeGroupRules):
             outcome = self._run_attempt()
             if outcome.code != EXIT_OK:
                 self.quarantine.attempt_ended()  # quarantine.json before any next attempt
-            if self._restarts_as_group():
-                delay = self._group_restart(outcome)
-            else:
-                delay = self.restart.after(
-                    outcome,
-                    stopping=self.stopping is not None,
-                    uptime_s=time.monotonic() - self.attempt.started_at,
-                )
+            between = Between(
+                number=self.attempt.number,
+                uptime_s=time.monotonic() - self.attempt.started_at,
+                stopping=lambda: self.stopping is not None,
+                wait=self._between_attempts,
+            )
+            # The restart decision, in one place: this node's policy, or node 0's for a group of nodes.
+            delay = self.node_rules.restart_delay(outcome, self.restart, between)
             if delay is None:
-                outcome = self.group_end or outcome
+                outcome = self.node_rules.end or outcome
                 break
-            if not self._restarts_as_group():
-                self.services.on_restart()
-            self._wait_backoff(delay)
-            if self._restarts_as_group():
-                if not self._group_barrier():
-                    outcome = self.group_end or Outcome(EXIT_OK, "shutdown")
-                    break
-                self.services.on_restart()  # counted once every node is back, not on a barrier that failed
+            self._between_attempts(delay)  # the backoff
+            if self.node_rules.end is not None or not self.node_rules.meet(between):
+                outcome = self.node_rules.end or Outcome(EXIT_OK, "shutdown")
+                break
+            self.transition(Event.RESTART)
+            self.services.on_restart()  # counted once every node is back, not on a barrier that failed
         code = outcome.code
         if self.last_teardown is not None and not self.last_teardown.complete:
             code = EXIT_TEARDOWN
@@ -422,52 +440,40 @@ class Supervisor(NodeGroupRules):
         self.services.linger(linger, self.hurry, until_scraped=self.spec.metrics_linger is None)
         return code
 
-    def _wait_backoff(self, delay: float) -> None:
-        """Between attempts: a stop signal ends the run, a control request is
-        refused; any other event belongs to the attempt that ended."""
-        self._between_attempts(delay)
-        if self.stopping is None and self.group_end is None:
-            self.transition(Event.RESTART)
-
     def _between_attempts(self, seconds: float, key: str | None = None) -> bytes | None:
-        """Read events for ``seconds`` (or, given ``key``, until the node link reports it: its value).
-
-        A stop signal ends the run (``self.stopping``); multi-node, a lost node
-        ends it too (``self.group_end``, exit 84: a group cannot restart without
-        it); a control request is refused; anything else belongs to the attempt
-        that ended."""
+        """Read events for ``seconds`` (or, given ``key``, until the node link reports it: its value), with the
+        between-attempts handlers: a stop signal ends the run (``self.stopping``); multi-node, a lost node or a
+        stop elsewhere ends it too (``node_rules.end``: a group cannot restart without it); a control request
+        is refused; anything else belongs to the attempt that ended."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and self.stopping is None and self.group_end is None:
-            try:
-                ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            self.services.liveness.beat()  # restarting on purpose is alive
-            if isinstance(ev, SignalReceived) and ev.signum != signals.DUMP_SIGNAL:
-                self.stopping = ev
-            elif isinstance(ev, ControlRequest):
-                ev.reply.put({"ok": False, "error": "the group is restarting; no rank to dump right now"})
-            elif isinstance(ev, events.NodeLost):
-                log.error(
-                    "peer node lost between attempts: the group cannot restart without it",
-                    event_name="group_restart_node_lost",
-                    node=ev.node,
-                    detail=ev.detail,
-                )
-                self.group_end = Outcome(EXIT_PEER, "node_lost")
-            elif isinstance(ev, events.PeerFailed) and ev.fault.reason != "shutdown":
-                if ev.attempt > self.attempt.number:
-                    self.carried.append(ev)  # a fault of the next attempt, read while this node was at the barrier
-            elif isinstance(ev, events.PeerFailed):
-                log.info(
-                    "node stopped on a signal between attempts: this node stops too",
-                    event_name="group_restart_stopped",
-                    node=ev.fault.node,
-                )
-                self.group_end = Outcome(EXIT_OK, "shutdown")
-            elif isinstance(ev, events.StoreKeySeen) and ev.key == key:
-                return ev.value
-        return None
+        self._awaited = (key, None)
+        try:
+            while time.monotonic() < deadline and self.stopping is None and self.node_rules.end is None:
+                try:
+                    ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                self.services.liveness.beat()  # restarting on purpose is alive
+                self._dispatch(ev, self.between_handlers)
+                if self._awaited[1] is not None:
+                    return self._awaited[1]
+            return None
+        finally:
+            self._awaited = (None, None)
+
+    def _stop_between(self, ev: SignalReceived) -> None:
+        if ev.signum != signals.DUMP_SIGNAL:
+            self.stopping = ev
+
+    def _refuse_between(self, ev: ControlRequest) -> None:
+        ev.reply.put({"ok": False, "error": "the group is restarting; no rank to dump right now"})
+
+    def _nodes_between(self, ev: events.NodeLost | events.PeerFailed) -> None:
+        self.node_rules.between(ev, self.attempt.number)
+
+    def _key_between(self, ev: events.StoreKeySeen) -> None:
+        if ev.key is not None and ev.key == self._awaited[0]:
+            self._awaited = (ev.key, ev.value)
 
     def _launch(self) -> None:
         self.attempt = Attempt(
@@ -518,13 +524,12 @@ class Supervisor(NodeGroupRules):
         if self.stopping is not None:
             return Outcome(EXIT_OK, "shutdown")
         self._launch()
-        for ev in self.carried:  # what another node said of this attempt before this node launched it
+        for ev in self.node_rules.carried():  # what another node said of this attempt before this node launched it
             self.post(ev)
-        self.carried.clear()
         while self.attempt.outcome is None:
             ev = self.events.get()
             try:
-                self._handle(ev)
+                self._dispatch(ev, self.handlers)
             except Exception:
                 log.exception("event handling failed", kind=type(ev).__name__)
         outcome = self.attempt.outcome
@@ -532,8 +537,9 @@ class Supervisor(NodeGroupRules):
         return outcome
 
     # ------------------------------------------------------------------ events
-    def _handle(self, ev: object) -> None:
-        handler = self.handlers.get(type(ev))
+    def _dispatch(self, ev: object, handlers: Mapping[type, Callable[[Any], None]]) -> None:
+        """The one dispatcher: ``handlers`` is the table of the phase the run is in."""
+        handler = handlers.get(type(ev))
         if handler is None:
             log.debug("ignored event", kind=type(ev).__name__)
             return
@@ -545,8 +551,8 @@ class Supervisor(NodeGroupRules):
     def _finish(self, outcome: Outcome) -> None:
         first = self.attempt.outcome is None
         self.attempt.finish(outcome)
-        if first and self.node_link is not None and outcome.reason not in ("peer_failed", "node_lost"):
-            self._tell_the_nodes(outcome)
+        if first:
+            self.node_rules.attempt_ended(outcome)
 
     # -- multi-node: this node's fate goes on the fault bus; the others' arrives as events
     def _announce_fault(
@@ -558,17 +564,16 @@ class Supervisor(NodeGroupRules):
         hands it to the desk call that writes this node's bundle of the incident.  ``final``: no node restarts
         after it."""
         incident_id = incident_id or new_incident_id(self.run_id)
-        if self.node_link is not None:
-            self.node_link.publish_fault(
-                messages.Fault(
-                    node=self.spec.node_rank,
-                    rank=rank,
-                    reason=reason,
-                    incident_id=incident_id,
-                    verdict=verdict[:500],
-                    final=final,
-                )
+        self.node_rules.publish_fault(
+            messages.Fault(
+                node=self.spec.node_rank,
+                rank=rank,
+                reason=reason,
+                incident_id=incident_id,
+                verdict=verdict[:500],
+                final=final,
             )
+        )
         # Before the teardown signals any rank: rank 0 names the incident in the 503s it answers.
         self.quarantine.fault(incident_id, self.attempt.view)
         return incident_id
@@ -653,8 +658,12 @@ class Supervisor(NodeGroupRules):
         return self.attempt.outcome is not None
 
     def _rank_failed(self, handle: RankHandle, info: ExitInfo) -> None:
-        if self._divergence_was_first() or self._maybe_a_consequence(handle, info):
+        if self._divergence_was_first():
             return
+        if self.attempt.outcome is None and self.node_rules.hold_failure(
+            handle, info, self.case, self.attempt.number, self.post
+        ):
+            return  # multi-node: it may be a consequence of another node's failure
         self._rule_rank_failure(handle, info)
 
     def _rule_rank_failure(self, handle: RankHandle, info: ExitInfo) -> None:
@@ -748,7 +757,7 @@ class Supervisor(NodeGroupRules):
             if self.case.deferred_hang is not None:  # asked the other nodes, then progress came back: no hang
                 self.case.deferred_hang = self.case.hang_query = None
         elif kind is VerdictKind.HARD:
-            if self._divergence_was_first() or self._ask_the_other_nodes(ev):
+            if self._divergence_was_first() or self.node_rules.ask_where(ev, self.case, self.attempt.number, self.post):
                 return
             self._rule_hang(ev)
         elif kind is VerdictKind.STARTUP_TIMEOUT:
@@ -838,6 +847,50 @@ class Supervisor(NodeGroupRules):
         self.case.suspicions.discard(reason)
         if not self.case.suspicions:
             self.transition(Event.PROGRESS)
+
+    # -- the other nodes' news: the multi-node rules decide (supervisor/multinode.py), this acts on the ruling
+    def _on_peer_failed(self, ev: events.PeerFailed) -> None:
+        if self.attempt.outcome is None:
+            self._act_on_nodes(self.node_rules.peer_failed(ev, self.case))
+
+    def _on_node_lost(self, ev: events.NodeLost) -> None:
+        if self.attempt.outcome is None:
+            self._act_on_nodes(self.node_rules.node_lost(ev, self.case))
+
+    def _on_peer_hang_query(self, ev: events.PeerHangQuery) -> None:
+        if self.attempt.outcome is None and self.node_rules.peer_hang_query(ev, self.case):
+            self.watchdog.answer_hang_query(ev.query.seq, ev.query.node)
+
+    def _on_hang_query_unanswered(self, ev: HangQueryUnanswered) -> None:
+        if self.attempt.outcome is None:
+            self._act_on_nodes(self.node_rules.hang_query_unanswered(self.case))
+
+    def _on_consequence_checked(self, ev: events.ConsequenceChecked) -> None:
+        if self.attempt.outcome is None:
+            self._act_on_nodes(self.node_rules.consequence_checked(ev, self.case, self.post))
+
+    def _on_consequence_window_over(self, ev: events.ConsequenceWindowOver) -> None:
+        if self.attempt.outcome is None:
+            self._act_on_nodes(self.node_rules.consequence_window_over(ev, self.case))
+
+    def _act_on_nodes(self, ruling: NodeRuling) -> None:
+        if isinstance(ruling, StopToo):
+            self._finish(Outcome(EXIT_OK, "shutdown"))
+        elif isinstance(ruling, RuleFailure):
+            self._rule_rank_failure(ruling.handle, ruling.info)
+        elif isinstance(ruling, RuleHang):
+            self._rule_hang(ruling.verdict)
+        elif isinstance(ruling, PeerIncident):
+            self.transition(Event.RANK_EXIT)
+            # before this node's teardown: its rank 0 names the incident in the 503s it answers
+            self.quarantine.fault(ruling.incident_id, self.attempt.view)
+            extra = {
+                "culprit_ranks": [ruling.rank] if ruling.rank is not None else [],
+                "verdict": ruling.verdict,
+                "culprit_node": ruling.node,
+            }
+            self.desk.peer_incident(ruling.reason, extra, self.attempt.view, ruling.incident_id)
+            self._finish(Outcome(EXIT_PEER, ruling.reason, culprit=ruling.rank, final=ruling.final))
 
     def _on_control(self, ev: ControlRequest) -> None:
         if ev.request.get("cmd") != "dump":

@@ -1,19 +1,24 @@
-"""The multi-node decisions of the main loop: one group attempt on every node, one fate for the group.
+"""The multi-node rules of the decider: one group attempt on every node, one fate for the group.
 
-``NodeGroupRules`` is mixed into ``core.Supervisor`` and runs on its main
-thread only.  It decides what the other nodes' news means for this node (a
-peer's fault, a lost node, a hang query), what this node tells them (its
-fault, its clean end, its stop), and how a group restarts together (node 0's
-policy decides, every node meets at the barrier).  The mechanism (the store,
-the handshake, the node-link thread) is in ``nodes/``; the keys are in
-docs/multinode.md.
+``core.Supervisor`` holds one ``NodeRules``: ``SingleNode`` when the run has one
+node (nothing to tell, ask or wait for), ``GroupOfNodes`` otherwise.  Like
+``arbitration``, the rules decide and return rulings; the supervisor acts on
+them (its transitions, the desk, the quarantine, the end of the attempt) on
+its main thread, the only thread that calls them.  They decide what the other
+nodes' news means for this node (a peer's fault, a lost node, a hang query),
+what this node tells them (its fault, its clean end, its stop), and how a
+group restarts together (node 0's policy decides, every node meets at the
+barrier).  The mechanism (the store, the handshake, the node-link thread) is
+in ``nodes/``; the keys are in docs/multinode.md.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -23,23 +28,13 @@ from .events import ConsequenceChecked, ConsequenceWindowOver, HangQueryUnanswer
 from .nodes import messages
 from .outcome import EXIT_OK, EXIT_PEER, Outcome, new_incident_id
 from .processes import output_pump
-from .restart import RESTART_BACKOFF_MAX_S
-from .state import Event
+from .restart import RESTART_BACKOFF_MAX_S, RestartPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from .events import SignalReceived
-    from .incidents.desk import IncidentDesk
-    from .incidents.quarantine import RequestQuarantine
-    from .nodes.handshake import NodeGroup
     from .nodes.link import NodeLink
     from .nodes.transport import NodeTransport
-    from .observers.watchdog_thread import WatchdogThread
-    from .processes.attempt import Attempt
     from .processes.exits import ExitInfo
     from .processes.spawn import RankHandle
-    from .restart import RestartPolicy
     from .spec import LaunchSpec
     from .state import AttemptCase
 
@@ -51,69 +46,196 @@ CONSEQUENCE_WAIT_S = 1.0
 STDERR_READ_S = 0.3  # how long the check waits for the pump to drain the rank's last stderr
 
 
-class NodeGroupRules:
-    """Multi-node handlers and group-restart steps of ``Supervisor`` (main thread only)."""
+@dataclass(frozen=True)
+class Between:
+    """The supervisor between two attempts, as the rules see it: the attempt that ended (its number, how long it
+    ran), whether a stop signal came, and its event loop to wait in (``wait(seconds, key)``: for ``seconds``,
+    or until the node link reports ``key``: its value; None when the time ran out or the run is ending)."""
 
-    if TYPE_CHECKING:  # what these rules use of the supervisor they are mixed into (core.Supervisor)
-        spec: LaunchSpec
-        run_id: str
-        attempt: Attempt
-        restart: RestartPolicy
-        node_link: NodeLink | None
-        stopping: SignalReceived | None
-        group_end: Outcome | None
-        case: AttemptCase
-        post: Callable[[object], None]
-        nodes: tuple[NodeTransport, NodeGroup] | None
+    number: int
+    uptime_s: float
+    stopping: Callable[[], bool]
+    wait: Callable[[float, str | None], bytes | None]
 
-        @property
-        def desk(self) -> IncidentDesk: ...
-        @property
-        def watchdog(self) -> WatchdogThread: ...
-        @property
-        def quarantine(self) -> RequestQuarantine: ...
-        def transition(self, event: Event) -> None: ...
-        def _finish(self, outcome: Outcome) -> None: ...
-        def _between_attempts(self, seconds: float, key: str | None = None) -> bytes | None: ...
-        def _rule_hang(self, ev: WatchdogVerdict) -> None: ...
-        def _rule_rank_failure(self, handle: RankHandle, info: ExitInfo) -> None: ...
 
-    # -- multi-node restarts: one group attempt on every node, node 0 decides
-    @property
-    def _link(self) -> NodeLink:
-        if self.node_link is None:
-            raise RuntimeError("a multi-node rule ran in a single-node run")
-        return self.node_link
+# -- rulings: what the supervisor does with the other nodes' news
+@dataclass(frozen=True)
+class PeerIncident:
+    """Tear this node down under another node's incident (``incident_id``: that node's, or this node's own for a
+    lost node that told nothing); ``final``: that node said no node restarts after it."""
 
-    def _restarts_as_group(self) -> bool:
-        return self.node_link is not None and self.spec.max_restarts > 0
+    reason: str  # "peer_failed" | "node_lost"
+    node: int
+    rank: int | None
+    verdict: str
+    incident_id: str
+    final: bool = False
 
-    def _group_restart(self, outcome: Outcome) -> float | None:
+
+@dataclass(frozen=True)
+class StopToo:
+    """Another node stopped on a signal: this node stops gracefully too."""
+
+
+@dataclass(frozen=True)
+class RuleFailure:
+    """A rank failure held for the other nodes' news is this node's own after all: rule it now."""
+
+    handle: RankHandle
+    info: ExitInfo
+
+
+@dataclass(frozen=True)
+class RuleHang:
+    """The hard verdict held for a hang query: nobody else holds the missing rank, rule it here."""
+
+    verdict: WatchdogVerdict
+
+
+NodeRuling = PeerIncident | StopToo | RuleFailure | RuleHang | None
+
+
+class NodeRules(Protocol):
+    """What the decider asks of the other nodes; ``SingleNode`` answers for a run that has none."""
+
+    end: Outcome | None  # why the group could not go on between attempts (a lost node, a stop elsewhere)
+
+    def sources(self) -> list: ...
+    def stragglers(self) -> NodeStragglerLink | None: ...
+    def publish_fault(self, fault: messages.Fault) -> None: ...
+    def attempt_ended(self, outcome: Outcome) -> None: ...
+    def restart_delay(self, outcome: Outcome, policy: RestartPolicy, attempt: Between) -> float | None: ...
+    def meet(self, attempt: Between) -> bool: ...
+    def carried(self) -> list: ...
+    def between(self, ev: object, attempt: int) -> None: ...
+    def peer_failed(self, ev: events.PeerFailed, case: AttemptCase) -> NodeRuling: ...
+    def node_lost(self, ev: events.NodeLost, case: AttemptCase) -> NodeRuling: ...
+    def ask_where(self, ev: WatchdogVerdict, case: AttemptCase, attempt: int, post: Callable) -> bool: ...
+    def hang_query_unanswered(self, case: AttemptCase) -> NodeRuling: ...
+    def peer_hang_query(self, ev: events.PeerHangQuery, case: AttemptCase) -> bool: ...
+    def hold_failure(
+        self, handle: RankHandle, info: ExitInfo, case: AttemptCase, attempt: int, post: Callable
+    ) -> bool: ...
+    def consequence_checked(self, ev: ConsequenceChecked, case: AttemptCase, post: Callable) -> NodeRuling: ...
+    def consequence_window_over(self, ev: ConsequenceWindowOver, case: AttemptCase) -> NodeRuling: ...
+
+
+class SingleNode:
+    """The one node of the run: nobody to tell, to ask or to meet; this node's restart policy decides alone."""
+
+    end: Outcome | None = None
+
+    def sources(self) -> list:
+        return []
+
+    def stragglers(self) -> NodeStragglerLink | None:
+        return None
+
+    def publish_fault(self, fault: messages.Fault) -> None:
+        pass
+
+    def attempt_ended(self, outcome: Outcome) -> None:
+        pass
+
+    def restart_delay(self, outcome: Outcome, policy: RestartPolicy, attempt: Between) -> float | None:
+        return policy.after(outcome, stopping=attempt.stopping(), uptime_s=attempt.uptime_s)
+
+    def meet(self, attempt: Between) -> bool:
+        return not attempt.stopping()
+
+    def carried(self) -> list:
+        return []
+
+    def between(self, ev: object, attempt: int) -> None:
+        pass
+
+    def peer_failed(self, ev: events.PeerFailed, case: AttemptCase) -> NodeRuling:
+        return None
+
+    def node_lost(self, ev: events.NodeLost, case: AttemptCase) -> NodeRuling:
+        return None
+
+    def ask_where(self, ev: WatchdogVerdict, case: AttemptCase, attempt: int, post: Callable) -> bool:
+        return False
+
+    def hang_query_unanswered(self, case: AttemptCase) -> NodeRuling:
+        return None
+
+    def peer_hang_query(self, ev: events.PeerHangQuery, case: AttemptCase) -> bool:
+        return False
+
+    def hold_failure(self, handle: RankHandle, info: ExitInfo, case: AttemptCase, attempt: int, post: Callable) -> bool:
+        return False
+
+    def consequence_checked(self, ev: ConsequenceChecked, case: AttemptCase, post: Callable) -> NodeRuling:
+        return None
+
+    def consequence_window_over(self, ev: ConsequenceWindowOver, case: AttemptCase) -> NodeRuling:
+        return None
+
+
+class GroupOfNodes:
+    """This node's part in a group of nodes, over the node link (main thread only)."""
+
+    def __init__(self, spec: LaunchSpec, run_id: str, link: NodeLink, transport: NodeTransport):
+        self.spec, self.run_id, self.link, self.transport = spec, run_id, link, transport
+        self.end: Outcome | None = None  # why the group could not go on between attempts
+        self._carried: list = []  # faults of the next attempt that arrived while this node was between attempts
+
+    def sources(self) -> list:
+        return [self.link]
+
+    def stragglers(self) -> NodeStragglerLink | None:
+        return NodeStragglerLink(self.link, self.transport, self.spec.node_rank)
+
+    # -- what this node tells the others
+    def publish_fault(self, fault: messages.Fault) -> None:
+        self.link.publish_fault(fault)
+
+    def attempt_ended(self, outcome: Outcome) -> None:
+        """This node's attempt ended (its first outcome): done, or a stop the others follow.  A fault was
+        published when it was ruled; another node's incident is that node's to tell."""
+        if outcome.reason in ("peer_failed", "node_lost"):
+            return
+        if outcome.code == EXIT_OK and outcome.reason == "clean":
+            self.link.finished()
+        elif outcome.reason == "shutdown":
+            self._publish_stop()
+
+    def _publish_stop(self) -> None:
+        self.link.publish_stop(
+            messages.Fault(
+                node=self.spec.node_rank, rank=None, reason="shutdown", incident_id="", verdict="stopped on a signal"
+            )
+        )
+
+    def _stop_everywhere(self) -> None:
+        """Stopped while the group is between attempts: every node stops, wherever it is (the run's stop key)."""
+        self._publish_stop()
+        self.end = Outcome(EXIT_OK, "shutdown")
+
+    # -- restarts: one group attempt on every node, node 0 decides
+    def restart_delay(self, outcome: Outcome, policy: RestartPolicy, attempt: Between) -> float | None:
         """After attempt n ended on this node: node 0 decides for the group (its restart policy, so the
         crash-loop limit counts group attempts) and publishes restart/<n>; the others wait for it."""
-        n = self.attempt.number
-        if self.stopping is not None and outcome.reason != "shutdown":
-            # stopped while the attempt was ending: every node stops, wherever it is (the run-level stop key)
-            self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))
-            self.group_end = Outcome(EXIT_OK, "shutdown")
+        if self.spec.max_restarts == 0:  # nothing to agree on: no node restarts
+            return policy.after(outcome, stopping=attempt.stopping(), uptime_s=attempt.uptime_s)
+        if attempt.stopping() and outcome.reason != "shutdown":
+            self._stop_everywhere()  # stopped while the attempt was ending
             return None
         if outcome.reason in ("node_lost", "shutdown"):
             return None  # a lost node cannot be restarted; a stop stops every node (the stop key said so)
-        key = f"restart/{n}"
+        key = f"restart/{attempt.number}"
         if self.spec.node_rank == 0:
-            delay = self.restart.after(
-                outcome, stopping=False, uptime_s=time.monotonic() - self.attempt.started_at, group=True
-            )
-            decision = messages.RestartDecision(delay is not None, delay or 0.0, self.restart.restarts)
-            self._link.set(key, decision.encode())
+            delay = policy.after(outcome, stopping=False, uptime_s=attempt.uptime_s, group=True)
+            self.link.set(key, messages.RestartDecision(delay is not None, delay or 0.0, policy.restarts).encode())
             return delay
-        self._link.watch(key, self._decided)
-        raw = self._between_attempts(self.spec.rendezvous_timeout, key=key)
+        self.link.watch(key, self._decided)
+        raw = attempt.wait(self.spec.rendezvous_timeout, key)
         if raw is None:
-            if self.stopping is not None:
-                self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))
-                self.group_end = Outcome(EXIT_OK, "shutdown")
-            elif self.group_end is None:
+            if attempt.stopping():
+                self._stop_everywhere()
+            elif self.end is None:
                 log.error(
                     "node 0 never said whether the group restarts: giving up",
                     event_name="group_restart_no_decision",
@@ -123,16 +245,14 @@ class NodeGroupRules:
         decision = self._decision(raw)  # it passed _decided on the link: it decodes
         if not decision.restart:
             log.error(
-                "node 0 ends the group: no restart",
-                event_name="group_restart_declined",
-                restarts=decision.restarts,
+                "node 0 ends the group: no restart", event_name="group_restart_declined", restarts=decision.restarts
             )
             return None
-        self.restart.restarts = decision.restarts
+        policy.restarts = decision.restarts
         log.warning(
             "restarting the group with node 0",
             event_name="group_restart",
-            restart=self.restart.restarts,
+            restart=policy.restarts,
             max_restarts=self.spec.max_restarts,
             backoff_s=decision.delay_s,
             after=outcome.reason,
@@ -152,52 +272,62 @@ class NodeGroupRules:
         its longest, a count within its --max-restarts (the handshake made both the same on every node)."""
         return messages.RestartDecision.decode(raw, RESTART_BACKOFF_MAX_S, self.spec.max_restarts)
 
-    def _group_barrier(self) -> bool:
+    def meet(self, attempt: Between) -> bool:
         """Every node is ready to launch attempt n+1 before any does (the ranks rendezvous across nodes)."""
-        n = self.attempt.number + 1
+        if self.spec.max_restarts == 0:
+            return not attempt.stopping()
+        n = attempt.number + 1
         key, nnodes = f"ready/{n}", self.spec.nnodes
-        self._link.begin_attempt(n)
-        if self.stopping is None and self.group_end is None:
-            self._link.add(key, 1)
-            self._link.watch(key, lambda raw: messages.counter(raw) >= nnodes)  # junk: dropped by the link
-            if self._between_attempts(self.spec.rendezvous_timeout, key=key) is not None:
+        self.link.begin_attempt(n)
+        if not attempt.stopping() and self.end is None:
+            self.link.add(key, 1)
+            self.link.watch(key, lambda raw: messages.counter(raw) >= nnodes)  # junk: dropped by the link
+            if attempt.wait(self.spec.rendezvous_timeout, key) is not None:
                 log.info("every node is ready for the next attempt", event_name="group_restart_ready", attempt=n)
                 return True
-        if self.stopping is not None:
-            self._tell_the_nodes(Outcome(EXIT_OK, "shutdown"))  # the others, waiting at the barrier, stop too
-        elif self.group_end is None:
+        if attempt.stopping():
+            self._stop_everywhere()  # the others, waiting at the barrier, stop too
+        elif self.end is None:
             log.error(
                 "the other nodes did not come back for the restart",
                 event_name="group_restart_timeout",
                 attempt=n,
                 waited_s=self.spec.rendezvous_timeout,
             )
-            self.group_end = Outcome(EXIT_PEER, "node_lost")
+            self.end = Outcome(EXIT_PEER, "node_lost")
         return False
 
-    def _tell_the_nodes(self, outcome: Outcome) -> None:
-        """The end of this node's attempt, for the others: done, or a stop they should follow."""
-        if outcome.code == EXIT_OK and outcome.reason == "clean":
-            self._link.finished()
-        elif outcome.reason == "shutdown":
-            self._link.publish_stop(
-                messages.Fault(
-                    node=self.spec.node_rank,
-                    rank=None,
-                    reason="shutdown",
-                    incident_id="",
-                    verdict="stopped on a signal",
-                )
-            )
+    def carried(self) -> list:
+        """What another node said of the attempt this node launches now, heard before it launched it."""
+        out, self._carried = self._carried, []
+        return out
 
-    def _on_peer_failed(self, ev: events.PeerFailed) -> None:
+    def between(self, ev: object, attempt: int) -> None:
+        """The other nodes' news while this node is between attempts (``attempt``: the one that ended)."""
+        if isinstance(ev, events.NodeLost):
+            log.error(
+                "peer node lost between attempts: the group cannot restart without it",
+                event_name="group_restart_node_lost",
+                node=ev.node,
+                detail=ev.detail,
+            )
+            self.end = Outcome(EXIT_PEER, "node_lost")
+        elif isinstance(ev, events.PeerFailed) and ev.fault.reason == "shutdown":
+            log.info(
+                "node stopped on a signal between attempts: this node stops too",
+                event_name="group_restart_stopped",
+                node=ev.fault.node,
+            )
+            self.end = Outcome(EXIT_OK, "shutdown")
+        elif isinstance(ev, events.PeerFailed) and ev.attempt > attempt:
+            self._carried.append(ev)  # a fault of the next attempt, read while this node was at the barrier
+
+    # -- the other nodes' news during an attempt
+    def peer_failed(self, ev: events.PeerFailed, case: AttemptCase) -> NodeRuling:
         fault = ev.fault
-        if self.attempt.outcome is not None:
-            return
         if fault.reason == "shutdown":
             log.info("node stopped on a signal: graceful shutdown of this node too", node=fault.node)
-            self._finish(Outcome(EXIT_OK, "shutdown"))
-            return
+            return StopToo()
         who = f"rank {fault.rank} on node {fault.node}" if fault.rank is not None else f"node {fault.node}"
         verdict = f"{who} failed first ({fault.reason}); this node's ranks were torn down with the group"
         if fault.verdict:
@@ -212,23 +342,26 @@ class NodeGroupRules:
         )
         # A fault that names no incident gets this node's own id: one id in its quarantine and its bundle.
         incident_id = fault.incident_id or new_incident_id(self.run_id)
-        self._peer_incident("peer_failed", fault.node, fault.rank, verdict, incident_id, final=fault.final)
+        return self._peer_incident(case, "peer_failed", fault.node, fault.rank, verdict, incident_id, fault.final)
 
-    def _on_node_lost(self, ev: events.NodeLost) -> None:
-        if self.attempt.outcome is not None:
-            return
+    def node_lost(self, ev: events.NodeLost, case: AttemptCase) -> NodeRuling:
         verdict = f"node {ev.node} was lost: {ev.detail}; this node's ranks were torn down with the group"
         log.error("peer node lost: tearing this node down", node=ev.node, detail=ev.detail)
-        self._peer_incident("node_lost", ev.node, None, verdict, new_incident_id(self.run_id))
+        return self._peer_incident(case, "node_lost", ev.node, None, verdict, new_incident_id(self.run_id))
 
     def _peer_incident(
-        self, reason: str, node: int, rank: int | None, verdict: str, incident_id: str, final: bool = False
-    ) -> None:
-        """``incident_id``: the other node's (a lost node told nothing: this node's own); ``final``: that node
-        said no node restarts after it (node 0's restart policy honours it)."""
-        if self.case.suspect is not None:  # this node's rank died first here, but of the peer's failure
-            handle, info, _at, why = self.case.suspect
-            self.case.suspect = None
+        self,
+        case: AttemptCase,
+        reason: str,
+        node: int,
+        rank: int | None,
+        verdict: str,
+        incident_id: str,
+        final: bool = False,
+    ) -> PeerIncident:
+        if case.suspect is not None:  # this node's rank died first here, but of the peer's failure
+            handle, info, _at, why = case.suspect
+            case.suspect = None
             verdict += (
                 f"; rank {handle.rank} of this node died of it first ({info.description}"
                 + (f": {why}" if why else "")
@@ -241,56 +374,50 @@ class NodeGroupRules:
                 node=node,
                 reason=reason,
             )
-        self.transition(Event.RANK_EXIT)
-        self.quarantine.fault(incident_id, self.attempt.view)  # before this node's teardown: its rank 0 names it
-        extra = {"culprit_ranks": [rank] if rank is not None else [], "verdict": verdict, "culprit_node": node}
-        self.desk.peer_incident(reason, extra, self.attempt.view, incident_id)
-        self._finish(Outcome(EXIT_PEER, reason, culprit=rank, final=final))
+        return PeerIncident(reason, node, rank, verdict, incident_id, final)
 
-    def _ask_the_other_nodes(self, ev: WatchdogVerdict) -> bool:
-        """Multi-node: when every rank of this node waits inside a collective, the rank that is elsewhere is on
-        another node, whose own watchdog may see nothing (a stopped rank outside collectives looks idle there).
-        Ask the others (nodes.HangQuery); the node that holds it raises the hang under this incident id and
-        this node follows it (84).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence."""
+    # -- a hang here whose cause is elsewhere
+    def ask_where(self, ev: WatchdogVerdict, case: AttemptCase, attempt: int, post: Callable) -> bool:
+        """When every rank of this node waits inside a collective, the rank that is elsewhere is on another node,
+        whose own watchdog may see nothing (a stopped rank outside collectives looks idle there).  Ask the
+        others (nodes.HangQuery); the node that holds it raises the hang under this incident id and this node
+        follows it (84).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence.  True: the hard
+        verdict waits for the answer."""
         v = ev.verdict
-        if (
-            self.node_link is None
-            or self.case.hang_query is not None
-            or self.case.peer_hang_query is not None
-            or v.outside_collective
-            or not v.in_collective
-        ):
+        if case.hang_query is not None or case.peer_hang_query is not None or v.outside_collective:
+            return False
+        if not v.in_collective:
             return False
         seq = max(c.coll_seq for c in v.in_collective)
-        self.case.hang_query = messages.HangQuery(
-            self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500]
-        )
-        self.case.deferred_hang = ev
-        self._link.ask_where(self.case.hang_query)
+        case.hang_query = messages.HangQuery(self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500])
+        case.deferred_hang = ev
+        self.link.ask_where(case.hang_query)
         log.warning(
             "hang here, cause elsewhere: every rank of this node waits in a collective; asking the other nodes",
             event_name="hang_query_sent",
             seq=seq,
             wait_s=messages.HANG_QUERY_WAIT_S,
-            incident_id=self.case.hang_query.incident_id,
+            incident_id=case.hang_query.incident_id,
         )
-        timer = threading.Timer(messages.HANG_QUERY_WAIT_S, self.post, args=(HangQueryUnanswered(self.attempt.number),))
+        timer = threading.Timer(messages.HANG_QUERY_WAIT_S, post, args=(HangQueryUnanswered(attempt),))
         timer.daemon = True
         timer.start()
         return True
 
-    def _on_hang_query_unanswered(self, ev: HangQueryUnanswered) -> None:
-        if self.attempt.outcome is None and self.case.deferred_hang is not None:
-            log.warning(
-                "no other node holds the missing rank: ruling the hang on this node's evidence",
-                event_name="hang_query_unanswered",
-                incident_id=self.case.hang_query.incident_id if self.case.hang_query else None,
-            )
-            self._rule_hang(self.case.deferred_hang)
+    def hang_query_unanswered(self, case: AttemptCase) -> NodeRuling:
+        if case.deferred_hang is None:
+            return None
+        log.warning(
+            "no other node holds the missing rank: ruling the hang on this node's evidence",
+            event_name="hang_query_unanswered",
+            incident_id=case.hang_query.incident_id if case.hang_query else None,
+        )
+        return RuleHang(case.deferred_hang)
 
-    def _on_peer_hang_query(self, ev: events.PeerHangQuery) -> None:
-        if self.attempt.outcome is not None or self.case.hang_query is not None:
-            return
+    def peer_hang_query(self, ev: events.PeerHangQuery, case: AttemptCase) -> bool:
+        """True: look for the missing rank here (the watchdog answers the query)."""
+        if case.hang_query is not None:
+            return False
         log.warning(
             "another node's ranks all wait in a collective: looking for the missing rank here",
             event_name="hang_query_received",
@@ -298,23 +425,23 @@ class NodeGroupRules:
             seq=ev.query.seq,
             incident_id=ev.query.incident_id,
         )
-        self.case.peer_hang_query = ev.query
-        self.watchdog.answer_hang_query(ev.query.seq, ev.query.node)
+        case.peer_hang_query = ev.query
+        return True
 
     # -- cause before consequence: a rank that died of a broken peer connection waits for the peer's news
-    def _maybe_a_consequence(self, handle: RankHandle, info: ExitInfo) -> bool:
-        """Multi-node: hold the ruling of a failed rank until its stderr was read (off this thread); if it died
-        of a broken peer connection, until CONSEQUENCE_WAIT_S after its exit.  True: the ruling is held."""
-        if self.node_link is None or self.attempt.outcome is not None or handle.rank < 0:
+    def hold_failure(self, handle: RankHandle, info: ExitInfo, case: AttemptCase, attempt: int, post: Callable) -> bool:
+        """Hold the ruling of a failed rank until its stderr was read (off this thread); if it died of a broken
+        peer connection, until CONSEQUENCE_WAIT_S after its exit.  True: the ruling is held."""
+        if handle.rank < 0:
             return False
-        if self.case.suspect is not None:
+        if case.suspect is not None:
             return True  # already waiting: the first failure decides, and root_cause names it
         status_signal = info.status.signal if info.status is not None else None
         if killed_here(status_signal):
             return False  # ruled now: no stderr makes it a consequence, so nothing is waited for
         exited_at = handle.exited_at or time.monotonic()
-        self.case.suspect = (handle, info, exited_at, None)
-        attempt, slot, rank, post = self.attempt.number, handle.slot, handle.rank, self.post
+        case.suspect = (handle, info, exited_at, None)
+        slot, rank = handle.slot, handle.rank
 
         def check() -> None:
             why = None
@@ -330,15 +457,14 @@ class NodeGroupRules:
         threading.Thread(target=check, name=f"consequence-check-{slot}", daemon=True).start()
         return True
 
-    def _on_consequence_checked(self, ev: ConsequenceChecked) -> None:
-        if self.case.suspect is None or self.attempt.outcome is not None or ev.slot != self.case.suspect[0].slot:
-            return
-        handle, info, exited_at, _ = self.case.suspect
+    def consequence_checked(self, ev: ConsequenceChecked, case: AttemptCase, post: Callable) -> NodeRuling:
+        if case.suspect is None or ev.slot != case.suspect[0].slot:
+            return None
+        handle, info, exited_at, _ = case.suspect
         if ev.why is None:
-            self.case.suspect = None
-            self._rule_rank_failure(handle, info)
-            return
-        self.case.suspect = (handle, info, exited_at, ev.why)
+            case.suspect = None
+            return RuleFailure(handle, info)
+        case.suspect = (handle, info, exited_at, ev.why)
         wait_s = max(0.0, exited_at + CONSEQUENCE_WAIT_S - time.monotonic())
         log.warning(
             "rank died of a broken peer connection: waiting for the other nodes' news before ruling",
@@ -347,24 +473,19 @@ class NodeGroupRules:
             wait_s=round(wait_s, 3),
             line=ev.why,
         )
-        timer = threading.Timer(wait_s, self.post, args=(ConsequenceWindowOver(ev.slot, self.attempt.number),))
+        timer = threading.Timer(wait_s, post, args=(ConsequenceWindowOver(ev.slot, ev.attempt),))
         timer.name = f"consequence-window-{ev.slot}"
         timer.daemon = True
         timer.start()
+        return None
 
-    def _on_consequence_window_over(self, ev: ConsequenceWindowOver) -> None:
-        if self.case.suspect is None or self.attempt.outcome is not None or ev.slot != self.case.suspect[0].slot:
-            return
-        handle, info, _, _ = self.case.suspect
-        self.case.suspect = None
-        log.info("no other node failed: the rank's death is ruled as this node's own", rank=handle.rank)
-        self._rule_rank_failure(handle, info)
-
-    # -- stragglers across nodes: the straggler thread's view of the link
-    def _node_stragglers(self) -> NodeStragglerLink | None:
-        if self.node_link is None or self.nodes is None:
+    def consequence_window_over(self, ev: ConsequenceWindowOver, case: AttemptCase) -> NodeRuling:
+        if case.suspect is None or ev.slot != case.suspect[0].slot:
             return None
-        return NodeStragglerLink(self.node_link, self.nodes[0], self.spec.node_rank)
+        handle, info, _, _ = case.suspect
+        case.suspect = None
+        log.info("no other node failed: the rank's death is ruled as this node's own", rank=handle.rank)
+        return RuleFailure(handle, info)
 
 
 class NodeStragglerLink:

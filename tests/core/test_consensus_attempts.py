@@ -125,11 +125,11 @@ def test_main_loop_drops_consensus_events_of_an_earlier_attempt(supervisor, tmp_
 
     # Handled, the divergence would end attempt 2 with exit 82 (enforce) and the
     # agreement would clear the open suspicion: neither happens.
-    sup._handle(DivergenceFound(verdicts[0], time.monotonic(), attempt=1))
-    sup._handle(ConsensusAgreed(CONSENSUS_AGREE_STEPS, time.monotonic(), attempt=1))
+    sup._dispatch(DivergenceFound(verdicts[0], time.monotonic(), attempt=1), sup.handlers)
+    sup._dispatch(ConsensusAgreed(CONSENSUS_AGREE_STEPS, time.monotonic(), attempt=1), sup.handlers)
     assert sup.attempt.outcome is None
     assert sup.case.suspicions == {"divergence"}
 
     # The same event of the current attempt is acted on.
-    sup._handle(ConsensusAgreed(CONSENSUS_AGREE_STEPS, time.monotonic(), attempt=2))
+    sup._dispatch(ConsensusAgreed(CONSENSUS_AGREE_STEPS, time.monotonic(), attempt=2), sup.handlers)
     assert sup.case.suspicions == set()
