@@ -13,8 +13,8 @@ Time is an argument; the main loop does the waiting (and keeps answering
 signals and control requests while it waits).
 
 Several nodes restart as one group: node 0's policy decides for all (its
-decision, backoff and count go through the store, supervisor/core.py
-``_group_restart``), so the crash-loop limit counts group attempts.
+decision, backoff and count go through the store, supervisor/multinode.py
+``GroupOfNodes.restart_delay``), so the crash-loop limit counts group attempts.
 """
 
 from __future__ import annotations

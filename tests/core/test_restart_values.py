@@ -110,7 +110,7 @@ def test_junk_where_the_barrier_waits_is_dropped_and_the_link_goes_on():
     with structlog.testing.capture_logs() as logs:
         link.start()
         try:
-            link.watch("ready/2", lambda raw: counter(raw) >= 2)  # what Supervisor._group_barrier watches
+            link.watch("ready/2", lambda raw: counter(raw) >= 2)  # what GroupOfNodes.meet watches
             time.sleep(JUNK_HELD_S)
             assert not [ev for ev in seen if isinstance(ev, (NodeLost, StoreKeySeen))], seen
             master.set("ready/2", b"2")
