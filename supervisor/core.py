@@ -315,16 +315,16 @@ class Supervisor:
                 on_store_latency=self.services.metrics.observe_store_latency,
                 transport=transport,
                 world_size=self.spec.world_size,
-                node_lost_s=self.spec.node_timeout,
+                node_lost_s=self.spec.nodes.node_timeout,
             )
             self.node_rules = GroupOfNodes(self.spec, self.run_id, node_link, transport)
             self.sources += self.node_rules.sources()
             self.services.compare_across_nodes(self.nodes[1])
             self.desk.link_nodes(self.nodes[1])
-        if self.spec.straggler_threshold is not None:
+        if self.spec.straggler.threshold is not None:
             self.sources.append(
                 StragglerThread(
-                    self.spec.straggler_config(),
+                    self.spec.straggler.config(),
                     self.heartbeat,
                     self.attempt_view,
                     self.post,
@@ -434,10 +434,10 @@ class Supervisor:
             if self.public is not None:
                 self.public.close()  # from now on a client is refused at once, not held in a backlog no one reads
         log.info("supervise exiting", code=code, reason=outcome.reason, restarts=self.restart.restarts)
-        linger = self.spec.metrics_linger
+        linger = self.spec.metrics.linger
         if linger is None:  # the default: only while someone scrapes, until the final state was scraped
             linger = DEFAULT_FAULT_LINGER_S if code != EXIT_OK else 0.0
-        self.services.linger(linger, self.hurry, until_scraped=self.spec.metrics_linger is None)
+        self.services.linger(linger, self.hurry, until_scraped=self.spec.metrics.linger is None)
         return code
 
     def _between_attempts(self, seconds: float, key: str | None = None) -> bytes | None:
@@ -598,7 +598,7 @@ class Supervisor:
         """SIGQUIT: the bundle first (at most --dump-timeout), then the stop; a second stop signal cuts the wait."""
         reply: queue.SimpleQueue = queue.SimpleQueue()
         self.desk.on_demand(reply, self.attempt.view)
-        wait_s = self.spec.dump_timeout
+        wait_s = self.spec.dumps.timeout
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not self.hurry.is_set():
             try:
@@ -762,7 +762,7 @@ class Supervisor:
             self._rule_hang(ev)
         elif kind is VerdictKind.STARTUP_TIMEOUT:
             self.transition(Event.STARTUP_TIMEOUT)
-            log.error("startup timeout: " + ev.message, startup_timeout_s=self.spec.startup_timeout)
+            log.error("startup timeout: " + ev.message, startup_timeout_s=self.spec.watchdog.startup_timeout)
             incident_id = self._announce_fault("startup_timeout", None, "startup timeout: " + ev.message)
             self.desk.startup_timeout(ev, self.attempt.view, incident_id)
             self._finish(Outcome(EXIT_STARTUP, "startup_timeout"))
@@ -792,16 +792,16 @@ class Supervisor:
             "straggler: " + verdict,
             event_name="straggler_named",
             rank=rank,
-            action=self.spec.on_straggler,
+            action=self.spec.straggler.action,
             wait_share=round(ev.event.lag.wait_share, 4),
             late_lag_s=round(ev.event.lag.late_lag_s, 6),
         )
-        if self.spec.on_straggler == "dump":
+        if self.spec.straggler.action == "dump":
             self.desk.straggler(ev, self.attempt.view, verdict)
             return
         # restart|kill: the attempt ends, announced first (the bundle carries the id the other nodes and the
         # quarantine were given); kill is final on every node, whatever --max-restarts says
-        final = self.spec.on_straggler == "kill"
+        final = self.spec.straggler.action == "kill"
         self.transition(Event.RANK_EXIT)
         incident_id = self._announce_fault("straggler", rank, "straggler: " + verdict, final=final)
         self.desk.straggler(ev, self.attempt.view, verdict, incident_id)

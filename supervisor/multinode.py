@@ -231,7 +231,7 @@ class GroupOfNodes:
             self.link.set(key, messages.RestartDecision(delay is not None, delay or 0.0, policy.restarts).encode())
             return delay
         self.link.watch(key, self._decided)
-        raw = attempt.wait(self.spec.rendezvous_timeout, key)
+        raw = attempt.wait(self.spec.nodes.rendezvous_timeout, key)
         if raw is None:
             if attempt.stopping():
                 self._stop_everywhere()
@@ -239,7 +239,7 @@ class GroupOfNodes:
                 log.error(
                     "node 0 never said whether the group restarts: giving up",
                     event_name="group_restart_no_decision",
-                    waited_s=self.spec.rendezvous_timeout,
+                    waited_s=self.spec.nodes.rendezvous_timeout,
                 )
             return None
         decision = self._decision(raw)  # it passed _decided on the link: it decodes
@@ -282,7 +282,7 @@ class GroupOfNodes:
         if not attempt.stopping() and self.end is None:
             self.link.add(key, 1)
             self.link.watch(key, lambda raw: messages.counter(raw) >= nnodes)  # junk: dropped by the link
-            if attempt.wait(self.spec.rendezvous_timeout, key) is not None:
+            if attempt.wait(self.spec.nodes.rendezvous_timeout, key) is not None:
                 log.info("every node is ready for the next attempt", event_name="group_restart_ready", attempt=n)
                 return True
         if attempt.stopping():
@@ -292,7 +292,7 @@ class GroupOfNodes:
                 "the other nodes did not come back for the restart",
                 event_name="group_restart_timeout",
                 attempt=n,
-                waited_s=self.spec.rendezvous_timeout,
+                waited_s=self.spec.nodes.rendezvous_timeout,
             )
             self.end = Outcome(EXIT_PEER, "node_lost")
         return False

@@ -23,20 +23,30 @@ if TYPE_CHECKING:
 
 def preflight(spec: LaunchSpec) -> None:
     _check_command(spec)
-    _check_dump_dir(spec.dump_dir)
+    _check_dump_dir(spec.dumps.dir)
     if spec.output.log_dir is not None:
         _check_dump_dir(spec.output.log_dir, "--log-dir")
     _check_gpus(spec)
-    if spec.metrics_addr is not None and spec.metrics_addr[1] != 0:
-        _check_port_free(spec.metrics_addr[0], spec.metrics_addr[1], "--metrics-addr")
-    if spec.health_addr is not None:
-        if spec.health_addr[1] != 0 and spec.metrics_addr is not None and spec.health_addr[1] == spec.metrics_addr[1]:
+    textfile = spec.metrics.textfile
+    if textfile is not None and not textfile.parent.is_dir():
+        raise UsageError(
+            f"--metrics-textfile {textfile}: its directory does not exist "
+            "(point it into node_exporter's --collector.textfile.directory)"
+        )
+    if spec.metrics.addr is not None and spec.metrics.addr[1] != 0:
+        _check_port_free(spec.metrics.addr[0], spec.metrics.addr[1], "--metrics-addr")
+    if spec.metrics.health_addr is not None:
+        if (
+            spec.metrics.health_addr[1] != 0
+            and spec.metrics.addr is not None
+            and spec.metrics.health_addr[1] == spec.metrics.addr[1]
+        ):
             raise UsageError(
-                f"--health-addr port {spec.health_addr[1]} is --metrics-addr's: give another port "
+                f"--health-addr port {spec.metrics.health_addr[1]} is --metrics-addr's: give another port "
                 "(or leave --health-addr out: health is served on --metrics-addr too)"
             )
-        if spec.health_addr[1] != 0:
-            _check_port_free(spec.health_addr[0], spec.health_addr[1], "--health-addr")
+        if spec.metrics.health_addr[1] != 0:
+            _check_port_free(spec.metrics.health_addr[0], spec.metrics.health_addr[1], "--health-addr")
     if spec.nnodes == 1 and not _is_local(spec.master_addr):
         raise UsageError(
             f"--master-addr {spec.master_addr} is not an address of this host: with one node the ranks "

@@ -230,146 +230,39 @@ class EngineOptions:
         return args + list(self.extra_args)
 
 
-@dataclass(frozen=True)
-class LaunchSpec:
-    """A validated request to supervise one TP group on this node."""
+def _positive_seconds(flag: str, value: float | None) -> None:
+    if value is not None and not 0 < value < math.inf:
+        raise UsageError(f"{flag} {value}: must be a positive, finite number of seconds")
 
-    command: tuple[str, ...]  # empty: the built-in engine
-    nproc_per_node: int
-    nnodes: int = 1
-    store_port: int | None = None  # multi-node: node 0's TCPStore (default: master_port + 1)
-    run_id: str | None = None  # shared by every node; node 0 decides when not given
-    rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
-    node_timeout: float = DEFAULT_NODE_TIMEOUT_S  # multi-node: a silent node (or store) is lost after this
-    join_token: str | None = field(default=None, repr=False)  # never logged; compared as an HMAC digest
-    fingerprint_env: tuple[str, ...] = ()
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port is chosen at launch
-    tree: bool = False
-    hard_timeout: float | None = None
+
+def _one_of(flag: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise UsageError(f"{flag} {value!r}: choose one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class WatchdogOptions:
+    """When no progress is a hang (docs/watchdogs.md): fixed timeouts, or adaptive bounds; other progress
+    sources (an engine's own /metrics, for engines whose collectives skip Python)."""
+
+    hard_timeout: float | None = None  # None: adaptive
     soft_timeout: float | None = None
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
-    kill_grace: float = DEFAULT_KILL_GRACE_S
-    dump_timeout: float = DEFAULT_DUMP_TIMEOUT_S
-    dump_dir: Path = Path("supervise-dumps")
-    dump_keep: int = DEFAULT_DUMP_KEEP
-    dump_max_bytes: int = DEFAULT_DUMP_MAX_BYTES
-    stack_method: str = "auto"
-    native_stacks: bool = False
-    metrics_addr: tuple[str, int] | None = ("127.0.0.1", 9180)
-    # /healthz /readyz /livez only (no /metrics), e.g. routable for Kubernetes probes while /metrics stays on
-    # loopback; None: health is served on metrics_addr only.
-    health_addr: tuple[str, int] | None = None
-    metrics_linger: float | None = None  # None: DEFAULT_FAULT_LINGER_S after a fault, 0 after a clean run
-    metrics_textfile: Path | None = None  # node_exporter textfile collector: written on every incident and at exit
-    consensus: str = "observe"
-    consensus_inband: int = 0
-    straggler_threshold: float | None = DEFAULT_STRAGGLER_THRESHOLD  # share of the group's time; None: off
-    straggler_window: float = DEFAULT_STRAGGLER_WINDOW_S  # sustained this long (busy time) before it is named
-    on_straggler: str = "dump"
-    max_restarts: int = 0
-    # A request scheduled by the failing step of this many failed attempts is refused for the run (0: never);
-    # supervisor/incidents/quarantine.py.
-    quarantine_after: int = DEFAULT_QUARANTINE_AFTER
-    # --listen HOST:PORT: a COMMAND's rank 0 inherits this listening socket the systemd way (LISTEN_FDS)
-    listen: tuple[str, int] | None = None
-    log_format: str = "console"
-    zero_code_hook: bool = True
     # Adaptive watchdog bounds (soft, hard) in seconds; None keeps watchdogs/adaptive.py's defaults.
     adaptive_floors: tuple[float, float] | None = None
     adaptive_ceilings: tuple[float, float] | None = None
     engine_metrics_url: str | None = None  # external progress (engines whose collectives skip Python)
     engine_kind: str = "auto"
-    engine: EngineOptions = field(default_factory=EngineOptions)
-    output: OutputOptions = field(default_factory=OutputOptions)
 
     def __post_init__(self) -> None:
-        if self.nnodes < 1:
-            raise UsageError(f"--nnodes {self.nnodes}: must be at least 1")
-        if self.nproc_per_node < 1:
-            raise UsageError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise UsageError(
-                f"--node-rank {self.node_rank} is outside [0, {self.nnodes}) for --nnodes {self.nnodes}: "
-                "set it to this node's zero-based index"
-            )
-        for flag, value in (
-            ("--hard-timeout", self.hard_timeout),
-            ("--soft-timeout", self.soft_timeout),
-            ("--startup-timeout", self.startup_timeout),
-            ("--dump-timeout", self.dump_timeout),
-        ):
-            if value is not None and not 0 < value < math.inf:
-                raise UsageError(f"{flag} {value}: must be a positive, finite number of seconds")
-        if self.metrics_linger is not None and not 0 <= self.metrics_linger <= 3600:
-            raise UsageError(f"--metrics-linger {self.metrics_linger}: must be in 0..3600 seconds")
-        if self.metrics_textfile is not None and not self.metrics_textfile.parent.is_dir():
-            raise UsageError(
-                f"--metrics-textfile {self.metrics_textfile}: its directory does not exist "
-                "(point it into node_exporter's --collector.textfile.directory)"
-            )
-        if self.nnodes > 1 and self.master_port is None:
-            raise UsageError(
-                f"--nnodes {self.nnodes} needs --master-port: every node must use the same rendezvous port "
-                "(a free port picked on each node would never meet)"
-            )
-        if self.store_port is not None and not 1 <= self.store_port <= 65535:
-            raise UsageError(f"--store-port {self.store_port}: must be between 1 and 65535")
-        if self.nnodes > 1 and self.master_port is not None and self.resolved_store_port == self.master_port:
-            raise UsageError(
-                f"--store-port {self.store_port} is the ranks' --master-port: the supervisors' store "
-                "and the ranks' rendezvous need different ports"
-            )
-        if not 0 < self.rendezvous_timeout < math.inf:
-            raise UsageError(f"--rendezvous-timeout {self.rendezvous_timeout}: must be > 0 seconds")
-        if self.run_id is not None and not valid_run_id(self.run_id):
-            raise UsageError(
-                f"--run-id {self.run_id!r}: use 1-48 letters, digits, '.', '_' or '-', no '..' "
-                "(it names files and cgroups)"
-            )
-        if not 0 < self.node_timeout < math.inf:
-            raise UsageError(f"--node-timeout {self.node_timeout}: must be > 0 seconds")
-        if not 0 <= self.kill_grace < math.inf:
-            raise UsageError(f"--kill-grace {self.kill_grace}: must be >= 0 seconds")
+        _positive_seconds("--hard-timeout", self.hard_timeout)
+        _positive_seconds("--soft-timeout", self.soft_timeout)
+        _positive_seconds("--startup-timeout", self.startup_timeout)
         if self.soft_timeout is not None and self.hard_timeout is not None and self.soft_timeout >= self.hard_timeout:
             raise UsageError(
                 f"--soft-timeout {self.soft_timeout} must be shorter than --hard-timeout {self.hard_timeout} "
                 "(the soft watchdog dumps before the hard one kills)"
             )
-        if self.consensus not in CONSENSUS_MODES:
-            raise UsageError(f"--consensus {self.consensus!r}: choose one of {', '.join(CONSENSUS_MODES)}")
-        if self.straggler_threshold is not None and not 0 < self.straggler_threshold < 1:
-            raise UsageError(
-                f"--straggler-threshold {self.straggler_threshold}: a share of the step between 0 and 1 "
-                "(e.g. 0.1), or 'off'"
-            )
-        if not 1.0 <= self.straggler_window < math.inf:
-            raise UsageError(f"--straggler-sustain {self.straggler_window}: must be >= 1 second")
-        if self.on_straggler not in STRAGGLER_ACTIONS:
-            raise UsageError(f"--on-straggler {self.on_straggler!r}: choose one of {', '.join(STRAGGLER_ACTIONS)}")
-        if self.consensus_inband < 0:
-            raise UsageError("--consensus-inband N: N must be >= 0 (0 disables the in-band check)")
-        if self.stack_method not in STACK_METHODS:
-            raise UsageError(f"--stack-method {self.stack_method!r}: choose one of {', '.join(STACK_METHODS)}")
-        if self.quarantine_after < 0:
-            raise UsageError(f"--quarantine-after {self.quarantine_after}: must be >= 0 (0 never quarantines)")
-        if self.listen is not None and (not self.command or self.tree):
-            raise UsageError(
-                "--listen hands a listening socket to a COMMAND's rank 0 (spawn mode); the built-in "
-                "engine's socket is --host/--port, and in --tree mode the ranks are the launcher's"
-            )
-        if self.max_restarts < 0:
-            raise UsageError(f"--max-restarts {self.max_restarts}: must be >= 0")
-        if self.dump_keep < 1:
-            raise UsageError(f"--dump-keep {self.dump_keep}: must keep at least 1 bundle")
-        if self.dump_max_bytes < 1:
-            raise UsageError(f"--dump-max-bytes {self.dump_max_bytes}: must be positive")
-        if self.log_format not in ("console", "json"):
-            raise UsageError(f"--log-format {self.log_format!r}: choose console or json")
-        self.output.check(self.nproc_per_node, self.tree)
-        if self.tree and not self.command:
-            raise UsageError("--tree needs a COMMAND after '--' (a launcher such as torchrun or vllm serve)")
         for flag, pair in (
             ("--adaptive-floors", self.adaptive_floors),
             ("--adaptive-ceilings", self.adaptive_ceilings),
@@ -385,25 +278,7 @@ class LaunchSpec:
                 f"--engine-metrics-url {self.engine_metrics_url!r}: give the engine's Prometheus endpoint, "
                 "e.g. http://127.0.0.1:8000/metrics"
             )
-        if self.engine_kind not in ("auto", "vllm", "sglang"):
-            raise UsageError(f"--engine-kind {self.engine_kind!r}: choose auto, vllm or sglang")
-        if self.master_port is not None and not 1 <= self.master_port <= 65535:
-            raise UsageError(f"--master-port {self.master_port}: must be between 1 and 65535")
-        for inj in self.engine.injections:
-            if inj.rank >= self.world_size:
-                raise UsageError(
-                    f"--inject {inj}: rank {inj.rank} does not exist in a world of {self.world_size} ranks"
-                )
-
-    def straggler_config(self) -> StragglerConfig:
-        """The detector's parameters (docs/watchdogs.md, "Stragglers"): the window of statistics covers the
-        sustain time and 10 s more."""
-        return StragglerConfig(
-            threshold=self.straggler_threshold,
-            sustain_s=self.straggler_window,
-            window_s=max(30.0, self.straggler_window + 10.0),
-            clear_s=max(1.0, self.straggler_window / 2),
-        )
+        _one_of("--engine-kind", self.engine_kind, ("auto", "vllm", "sglang"))
 
     def adaptive_params(self):
         """watchdogs.adaptive.AdaptiveParams with the floors/ceilings given (validated there)."""
@@ -418,14 +293,181 @@ class LaunchSpec:
             soft_floor=floors[0], hard_floor=floors[1], soft_ceiling=ceilings[0], hard_ceiling=ceilings[1]
         )
 
+
+@dataclass(frozen=True)
+class DumpOptions:
+    """Incident bundles (docs/bundle.md): where, how many, how long a capture may take, how stacks are read."""
+
+    dir: Path = Path("supervise-dumps")
+    timeout: float = DEFAULT_DUMP_TIMEOUT_S  # a fatal dump never delays the teardown longer than this
+    keep: int = DEFAULT_DUMP_KEEP
+    max_bytes: int = DEFAULT_DUMP_MAX_BYTES
+    stack_method: str = "auto"
+    native_stacks: bool = False
+
+    def __post_init__(self) -> None:
+        _positive_seconds("--dump-timeout", self.timeout)
+        if self.keep < 1:
+            raise UsageError(f"--dump-keep {self.keep}: must keep at least 1 bundle")
+        if self.max_bytes < 1:
+            raise UsageError(f"--dump-max-bytes {self.max_bytes}: must be positive")
+        _one_of("--stack-method", self.stack_method, STACK_METHODS)
+
+
+@dataclass(frozen=True)
+class MetricsOptions:
+    """Prometheus metrics and health (docs/metrics.md)."""
+
+    addr: tuple[str, int] | None = ("127.0.0.1", 9180)
+    # /healthz /readyz /livez only (no /metrics), e.g. routable for Kubernetes probes while /metrics stays on
+    # loopback; None: health is served on addr only.
+    health_addr: tuple[str, int] | None = None
+    linger: float | None = None  # None: until the first scrape, at most DEFAULT_FAULT_LINGER_S after a fault
+    textfile: Path | None = None  # node_exporter textfile collector: written on every incident and at exit
+
+    def __post_init__(self) -> None:
+        if self.linger is not None and not 0 <= self.linger <= 3600:
+            raise UsageError(f"--metrics-linger {self.linger}: must be in 0..3600 seconds")
+
+
+@dataclass(frozen=True)
+class StragglerOptions:
+    """Slow ranks (docs/watchdogs.md, "Stragglers")."""
+
+    threshold: float | None = DEFAULT_STRAGGLER_THRESHOLD  # share of the group's time; None: off
+    sustain: float = DEFAULT_STRAGGLER_WINDOW_S  # sustained this long (busy time) before it is named
+    action: str = "dump"  # --on-straggler
+
+    def __post_init__(self) -> None:
+        if self.threshold is not None and not 0 < self.threshold < 1:
+            raise UsageError(
+                f"--straggler-threshold {self.threshold}: a share of the step between 0 and 1 (e.g. 0.1), or 'off'"
+            )
+        if not 1.0 <= self.sustain < math.inf:
+            raise UsageError(f"--straggler-sustain {self.sustain}: must be >= 1 second")
+        _one_of("--on-straggler", self.action, STRAGGLER_ACTIONS)
+
+    def config(self) -> StragglerConfig:
+        """The detector's parameters: the window of statistics covers the sustain time and 10 s more."""
+        return StragglerConfig(
+            threshold=self.threshold,
+            sustain_s=self.sustain,
+            window_s=max(30.0, self.sustain + 10.0),
+            clear_s=max(1.0, self.sustain / 2),
+        )
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """What only a run of several nodes uses (docs/multinode.md): node 0's store, the handshake, liveness."""
+
+    store_port: int | None = None  # node 0's TCPStore (default: master_port + 1)
+    run_id: str | None = None  # shared by every node; node 0 decides when not given
+    rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
+    node_timeout: float = DEFAULT_NODE_TIMEOUT_S  # a silent node (or store) is lost after this
+    join_token: str | None = field(default=None, repr=False)  # never logged; compared as an HMAC digest
+    fingerprint_env: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.store_port is not None and not 1 <= self.store_port <= 65535:
+            raise UsageError(f"--store-port {self.store_port}: must be between 1 and 65535")
+        if not 0 < self.rendezvous_timeout < math.inf:
+            raise UsageError(f"--rendezvous-timeout {self.rendezvous_timeout}: must be > 0 seconds")
+        if self.run_id is not None and not valid_run_id(self.run_id):
+            raise UsageError(
+                f"--run-id {self.run_id!r}: use 1-48 letters, digits, '.', '_' or '-', no '..' "
+                "(it names files and cgroups)"
+            )
+        if not 0 < self.node_timeout < math.inf:
+            raise UsageError(f"--node-timeout {self.node_timeout}: must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """A validated request to supervise one TP group on this node: the launch itself (what, how many, where
+    the ranks meet, how they are stopped and restarted), and one options object per concern, each of which
+    validates itself; what needs the host (paths, ports, GPUs) is preflight's."""
+
+    command: tuple[str, ...]  # empty: the built-in engine
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port is chosen at launch
+    tree: bool = False
+    kill_grace: float = DEFAULT_KILL_GRACE_S
+    max_restarts: int = 0
+    consensus: str = "observe"
+    consensus_inband: int = 0
+    # A request scheduled by the failing step of this many failed attempts is refused for the run (0: never);
+    # supervisor/incidents/quarantine.py.
+    quarantine_after: int = DEFAULT_QUARANTINE_AFTER
+    # --listen HOST:PORT: a COMMAND's rank 0 inherits this listening socket the systemd way (LISTEN_FDS)
+    listen: tuple[str, int] | None = None
+    log_format: str = "console"
+    zero_code_hook: bool = True
+    watchdog: WatchdogOptions = field(default_factory=WatchdogOptions)
+    dumps: DumpOptions = field(default_factory=DumpOptions)
+    metrics: MetricsOptions = field(default_factory=MetricsOptions)
+    straggler: StragglerOptions = field(default_factory=StragglerOptions)
+    nodes: NodeOptions = field(default_factory=NodeOptions)
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    output: OutputOptions = field(default_factory=OutputOptions)
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes {self.nnodes}: must be at least 1")
+        if self.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(
+                f"--node-rank {self.node_rank} is outside [0, {self.nnodes}) for --nnodes {self.nnodes}: "
+                "set it to this node's zero-based index"
+            )
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise UsageError(f"--master-port {self.master_port}: must be between 1 and 65535")
+        if self.nnodes > 1 and self.master_port is None:
+            raise UsageError(
+                f"--nnodes {self.nnodes} needs --master-port: every node must use the same rendezvous port "
+                "(a free port picked on each node would never meet)"
+            )
+        if self.nnodes > 1 and self.master_port is not None and self.resolved_store_port == self.master_port:
+            raise UsageError(
+                f"--store-port {self.nodes.store_port} is the ranks' --master-port: the supervisors' store "
+                "and the ranks' rendezvous need different ports"
+            )
+        if not 0 <= self.kill_grace < math.inf:
+            raise UsageError(f"--kill-grace {self.kill_grace}: must be >= 0 seconds")
+        _one_of("--consensus", self.consensus, CONSENSUS_MODES)
+        if self.consensus_inband < 0:
+            raise UsageError("--consensus-inband N: N must be >= 0 (0 disables the in-band check)")
+        if self.quarantine_after < 0:
+            raise UsageError(f"--quarantine-after {self.quarantine_after}: must be >= 0 (0 never quarantines)")
+        if self.listen is not None and (not self.command or self.tree):
+            raise UsageError(
+                "--listen hands a listening socket to a COMMAND's rank 0 (spawn mode); the built-in "
+                "engine's socket is --host/--port, and in --tree mode the ranks are the launcher's"
+            )
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts {self.max_restarts}: must be >= 0")
+        _one_of("--log-format", self.log_format, ("console", "json"))
+        self.output.check(self.nproc_per_node, self.tree)
+        if self.tree and not self.command:
+            raise UsageError("--tree needs a COMMAND after '--' (a launcher such as torchrun or vllm serve)")
+        for inj in self.engine.injections:
+            if inj.rank >= self.world_size:
+                raise UsageError(
+                    f"--inject {inj}: rank {inj.rank} does not exist in a world of {self.world_size} ranks"
+                )
+
     @property
     def builtin(self) -> bool:
         return not self.command
 
     @property
     def resolved_store_port(self) -> int | None:
-        if self.store_port is not None:
-            return self.store_port
+        if self.nodes.store_port is not None:
+            return self.nodes.store_port
         return None if self.master_port is None else self.master_port + 1
 
     @property

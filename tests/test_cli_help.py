@@ -165,4 +165,4 @@ def test_the_straggler_sustain_time_keeps_its_old_spelling(spelling):
 
     args = build_parser().parse_args(["serve", spelling, "7"])
     spec = spec_from_args(args)
-    assert spec.straggler_config().sustain_s == 7.0
+    assert spec.straggler.config().sustain_s == 7.0

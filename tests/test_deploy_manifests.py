@@ -174,8 +174,8 @@ def test_the_store_and_rendezvous_ports_are_exposed():
 
 def test_probes_hit_what_the_command_line_serves():
     for _index, container, spec, _pod in pods():
-        assert spec.metrics_addr is not None, "probes need --metrics-addr"
-        host, port = spec.metrics_addr
+        assert spec.metrics.addr is not None, "probes need --metrics-addr"
+        host, port = spec.metrics.addr
         assert host not in ("127.0.0.1", "localhost", "::1"), "kubelet cannot reach a loopback bind"
         for name, path in PROBE_PATHS.items():
             probe = container[name]
@@ -201,9 +201,9 @@ def test_the_probe_paths_answer_as_docs_say_on_a_real_server(state, live, ready)
 
 def test_the_grace_period_covers_dump_teardown_linger_and_the_store():
     for index, _container, spec, pod in pods():
-        linger = spec.metrics_linger if spec.metrics_linger is not None else DEFAULT_FAULT_LINGER_S
+        linger = spec.metrics.linger if spec.metrics.linger is not None else DEFAULT_FAULT_LINGER_S
         store = link.STORE_LINGER_S if index == 0 else 0.0
-        needed = spec.dump_timeout + spec.kill_grace + linger + store
+        needed = spec.dumps.timeout + spec.kill_grace + linger + store
         assert pod["terminationGracePeriodSeconds"] >= needed, (index, needed)
 
 
@@ -211,7 +211,7 @@ def test_the_startup_probe_waits_out_the_rendezvous_and_the_startup():
     for _index, container, spec, _pod in pods():
         probe = container["startupProbe"]
         budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3) + probe.get("initialDelaySeconds", 0)
-        assert budget >= spec.rendezvous_timeout + spec.startup_timeout
+        assert budget >= spec.nodes.rendezvous_timeout + spec.watchdog.startup_timeout
 
 
 def test_stacks_are_allowed_and_the_group_is_one_fate():
@@ -250,7 +250,7 @@ def test_the_two_host_script_starts_both_nodes_of_one_group(tmp_path):
         assert res.returncode == 0, res.stderr
         spec = supervise_spec(argv)
         assert (spec.nnodes, spec.node_rank, spec.master_addr) == (2, node_rank, "10.0.0.1")
-        assert spec.resolved_store_port != spec.master_port and "MODEL_REVISION" in spec.fingerprint_env
+        assert spec.resolved_store_port != spec.master_port and "MODEL_REVISION" in spec.nodes.fingerprint_env
         specs.append(spec)
     assert specs[0].command == specs[1].command and specs[0].nproc_per_node == specs[1].nproc_per_node
 

@@ -80,40 +80,48 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         master_addr=args.master_addr,
         master_port=args.master_port,
         tree=args.tree,
-        hard_timeout=args.hard_timeout,
-        soft_timeout=args.soft_timeout,
-        startup_timeout=args.startup_timeout,
         kill_grace=args.kill_grace,
-        dump_timeout=args.dump_timeout,
-        dump_dir=args.dump_dir,
-        dump_keep=args.dump_keep,
-        dump_max_bytes=args.dump_max_bytes,
-        stack_method=args.stack_method,
-        native_stacks=args.native,
-        metrics_addr=specs.parse_hostport(args.metrics_addr, "--metrics-addr"),
-        health_addr=specs.parse_hostport(args.health_addr, "--health-addr") if args.health_addr else None,
-        metrics_linger=args.metrics_linger,
-        metrics_textfile=args.metrics_textfile,
-        store_port=args.store_port,
-        run_id=args.run_id,
-        rendezvous_timeout=args.rendezvous_timeout,
-        node_timeout=args.node_timeout,
-        join_token=args.join_token or os.environ.get("SUPERVISE_JOIN_TOKEN") or None,
-        fingerprint_env=tuple(k.strip() for k in args.fingerprint_env.split(",") if k.strip()),
         consensus=args.consensus,
         consensus_inband=args.consensus_inband,
-        straggler_threshold=args.straggler_threshold,
-        straggler_window=args.straggler_sustain,
-        on_straggler=args.on_straggler,
         max_restarts=args.max_restarts,
         quarantine_after=args.quarantine_after,
         listen=specs.parse_hostport(args.listen, "--listen") if args.listen else None,
         log_format=args.log_format,
         zero_code_hook=args.hook,
-        adaptive_floors=specs.parse_pair(args.adaptive_floors, "--adaptive-floors"),
-        adaptive_ceilings=specs.parse_pair(args.adaptive_ceilings, "--adaptive-ceilings"),
-        engine_metrics_url=metrics_url,
-        engine_kind=args.engine_kind if args.engine_kind != "auto" else metrics_kind,
+        watchdog=specs.WatchdogOptions(
+            hard_timeout=args.hard_timeout,
+            soft_timeout=args.soft_timeout,
+            startup_timeout=args.startup_timeout,
+            adaptive_floors=specs.parse_pair(args.adaptive_floors, "--adaptive-floors"),
+            adaptive_ceilings=specs.parse_pair(args.adaptive_ceilings, "--adaptive-ceilings"),
+            engine_metrics_url=metrics_url,
+            engine_kind=args.engine_kind if args.engine_kind != "auto" else metrics_kind,
+        ),
+        dumps=specs.DumpOptions(
+            dir=args.dump_dir,
+            timeout=args.dump_timeout,
+            keep=args.dump_keep,
+            max_bytes=args.dump_max_bytes,
+            stack_method=args.stack_method,
+            native_stacks=args.native,
+        ),
+        metrics=specs.MetricsOptions(
+            addr=specs.parse_hostport(args.metrics_addr, "--metrics-addr"),
+            health_addr=specs.parse_hostport(args.health_addr, "--health-addr") if args.health_addr else None,
+            linger=args.metrics_linger,
+            textfile=args.metrics_textfile,
+        ),
+        straggler=specs.StragglerOptions(
+            threshold=args.straggler_threshold, sustain=args.straggler_sustain, action=args.on_straggler
+        ),
+        nodes=specs.NodeOptions(
+            store_port=args.store_port,
+            run_id=args.run_id,
+            rendezvous_timeout=args.rendezvous_timeout,
+            node_timeout=args.node_timeout,
+            join_token=args.join_token or os.environ.get("SUPERVISE_JOIN_TOKEN") or None,
+            fingerprint_env=tuple(k.strip() for k in args.fingerprint_env.split(",") if k.strip()),
+        ),
         engine=engine,
         output=specs.OutputOptions(
             log_dir=args.log_dir,
@@ -199,7 +207,7 @@ def _serve(spec: LaunchSpec, args: argparse.Namespace, ports: ServingPorts) -> i
         except KeyboardInterrupt:
             print("supervise: stopped during the rendezvous of the nodes; nothing was started", file=sys.stderr)
             return 0
-    run_id = link[1].run_id if link else spec.run_id
+    run_id = link[1].run_id if link else spec.nodes.run_id
     with output.install(spec.output, spec.log_format):  # the ranks' stdout/stderr: pipes, read by one thread
         code = Supervisor(spec, base_env, run_id=run_id, nodes=link, listener=ports.rank0, public=ports.public).run()
     if link is not None:

@@ -179,7 +179,7 @@ class IncidentDesk:
         self.on_dump = on_dump
         self.gpu = gpu
         self.hurry = hurry
-        self.writer = BundleWriter(spec.dump_dir, keep=spec.dump_keep, max_bytes=spec.dump_max_bytes)
+        self.writer = BundleWriter(spec.dumps.dir, keep=spec.dumps.keep, max_bytes=spec.dumps.max_bytes)
         self.soft = _SoftWorker()
         self.jobs: list[DumpJob] = []  # in flight; main thread only
         self.previous_cpu: CpuSamples | None = None  # the last capture's CPU samples, handed to the next one
@@ -213,8 +213,8 @@ class IncidentDesk:
                 "incident bundle not written within --dump-timeout; exiting without it "
                 "(is the dump directory blocked?)",
                 reason=job.reason,
-                dump_dir=str(self.spec.dump_dir),
-                dump_timeout_s=self.spec.dump_timeout,
+                dump_dir=str(self.spec.dumps.dir),
+                dump_timeout_s=self.spec.dumps.timeout,
                 waited_s=round(waited, 3),
                 captured=job.captured.is_set(),
             )
@@ -305,8 +305,8 @@ class IncidentDesk:
                 targets,
                 reason=reason,
                 run_dir=self.run_dir,
-                method=self.spec.stack_method,
-                native=self.spec.native_stacks,
+                method=self.spec.dumps.stack_method,
+                native=self.spec.dumps.native_stacks,
                 deadline_s=capture_s,
                 previous_cpu=self.previous_cpu,
                 freeze=freeze and not job.abandoned,  # never stop ranks the teardown is already ending
@@ -332,16 +332,16 @@ class IncidentDesk:
                 incomplete = {
                     "why": (
                         f"the capture took {captured.duration_s:.2f} s, longer than --dump-timeout "
-                        f"{self.spec.dump_timeout:g} s: the teardown started without waiting for it"
+                        f"{self.spec.dumps.timeout:g} s: the teardown started without waiting for it"
                     ),
-                    "dump_timeout_s": self.spec.dump_timeout,
+                    "dump_timeout_s": self.spec.dumps.timeout,
                 }
             result = write_captured(
                 self.writer,
                 captured,
                 reason=reason,
                 run_id=self.run_id,
-                native=self.spec.native_stacks,
+                native=self.spec.dumps.native_stacks,
                 extra_summary=summary,
                 extra_files=extra_files or {},
                 detected_at=_wall_clock(detected_at),
@@ -380,7 +380,7 @@ class IncidentDesk:
         extra = self._with_incident_id(extra, incident_id)
         extra = dict(self.requests_of(extra["incident_id"]), **extra)
         detected_at = time.monotonic() if detected_at is None else detected_at
-        timeout = self.spec.dump_timeout
+        timeout = self.spec.dumps.timeout
         job = DumpJob(reason, timeout)
         # The capture gets at most the dump timeout, its own share of which leaves room for the verdict.
         capture_s = min(capture_s, timeout)
@@ -419,7 +419,7 @@ class IncidentDesk:
         detected_at: float | None = None,
     ) -> None:
         detected_at = time.monotonic() if detected_at is None else detected_at
-        job = DumpJob(reason, self.spec.dump_timeout)
+        job = DumpJob(reason, self.spec.dumps.timeout)
         summary = dict(self._base_summary(attempt), **self._with_incident_id(extra, None))  # never announced
 
         def work() -> None:
@@ -430,8 +430,8 @@ class IncidentDesk:
                     run_id=self.run_id,
                     targets=self.targets(attempt),
                     run_dir=self.run_dir,
-                    method=self.spec.stack_method,
-                    native=self.spec.native_stacks,
+                    method=self.spec.dumps.stack_method,
+                    native=self.spec.dumps.native_stacks,
                     deadline_s=capture_s,
                     extra_summary=summary,
                     extra_files=files or {},
@@ -553,7 +553,7 @@ class IncidentDesk:
         extra["culprit_ranks"] = pending
         extra["verdict"] = (
             f"rank{'s' if len(pending) > 1 else ''} {','.join(map(str, pending))} did not become ready within "
-            f"--startup-timeout {self.spec.startup_timeout:g} s: {ev.message}"
+            f"--startup-timeout {self.spec.watchdog.startup_timeout:g} s: {ev.message}"
         )
         self._fatal("startup_timeout", attempt, HANG_CAPTURE_S, extra, incident_id, detected_at=ev.at)
 

@@ -22,7 +22,7 @@ log = structlog.get_logger("supervise")
 
 def join_nodes(spec: LaunchSpec):
     """Host or reach node 0's store, and pass the handshake before any rank starts: (transport, group)."""
-    deadline = time.monotonic() + spec.rendezvous_timeout
+    deadline = time.monotonic() + spec.nodes.rendezvous_timeout
     host, port = spec.master_addr, spec.resolved_store_port
     if port is None:  # LaunchSpec refuses --nnodes > 1 without --master-port
         raise handshake.HandshakeError("multi-node needs --master-port (or --store-port)", EXIT_USAGE)
@@ -41,20 +41,26 @@ def join_nodes(spec: LaunchSpec):
     )
     try:
         transport = open_transport(
-            host, port, spec.nnodes, spec.node_rank, spec.join_token, deadline, node_lost_s=spec.node_timeout
+            host,
+            port,
+            spec.nnodes,
+            spec.node_rank,
+            spec.nodes.join_token,
+            deadline,
+            node_lost_s=spec.nodes.node_timeout,
         )
     except TransportError as exc:
         raise handshake.HandshakeError(str(exc), exc.code) from None
     command = list(spec.command) if not spec.builtin else ["(built-in engine)", *spec.engine.argv()]
-    fp = handshake.fingerprint(command, spec.nproc_per_node, spec.fingerprint_env, max_restarts=spec.max_restarts)
+    fp = handshake.fingerprint(command, spec.nproc_per_node, spec.nodes.fingerprint_env, max_restarts=spec.max_restarts)
     try:
         group = handshake.handshake(
             transport.store,
             nnodes=spec.nnodes,
             node_rank=spec.node_rank,
-            run_id=spec.run_id or new_run_id(),
+            run_id=spec.nodes.run_id or new_run_id(),
             fp=fp,
-            token=spec.join_token,
+            token=spec.nodes.join_token,
             deadline=deadline,
             store_addr=transport.public_addr,
             transport=transport,

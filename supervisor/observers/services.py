@@ -75,7 +75,7 @@ class Services:
         self.run_key = run_key or run_id  # names this node's registry entry (several nodes may share a host)
         self._textfile_writer: threading.Thread | None = None
         # /livez: stale only past the longest legitimate pause of the loop (a teardown plus a fatal capture)
-        self.liveness = Liveness(stale_after_s=spec.kill_grace + spec.dump_timeout + LIVEZ_MARGIN_S)
+        self.liveness = Liveness(stale_after_s=spec.kill_grace + spec.dumps.timeout + LIVEZ_MARGIN_S)
         self._ticking = threading.Event()
         self._ticker = named_thread(self._tick, "loop-ticker")
         self.run_dir = run_dir
@@ -84,17 +84,17 @@ class Services:
         self.metrics = SupervisorMetrics(run_id, slot_ranks, node=spec.node_rank)
         self.health = HealthCell(HealthStatus.for_state(engine_state.EngineState.STARTING, "starting"))
         self.http: HealthServer | None = None
-        if spec.metrics_addr is not None:
+        if spec.metrics.addr is not None:
             self.http = HealthServer(
-                self.metrics, self.health, spec.metrics_addr[0], spec.metrics_addr[1], liveness=self.liveness
+                self.metrics, self.health, spec.metrics.addr[0], spec.metrics.addr[1], liveness=self.liveness
             )
         self.health_http: HealthServer | None = None
-        if spec.health_addr is not None:
+        if spec.metrics.health_addr is not None:
             self.health_http = HealthServer(
                 self.metrics,
                 self.health,
-                spec.health_addr[0],
-                spec.health_addr[1],
+                spec.metrics.health_addr[0],
+                spec.metrics.health_addr[1],
                 liveness=self.liveness,
                 serve_metrics=False,
             )
@@ -160,7 +160,7 @@ class Services:
             self._control_request,
             {
                 "metrics": self.metrics_url,
-                "dump_dir": str(self.spec.dump_dir.resolve()),
+                "dump_dir": str(self.spec.dumps.dir.resolve()),
                 "run_dir": str(self.run_dir),
             },
         )
@@ -230,7 +230,7 @@ class Services:
     def write_textfile(self) -> None:
         """--metrics-textfile: the exposition, written atomically on a helper thread with a deadline (a hung
         disk never holds the main thread)."""
-        path = self.spec.metrics_textfile
+        path = self.spec.metrics.textfile
         if path is None:
             return
         from prometheus_client import write_to_textfile
@@ -277,7 +277,7 @@ class Services:
         self.metrics.set_watchdog(
             soft=verdict.soft_timeout,
             hard=verdict.hard_timeout,
-            startup=self.spec.startup_timeout,
+            startup=self.spec.watchdog.startup_timeout,
             stalled_s=verdict.stalled_s,
         )
         if self.consensus_monitor is not None:

@@ -69,10 +69,10 @@ class WatchdogThread:
         self.post = post
         self.on_tick = on_tick
         self.config = policy.WatchdogConfig(
-            soft_timeout=spec.soft_timeout,
-            hard_timeout=spec.hard_timeout,
-            startup_timeout=spec.startup_timeout,
-            adaptive=spec.adaptive_params(),
+            soft_timeout=spec.watchdog.soft_timeout,
+            hard_timeout=spec.watchdog.hard_timeout,
+            startup_timeout=spec.watchdog.startup_timeout,
+            adaptive=spec.watchdog.adaptive_params(),
         )
         # Only the watchdog thread touches what follows.
         self.state = policy.WatchdogState.initial(time.monotonic())
@@ -85,7 +85,11 @@ class WatchdogThread:
         self._hang_query: tuple[int, int] | None = None  # (seq, node) another node asked about; any thread sets it
         self._stop = threading.Event()
         self._thread = named_thread(self._run, "watchdog")
-        self.adapter = AdapterThread(spec.engine_metrics_url, spec.engine_kind) if spec.engine_metrics_url else None
+        self.adapter = (
+            AdapterThread(spec.watchdog.engine_metrics_url, spec.watchdog.engine_kind)
+            if spec.watchdog.engine_metrics_url
+            else None
+        )
         argv0 = os.path.basename(spec.rank_argv()[0])
         self.expect_claim = spec.zero_code_hook and "python" in argv0
 

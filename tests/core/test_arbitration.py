@@ -181,10 +181,10 @@ def test_no_restart_when_stopping_or_clean_or_not_allowed():
 
 
 def test_watchdog_reads_the_published_view_and_only_posts():
-    from tp_supervise.supervisor.spec import LaunchSpec
+    from tp_supervise.supervisor.spec import LaunchSpec, MetricsOptions
     from tp_supervise.supervisor.observers.watchdog_thread import WatchdogThread
 
-    spec = LaunchSpec(command=("rank-binary",), nproc_per_node=2, zero_code_hook=False, metrics_addr=None)
+    spec = LaunchSpec(command=("rank-binary",), nproc_per_node=2, zero_code_hook=False, metrics=MetricsOptions(addr=None))
     cell = Published(NOT_STARTED)
     posted, ticks = [], []
     wd = WatchdogThread(

@@ -23,7 +23,7 @@ from tp_supervise.supervisor.core import ATTEMPT_EVENTS, Supervisor
 from tp_supervise.supervisor.rank import encoding
 from tp_supervise.supervisor.rank.channel import ring_path
 from tp_supervise.supervisor.rank.ring import RingWriter
-from tp_supervise.supervisor.spec import LaunchSpec
+from tp_supervise.supervisor.spec import LaunchSpec, MetricsOptions
 from tp_supervise.supervisor.observers.consensus_thread import CONSENSUS_AGREE_STEPS, ConsensusThread
 from tp_supervise.supervisor.events import ConsensusAgreed, DivergenceFound
 
@@ -97,7 +97,7 @@ def test_consensus_thread_tags_what_it_posts_with_the_attempt(tmp_path):
 
 @pytest.fixture
 def supervisor():
-    spec = LaunchSpec(command=("rank-binary",), nproc_per_node=2, zero_code_hook=False, metrics_addr=None,
+    spec = LaunchSpec(command=("rank-binary",), nproc_per_node=2, zero_code_hook=False, metrics=MetricsOptions(addr=None),
                       consensus="enforce", max_restarts=1)
     sup = Supervisor(spec, {}, run_id="stale-events")
     sup.monitor.start()  # what __init__ opened is closed by stop()

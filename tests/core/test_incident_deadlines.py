@@ -24,7 +24,7 @@ from tp_supervise.supervisor.processes.attempt import AttemptView, RankView
 from tp_supervise.supervisor.processes.exits import ExitInfo
 from tp_supervise.supervisor.incidents.desk import SETTLE_MIN_S, SOFT_WORKER_JOIN_S, IncidentDesk
 from tp_supervise.supervisor.signals import Hurry
-from tp_supervise.supervisor.spec import LaunchSpec
+from tp_supervise.supervisor.spec import DumpOptions, LaunchSpec, MetricsOptions
 
 DUMP_TIMEOUT_S = 0.5
 SLACK_S = 0.5  # a loaded 2-core machine
@@ -54,8 +54,8 @@ def hurry():
 
 
 def make_desk(tmp_path, hurry, dumps: list, dump_timeout: float = DUMP_TIMEOUT_S) -> IncidentDesk:
-    spec = LaunchSpec(command=("sleep", "60"), nproc_per_node=1, dump_dir=tmp_path / "dumps",
-                      dump_timeout=dump_timeout, stack_method="none", metrics_addr=None)
+    spec = LaunchSpec(command=("sleep", "60"), nproc_per_node=1, metrics=MetricsOptions(addr=None),
+                      dumps=DumpOptions(dir=tmp_path / "dumps", timeout=dump_timeout, stack_method="none"))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     return IncidentDesk(spec, "run-1", run_dir, read_heartbeats=list,
