@@ -652,6 +652,11 @@ class Supervisor:
     def _divergence_was_first(self) -> bool:
         """A divergence still in flight is the root cause: handle it first."""
         found = arbitration.divergence_first(self.services.settle_consensus, time.monotonic())
+        if found is None and self.spec.consensus == "enforce":
+            # Found by the consensus thread a moment before this exit and still queued behind it (observed
+            # only, it was handled already: a divergence never ends an observed attempt).
+            posted = self.services.divergences_posted(self.attempt.number)
+            found = posted[0] if posted else None
         if found is None:
             return False
         self._on_divergence(found)

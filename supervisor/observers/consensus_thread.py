@@ -57,9 +57,17 @@ class ConsensusThread:
         self.attempt = attempt
         self._stop = threading.Event()
         self._thread = named_thread(self._run, "consensus")
+        self._lock = threading.Lock()
+        self._posted: list[DivergenceFound] = []  # this attempt's, in the order posted
 
     def start(self) -> None:
         self._thread.start()
+
+    def posted(self, attempt: int) -> list[DivergenceFound]:
+        """The divergences this thread posted for ``attempt``: one may still wait in the main loop's queue
+        behind the exit it caused (gloo aborts a rank on a batch of another size the moment it is compared)."""
+        with self._lock:
+            return [ev for ev in self._posted if ev.attempt == attempt]
 
     def stop(self) -> None:
         self._stop.set()
@@ -74,9 +82,14 @@ class ConsensusThread:
                 number = self.attempt().number
                 if number != watching:
                     watching, open_at = number, None
+                    with self._lock:
+                        self._posted.clear()
                 verdicts = self.monitor.poll(time.monotonic())
                 for verdict in verdicts:
-                    self.post(DivergenceFound(verdict, time.monotonic(), number))
+                    found = DivergenceFound(verdict, time.monotonic(), number)
+                    with self._lock:
+                        self._posted.append(found)
+                    self.post(found)
                 comparisons, mismatches = self.monitor.counts()
                 if verdicts:
                     open_at = (comparisons, mismatches)

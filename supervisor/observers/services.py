@@ -341,6 +341,10 @@ class Services:
             return []
         return self.consensus_monitor.settle(now)
 
+    def divergences_posted(self, attempt: int) -> list:
+        """What the consensus thread already posted for ``attempt`` (DivergenceFound events)."""
+        return self.consensus_thread.posted(attempt) if self.consensus_thread is not None else []
+
     def gpu_holders(self, pids: set[int]) -> list[tuple[int, int, int | None]]:
         """Teardown's check: which of ``pids`` still hold GPU memory, from a fresh
         NVML reading waited for at most ``GPU_QUERY_TIMEOUT_S`` (none: [] and a warning)."""

@@ -85,10 +85,16 @@ def test_consensus_thread_tags_what_it_posts_with_the_attempt(tmp_path):
         agreed = next_event(events, ConsensusAgreed)
         assert agreed.attempt == 1
 
+        # What it posted stays readable for that attempt: a rank that gloo aborts on the diverged batch can
+        # reach the main loop before this event does, and the decider then still rules the divergence first.
+        assert [ev.verdict for ev in thread.posted(1)] == [found.verdict] and thread.posted(2) == []
+
         cell.set(view(2))  # the main thread started attempt 2
         time.sleep(0.05)  # a few passes: the thread has read the new attempt
+        assert thread.posted(1) == [], "attempt 1's divergences are forgotten once attempt 2 runs"
         ranks.step_with((3, 4))
         assert next_event(events, DivergenceFound).attempt == 2
+        assert [ev.attempt for ev in thread.posted(2)] == [2]
     finally:
         thread.stop()
         ranks.close()
