@@ -134,6 +134,9 @@ class OverheadRun:
     outlived: int
     load1: float | None  # the 1-minute load average at the end of the measured window
     note: str = ""
+    # supervised only: the `supervise` process's own CPU (all its threads, not its children) over the load,
+    # as a share of one core: what the supervisor takes from the engine on a host whose cores vLLM fills
+    supervisor_cpu: float | None = None
 
 
 def _serve(srv: vr.Server) -> tuple[float | None, str]:
@@ -260,11 +263,16 @@ def _watch_alone(srv: vr.Server, stopped: float, cap_s: float) -> tuple[float | 
 
 def overhead_run(order: int, supervised: bool, model: Path, work: Path, seconds: float) -> OverheadRun:
     srv = vr.start(model, work, supervised=supervised)
-    result, code, serve_s, load1 = None, None, None, None
+    result, code, serve_s, load1, cpu = None, None, None, None, None
     try:
         serve_s, note = _serve(srv)
         if not note:
+            before = _own_cpu_s(srv.proc.pid) if supervised else None
+            t0 = time.monotonic()
             result = vr.fixed_load(srv.port, OVERHEAD_CLIENTS, seconds, OVERHEAD_WARMUP_S, OVERHEAD_TOKENS)
+            after = _own_cpu_s(srv.proc.pid) if supervised else None
+            if before is not None and after is not None:
+                cpu = (after - before) / (time.monotonic() - t0)
             load1 = round(os.getloadavg()[0], 2)
             code = srv.stop()
             if result.tokens_per_s is None:
@@ -272,7 +280,16 @@ def overhead_run(order: int, supervised: bool, model: Path, work: Path, seconds:
     finally:
         left = srv.cleanup()
     outlived = len(left.outlived) + len(left.survivors)
-    return OverheadRun(order, supervised, serve_s, result, code, outlived, load1, note)
+    return OverheadRun(order, supervised, serve_s, result, code, outlived, load1, note, cpu)
+
+
+def _own_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) of the process ``pid`` itself, every thread, none of its children."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 @dataclass
@@ -429,17 +446,19 @@ def overhead_table(runs: list[OverheadRun], fig: dict) -> str:
             f"| {_f(t.warmup_s, 0) if t else '-'} | {_f(t.tokens_per_s if t else None, 1)} "
             f"| {_f(t.p50_s * 1000 if t and t.p50_s else None, 0)} "
             f"| {_f(t.p99_s * 1000 if t and t.p99_s else None, 0)} | {t.requests if t else '-'} "
-            f"| {t.errors if t else '-'} | {_f(r.load1)} | {r.stop_exit} | {r.outlived} | {r.note} |"
+            f"| {t.errors if t else '-'} | {_f(r.load1)} "
+            f"| {_f(r.supervisor_cpu * 100 if r.supervisor_cpu is not None else None, 1)} "
+            f"| {r.stop_exit} | {r.outlived} | {r.note} |"
         )
     rows.append(
         f"| | **supervised / alone** (means) | | | **{_f(fig['tokens_per_s'], 3)}** | {_f(fig['p50_s'], 3)} "
-        f"| {_f(fig['p99_s'], 3)} | | | | | | |"
+        f"| {_f(fig['p99_s'], 3)} | | | | | | | |"
     )
     return "\n".join(
         [
             "| order | run | serving after s | warm-up s | tokens/s | p50 ms | p99 ms | requests | errors "
-            "| load (1 min) | exit on SIGINT | processes left | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| load (1 min) | supervisor CPU % of a core | exit on SIGINT | processes left | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
         ]
     )
@@ -497,6 +516,14 @@ def reading(trials: list[Trial], alone: list[AloneTrial], runs: list[OverheadRun
             text.append(
                 f"; the alone runs differ by {spread * 100:.1f} %, inside the goal: a larger difference is the supervisor's."
             )
+    cpu = [r.supervisor_cpu for r in runs if r.supervisor_cpu is not None]
+    if cpu:
+        text.append(
+            f" The supervisor process itself (every thread of it) used {statistics.fmean(cpu) * 100:.1f} % of one "
+            f"core under that load (worst {max(cpu) * 100:.1f} %): on a host whose {os.cpu_count()} cores vLLM "
+            "fills, that is CPU taken from the engine; its part of the throughput cost is about that share over "
+            f"the {os.cpu_count()} cores."
+        )
     counted = [r.result.requests for r in runs if r.result is not None and r.result.requests]
     if ratio is not None and counted and 1 / min(counted) > GOAL_COST:
         text.append(
@@ -617,7 +644,9 @@ def main(argv: list[str] | None = None) -> int:
             for supervised in (False, True):
                 order = len(runs) + 1
                 r = overhead_run(order, supervised, model, Path(tmp) / f"overhead-{order}", args.overhead_s)
-                say(f"overhead {order} ({'supervised' if supervised else 'alone'}): {r.result} {r.note}")
+                say(
+                    f"overhead {order} ({'supervised' if supervised else 'alone'}): {r.result} supervisor CPU {r.supervisor_cpu} {r.note}"
+                )
                 runs.append(r)
     cfg = {"stamp": stamp.text(), "learn_s": args.learn_s, "alone_cap_s": args.alone_cap_s,
            "overhead_s": args.overhead_s}  # fmt: skip
