@@ -43,6 +43,7 @@ READY_PREFIX = "engine ready: "
 RELAY_URL_ENV = "SUPERVISE_RELAY_URL"  # set for rank 0 when a relay holds the public port
 SUBSCRIBE_TIMEOUT_S = 60.0
 SHUTDOWN_GRACE_S = 5.0
+STOP_ANSWER_WAIT_S = 2.0  # after a shutdown signal, how long the main path waits for the guard thread's 503s
 FORCED_EXIT_CODE = 1
 STARTUP_FAILED_EXIT_CODE = 1
 DEVICE_EXIT_CODE = 2
@@ -67,6 +68,7 @@ class ShutdownGuard:
         self._on_request = None
         self._on_signal_thread = None  # called from the guard thread when a signal arrives
         self._done = threading.Event()
+        self._answered = threading.Event()  # the guard thread's callback returned (or there was none)
         self._rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
         self._wfd = wfd
@@ -107,6 +109,7 @@ class ShutdownGuard:
                 callback(signal.Signals(got[0]).name)
             except Exception as exc:  # the hard-exit deadline below must still hold
                 log.error("stop serving failed", error=repr(exc)[:300])
+        self._answered.set()
         if not self._done.wait(self.grace_s):
             print(
                 f"engine: clean shutdown did not finish within {self.grace_s} s; exiting", file=sys.stderr, flush=True
@@ -115,6 +118,12 @@ class ShutdownGuard:
 
     def done(self) -> None:
         self._done.set()
+
+    def wait_answered(self, timeout_s: float) -> None:
+        """After a signal ended the loop: let the guard thread finish its callback (the 503s and their log
+        line) before the frontend is stopped and the process leaves, at most ``timeout_s``."""
+        if self.requested and self._on_signal_thread is not None:
+            self._answered.wait(timeout_s)
 
 
 def _print_ready(cfg: EngineConfig, host: str, port: int, world_size: int) -> None:
@@ -319,6 +328,7 @@ def _run(cfg: EngineConfig, dist_env: DistEnv, model_cfg: ModelConfig, guard: Sh
             frontend.fail_group(f"{type(exc).__name__}: {exc}")
         raise
     log.info("shutting down")
+    guard.wait_answered(STOP_ANSWER_WAIT_S)
     if frontend is not None:
         frontend.stop()
     for channel in (publisher, subscriber):
