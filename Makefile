@@ -7,8 +7,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
-# two pytest-xdist workers, each taking whole files (module-scoped runs stay one run); PYTEST_ARGS= runs serially
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# two pytest-xdist workers, each taking whole files (module-scoped runs stay one run), and the 30 slowest tests
+# listed at the end; PYTEST_ARGS= runs serially
+PYTEST_ARGS ?= -n 2 --dist loadfile --durations=30
 
 .PHONY: serve test test-bench test-engines lint bench bench-vllm gpu-check clean
 
