@@ -11,7 +11,7 @@ ARGS ?=
 # listed at the end; PYTEST_ARGS= runs serially
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=30
 
-.PHONY: serve test test-bench test-engines lint bench bench-vllm gpu-check clean
+.PHONY: serve test test-slow test-bench test-engines lint bench bench-vllm gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ serve: $(STAMP)
 	$(VENV)/bin/supervise serve $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS) -m "not engines and not bench"
+	$(PY) -m pytest -q $(PYTEST_ARGS) -m "not engines and not bench and not slow"
+
+# Runs whose subject needs tens of seconds of real time (a straggler is named after a sustained window), ~4 min:
+# their own tier, run by .ci/run after make test.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS) -m "slow and not engines"
 
 # Every benchmark's smoke mode (a broken benchmark fails CI), ~2.5 min: its own tier, run by .ci/run after make test.
 test-bench: $(STAMP)

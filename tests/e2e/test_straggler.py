@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import MARK_VAR
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # make test-slow: a straggler is named after tens of seconds
 
 LOOP = str(Path(__file__).resolve().parents[1] / "fakes" / "step_loop.py")
 # After the detector's warm-up (10 s) and into its baseline's learning (10 s more): the baseline is a low quantile

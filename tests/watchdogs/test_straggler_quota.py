@@ -38,6 +38,7 @@ START_S = 60.0  # generous: two torch imports and a gloo rendezvous on a loaded 
 
 pytestmark = [
     pytest.mark.e2e,
+    pytest.mark.slow,  # make test-slow: a 60 s loop
     pytest.mark.skipif(
         os.geteuid() != 0 or not (CPU_V1 / "cpu.cfs_quota_us").exists(),
         reason="needs root and the cgroup v1 cpu controller",
