@@ -149,7 +149,7 @@ def assert_nothing_left(run, before_shm: set[str]) -> None:
     # vLLM's own segments (its shm all-reduce buffers, multiprocessing.shared_memory); Python's multiprocessing
     # semaphores (sem.mp-*) left by a SIGKILLed engine are not cleaned yet (docs/getting-started.md).
     engine = [n for n in new_shm if n.startswith(("vllm", "psm_"))]
-    assert not engine, f"shared memory left: {engine}"
+    assert not engine, f"shared memory left: {engine}; the supervisor removed {run.events('shm_removed')}"
     for base in (p for p in ("/sys/fs/cgroup", "/sys/fs/cgroup/pids") if os.path.isdir(p)):
         for dirpath, dirnames, _ in os.walk(base):
             assert not [d for d in dirnames if run.run_id() and d.endswith(run.run_id())], dirpath
@@ -293,7 +293,8 @@ def test_engine_version_whose_seams_differ(supervise, tiny_model):
     assert_nothing_left(run, before)
 
 
-QUOTA_US = 40_000  # 40 % of one CPU for a worker that wants a whole one (and has it, alone, on 2 cores)
+QUOTA_US = 15_000  # 15 % of one CPU for a worker that wants a whole one (as the gloo quota test, issue 26)
+NAMED_WITHIN_S = 60.0  # generous: the gloo rank at 15 % is named in 10-18 s
 
 
 def test_throttled_worker_is_a_straggler_and_vllm_serves_on(supervise, tiny_model):
@@ -303,24 +304,32 @@ def test_throttled_worker_is_a_straggler_and_vllm_serves_on(supervise, tiny_mode
 
     with cpu_cgroup_v1(QUOTA_US) as cgroup:
         run, port, before, load = serving_under_load(supervise, tiny_model, learn_s=25)
-        (cgroup / "cgroup.procs").write_text(str(workers(run)[1].pid))  # every thread of it
-        throttled_at = time.monotonic()
-        deadline = throttled_at + 120
-        while time.monotonic() < deadline and not [b for b in run.bundles() if "straggler" in b.name]:
-            assert run.proc.poll() is None, run.proc.stderr.read()[-4000:] if run.proc.stderr else ""
-            time.sleep(1)
-        named_after = time.monotonic() - throttled_at
-        served = load.done
-        time.sleep(5)
-        assert load.done > served, "vLLM stopped serving after the naming"
-        load.close()
-        run.proc.send_signal(signal.SIGINT)
-        code = run.wait(timeout=120)
+        try:
+            (cgroup / "cgroup.procs").write_text(str(workers(run)[1].pid))  # every thread of it
+            throttled_at = time.monotonic()
+            deadline = throttled_at + 120
+            while time.monotonic() < deadline and not [b for b in run.bundles() if "straggler" in b.name]:
+                assert run.proc.poll() is None, "supervise exited while the worker was throttled"
+                time.sleep(1)
+            named_after = time.monotonic() - throttled_at
+            served = load.done
+            # vLLM serves on, slowly (worker 1 has 15 % of a CPU): another request is answered.
+            deadline = time.monotonic() + 90
+            while load.done == served and time.monotonic() < deadline:
+                time.sleep(1)
+            assert load.done > served, "vLLM stopped serving after the naming"
+        finally:
+            load.close()
+            run.proc.send_signal(signal.SIGINT)  # the worker leaves the quota's cgroup before it is removed
+            code = run.wait(timeout=120)
     assert code == 0, run.stderr[-4000:]
     named = run.events("straggler_named")
     assert [line["rank"] for line in named][:1] == [1], f"named after {named_after:.0f} s\n{run.stderr[-4000:]}"
     summary = run.summary("straggler")
-    assert summary["straggler"]["event"]["rank"] == 1, summary["verdict"]
+    event = summary["straggler"]["event"]
+    assert event["rank"] == 1, summary["verdict"]
+    named_after = event["at"] - throttled_at  # the detector's own instant (monotonic, as the test's)
+    assert 0 < named_after <= NAMED_WITHIN_S, f"named {named_after:.1f} s after the throttle: {summary['verdict']}"
     # The cause the sentence gives is not asserted here: vLLM's worker runs several threads on a 2-core host
     # shared with the suite, so it also waits for a CPU outside its quota (the cause sentences are held to
     # their numbers by tests/watchdogs/test_straggler_quota.py on gloo ranks).
