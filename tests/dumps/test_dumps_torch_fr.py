@@ -69,7 +69,7 @@ def test_no_dump_dir_no_torch_dumps(tmp_path):
 
 
 FAITHFUL = """
-import json, os, pickle, sys
+import json, os, pickle, sys, time
 os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
 import torch, torch.distributed as dist
 from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
@@ -81,6 +81,14 @@ dist.broadcast(t, 0)
 sub = dist.new_group([0])
 dist.all_gather([torch.zeros(2)], torch.ones(2), group=sub)
 dist.barrier()
+# gloo marks a collective completed from its work's callback, after the call returned: both dumps are taken of
+# a settled recorder (a clean-clone CI run compared a pickle that saw 1 completed with a JSON that saw 3).
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    status = json.loads(_dump_fr_trace_json())["pg_status"].values()
+    if all(s["last_completed_collective"] == s["last_enqueued_collective"] for s in status):
+        break
+    time.sleep(0.01)
 real = pickle.loads(_dump_fr_trace(includeStackTraces=False))
 ours = fr_dump(json.loads(_dump_fr_trace_json()))
 real.pop("pg_config"); ours.pop("pg_config")  # gloo's table is incomplete in both; compared apart
