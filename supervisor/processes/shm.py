@@ -44,19 +44,20 @@ def _mapped_shm(pid: int) -> set[str]:
     return out
 
 
+def _note_mapped(pids: list[int], found: set[str], lock: threading.Lock) -> None:
+    """Add each process's mapped names to ``found`` as soon as they are read (a slow reader keeps what it read)."""
+    for pid in pids:
+        names = _mapped_shm(pid)
+        with lock:
+            found.update(names)
+
+
 def inventory(pids: Iterable[int], timeout: float = INVENTORY_TIMEOUT_S) -> set[str]:
     """Names of the /dev/shm files ``pids`` map now (what a slow reader found by the deadline)."""
     found: set[str] = set()
     lock = threading.Lock()
     pids = list(pids)
-
-    def walk() -> None:
-        for pid in pids:
-            names = _mapped_shm(pid)
-            with lock:
-                found.update(names)
-
-    thread = threading.Thread(target=walk, name="shm-inventory", daemon=True)
+    thread = threading.Thread(target=_note_mapped, args=(pids, found, lock), name="shm-inventory", daemon=True)
     thread.start()
     thread.join(timeout)
     with lock:
@@ -65,7 +66,7 @@ def inventory(pids: Iterable[int], timeout: float = INVENTORY_TIMEOUT_S) -> set[
 
 class Watch:
     """What one attempt's processes map in /dev/shm, looked at now and then while they run (``look``), each look
-    on its own daemon thread (never the caller's: a look may take the ``INVENTORY_TIMEOUT_S`` deadline); a
+    on its own daemon thread (never the caller's: reading a process's maps takes its mmap lock); a
     worker that dies before the teardown (an engine core's death takes its workers) maps nothing by then, so
     the teardown removes what was ``seen`` besides what it finds itself."""
 
@@ -83,13 +84,10 @@ class Watch:
 
         def run() -> None:
             # No deadline here (this thread is the deadline's reason): each process's names count as soon as they
-            # are read. A torch process's maps run to thousands of lines; on a loaded host a look at every
-            # process took past INVENTORY_TIMEOUT_S and a deadline threw away what it had read.
+            # are read. On a loaded host a look at every process took past INVENTORY_TIMEOUT_S, and a deadline
+            # threw away what it had read.
             try:
-                for pid in pids:
-                    names = _mapped_shm(pid)
-                    with self._lock:
-                        self._seen |= names
+                _note_mapped(pids, self._seen, self._lock)
             finally:
                 with self._lock:
                     self._busy = False
