@@ -35,6 +35,7 @@ import structlog
 
 from ..events import ProcessExited
 from . import pidfds as procs
+from .attempt import ENGINE_PROCESS
 from .exits import ExitStatus
 from .pidfds import Pidfd, named_thread
 
@@ -144,6 +145,7 @@ class ExitMonitor:
         for fd in fds:
             poller.register(fd, select.POLLIN)
         timeout_ms = max(0.0, self._next_sweep - time.monotonic()) * 1000
+        ready = []
         for fd, _ev in poller.poll(timeout_ms):
             if fd == self._wake_r:
                 try:
@@ -152,7 +154,10 @@ class ExitMonitor:
                 except BlockingIOError:
                     pass
                 continue
-            self._handle(fd)
+            ready.append(fd)
+        seen = [e for e in (self._read(fd) for fd in ready) if e is not None]
+        for w, status, at in sorted(seen, key=_parents_first):
+            self._report(w, status, at)
         if time.monotonic() >= self._next_sweep and not self._stop:
             self._sweep()
             self._next_sweep = time.monotonic() + REAP_INTERVAL_S
@@ -164,11 +169,12 @@ class ExitMonitor:
             self.orphans_reaped += reaped
             log.debug("reaped orphans", count=reaped, total=self.orphans_reaped)
 
-    def _handle(self, fd: int) -> None:
+    def _read(self, fd: int) -> tuple[_Watch, ExitStatus | None, float] | None:
+        """A readable pidfd: its process's exit status (None: not ours to read, or reaped already) and when."""
         with self._lock:
             w = self._watches.get(fd)
         if w is None:
-            return
+            return None
         status = None
         try:
             result = w.proc.wait(reap=False)  # the zombie stays: its pid is the teardown's to release
@@ -181,10 +187,27 @@ class ExitMonitor:
             if result is not None:
                 status = ExitStatus.from_waitid(result)
             elif not procs.is_gone(w.proc.pid):
-                return  # a spurious wake-up
-        at = time.monotonic()
+                return None  # a spurious wake-up
+        return w, status, time.monotonic()
+
+    def _report(self, w: _Watch, status: ExitStatus | None, at: float) -> None:
         with self._exited:
-            self._watches.pop(fd, None)
+            self._watches.pop(w.proc.fd, None)
             self._pending.discard(w.key)
             self._exited.notify_all()
         self._post(ProcessExited(w.key, w.proc.pid, status, at, w.attempt))
+
+
+def _parents_first(seen: tuple[_Watch, ExitStatus | None, float]) -> tuple[int, int]:
+    """Exits seen in one wake-up are reported killed parents first.  A tree-mode rank dies of its parent-death
+    signal (SIGKILL) as its parent exits, so both are readable together, and the parent's exit is the first
+    failure: processes killed by a signal (or whose status is gone) before those that exited on their own (a
+    launcher that returns after its child died is a consequence), and among them the launcher, then the
+    processes between it and the ranks (vLLM's EngineCore), then the ranks."""
+    w, status, _at = seen
+    on_its_own = status is not None and status.signal is None
+    if not isinstance(w.key, tuple):
+        depth = 0  # the launcher
+    else:
+        depth = 1 if w.key[0] == ENGINE_PROCESS else 2
+    return int(on_its_own), depth
