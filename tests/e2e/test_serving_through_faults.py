@@ -250,7 +250,8 @@ class Load:
 
 
 class ReadyzPoller:
-    """/readyz every READYZ_POLL_S: (wall time, status, state)."""
+    """/readyz every READYZ_POLL_S: (wall time, status, state).  The time is when the answer came: a reading that
+    began before the fault and was answered after its ruling says "failed", and belongs after the fault."""
 
     def __init__(self, metrics_port: int) -> None:
         self.url = f"http://127.0.0.1:{metrics_port}/readyz"
@@ -261,12 +262,11 @@ class ReadyzPoller:
 
     def _run(self) -> None:
         while not self._stop.wait(READYZ_POLL_S):
-            at = time.time()
             try:
                 status, body = http_get(self.url, timeout=2)
-                self.seen.append((at, status, json.loads(body).get("state", "")))
+                self.seen.append((time.time(), status, json.loads(body).get("state", "")))
             except (OSError, ValueError):
-                self.seen.append((at, 0, "unreachable"))
+                self.seen.append((time.time(), 0, "unreachable"))
 
     def stop(self) -> None:
         self._stop.set()
