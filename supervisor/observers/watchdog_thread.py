@@ -79,6 +79,7 @@ class WatchdogThread:
         self.watching = 0.0  # started_at of the attempt being watched
         self.all_ready_posted = False
         self.known_pids: dict[int, int] = {}
+        self.retired: set[int] = set()  # pids that claimed a slot in an earlier attempt
         # (slot pid, rank pid) -> whether the slot's writer descends from the rank
         # (a wrapper script's python); the process tree of a pid never changes that.
         self.descends: dict[tuple[int, int], bool] = {}
@@ -115,6 +116,7 @@ class WatchdogThread:
         self.state = self.state.next_attempt(started_at)
         self.watching = started_at
         self.all_ready_posted = False
+        self.retired |= set(self.known_pids.values())
         self.known_pids = {}
         self.descends = {}
 
@@ -142,7 +144,8 @@ class WatchdogThread:
                 out.append(snap)
                 continue
             if self.spec.tree:
-                if rank is not None and (rank.pid != snap.pid or not rank.alive):
+                stale = rank is None and snap.pid in self.retired  # an earlier attempt's rank, not yet replaced
+                if stale or rank is not None and (rank.pid != snap.pid or not rank.alive):
                     out.append(empty_slot(snap.slot))
                     continue
             elif rank is None or rank.pid != snap.pid and not self._descends(snap.pid, rank.pid) or not rank.alive:
@@ -246,8 +249,21 @@ class WatchdogThread:
         though its slot still names the old one's handle)."""
         for snap in raw:
             if snap.claimed and snap.pid and self.known_pids.get(snap.slot) != snap.pid:
+                if snap.pid in self.retired and _gone(snap.pid):
+                    # The slot still names a rank of an earlier attempt (the teardown verified it gone) until this
+                    # attempt's rank claims it: tree mode, where the launcher's ranks claim tens of seconds after
+                    # the restart (vLLM).  A live process with that pid is a new one that reused it.
+                    continue
                 self.known_pids[snap.slot] = snap.pid
                 self.post(RankClaimed(snap.slot, snap.rank, snap.pid, attempt))
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
 
 
 class AdapterThread:
