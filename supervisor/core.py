@@ -154,7 +154,7 @@ class Supervisor:
         self.listener = (
             listener  # rank 0's listening socket, the caller's for the whole run (processes/listen_socket.py)
         )
-        self.public = public  # the built-in engine's public port: the relay's (processes/relay_process.py)
+        self.public = public  # the relay's public port: the built-in engine's, or a COMMAND's --relay
         self.relay: RelayProcess | None = None
         self.base_env = dict(base_env)
         self.run_id = run_id or new_run_id()
@@ -298,6 +298,7 @@ class Supervisor:
             self.spec.quarantine_after,
             fresh_after_s=RESTART_STABLE_S,
             on_quarantined=self.services.metrics.record_quarantined,
+            from_relay=self.spec.relay.address is not None and self.public is not None,
         )
         self.desk.requests_of = self.quarantine.evidence
         self._watchdog = WatchdogThread(
@@ -338,9 +339,17 @@ class Supervisor:
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
             source.start()
-        if self.public is not None and self.listener is not None:
+        if self.public is not None:  # the built-in engine's port (upstream: rank 0's), or a COMMAND's --relay
+            builtin = self.listener is not None
             self.relay = RelayProcess(
-                self.public, self.listener, str(self.run_dir), self.spec.log_format, self.spec.engine.read_timeout
+                self.public,
+                self.listener.address if self.listener is not None else str(self.spec.relay.upstream),
+                str(self.run_dir),
+                self.spec.log_format,
+                self.spec.engine.read_timeout if builtin else None,
+                engine="builtin" if builtin else self.spec.relay.engine,
+                hold_s=self.spec.relay.hold_s(builtin),
+                max_held=self.spec.relay.max_held,
             )
             self.relay.start()
             self.services.relay_counts = self.relay.counts

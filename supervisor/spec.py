@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -382,6 +383,68 @@ class NodeOptions:
             raise UsageError(f"--node-timeout {self.node_timeout}: must be > 0 seconds")
 
 
+DEFAULT_RELAY_HOLD_S = 180.0  # a COMMAND's engine (vLLM on a GPU node: weights, compile, graphs) takes minutes
+BUILTIN_RELAY_HOLD_S = 90.0  # the built-in engine is back in seconds
+DEFAULT_RELAY_MAX_HELD = 1024
+RELAY_ENGINES = ("builtin", "vllm", "openai")
+
+
+@dataclass(frozen=True)
+class RelayOptions:
+    """The relay in front of the group (engine/relay.py; docs/engine.md, "The relay"): for a COMMAND, the public
+    address (``--relay``) and the engine's own listener behind it (``upstream``: from the launcher's
+    --host/--port, or ``--relay-upstream``); for both, how long and how many requests are held across a restart."""
+
+    address: tuple[str, int] | None = None  # --relay HOST:PORT (a COMMAND); None: no relay for a COMMAND
+    upstream: str | None = None  # http://HOST:PORT of the engine's own listener
+    engine: str = "openai"  # the relay's adapter for a COMMAND (engine/relay_engines.py)
+    hold: float | None = None  # None: DEFAULT_RELAY_HOLD_S for a COMMAND, BUILTIN_RELAY_HOLD_S for the built-in
+    max_held: int = DEFAULT_RELAY_MAX_HELD
+
+    def __post_init__(self) -> None:
+        _positive_seconds("--relay-hold", self.hold)
+        if self.max_held < 1:
+            raise UsageError(f"--relay-max-held {self.max_held}: must be at least 1")
+        _one_of("the relay's engine", self.engine, RELAY_ENGINES)
+        if self.address is not None and self.upstream is None:
+            raise UsageError(
+                "--relay needs the engine's own address: the COMMAND is not a vLLM or SGLang launcher whose "
+                "--host/--port say it; give --relay-upstream http://HOST:PORT"
+            )
+        if self.address is not None and self.upstream is not None:
+            up = urllib.parse.urlsplit(self.upstream)
+            if up.port == self.address[1] and (up.hostname or "") in (self.address[0], "127.0.0.1", "localhost"):
+                raise UsageError(
+                    f"--relay {self.address[0]}:{self.address[1]} is the engine's own port ({self.upstream}): "
+                    "give the engine another --port; the relay holds the public one"
+                )
+
+    def hold_s(self, builtin: bool) -> float:
+        if self.hold is not None:
+            return self.hold
+        return BUILTIN_RELAY_HOLD_S if builtin else DEFAULT_RELAY_HOLD_S
+
+
+def relay_upstream(given: str | None, command: Sequence[str]) -> tuple[str | None, str]:
+    """(URL of the engine's own listener, the relay's adapter) for ``--relay``: ``--relay-upstream`` as given,
+    else what a vLLM or SGLang launcher's --host/--port say (the engine's defaults when absent)."""
+    engine = launcher_engine(command)
+    kind = {"vllm": "vllm"}.get(engine or "", "openai")
+    if given is not None:
+        if not given.startswith(("http://", "https://")):
+            given = f"http://{given}"
+        parts = urllib.parse.urlsplit(given)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None:
+            raise UsageError(f"--relay-upstream {given!r}: give http://HOST:PORT of the engine's own listener")
+        return given.rstrip("/"), kind
+    url = launcher_metrics_url(command)
+    return (url[: -len("/metrics")] if url else None), kind
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """A validated request to supervise one TP group on this node: the launch itself (what, how many, where
@@ -413,6 +476,7 @@ class LaunchSpec:
     nodes: NodeOptions = field(default_factory=NodeOptions)
     engine: EngineOptions = field(default_factory=EngineOptions)
     output: OutputOptions = field(default_factory=OutputOptions)
+    relay: RelayOptions = field(default_factory=RelayOptions)
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -448,6 +512,12 @@ class LaunchSpec:
                 "--listen hands a listening socket to a COMMAND's rank 0 (spawn mode); the built-in "
                 "engine's socket is --host/--port, and in --tree mode the ranks are the launcher's"
             )
+        if self.relay.address is not None and not self.command:
+            raise UsageError(
+                "--relay is for a COMMAND's engine; the built-in engine's relay already holds --host/--port"
+            )
+        if self.relay.address is not None and self.listen is not None:
+            raise UsageError("--relay and --listen both take the public port: give one of them")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts {self.max_restarts}: must be >= 0")
         _one_of("--log-format", self.log_format, ("console", "json"))

@@ -72,6 +72,18 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     if args.model and not Path(args.model, "config.json").is_file():
         raise UsageError(f"--model {args.model!r}: no config.json there; give a Hugging Face Llama-format directory")
     metrics_url, metrics_kind = specs.engine_metrics_source(args.engine_metrics_url, command, args.tree)
+    if args.relay and builtin:
+        raise UsageError("--relay is for a COMMAND's engine; the built-in engine's relay already holds --host/--port")
+    if args.relay_upstream is not None and not args.relay:
+        raise UsageError("--relay-upstream names the engine behind --relay: give --relay HOST:PORT too")
+    upstream, relay_engine = specs.relay_upstream(args.relay_upstream, command) if args.relay else (None, "builtin")
+    relay = specs.RelayOptions(
+        address=specs.parse_hostport(args.relay, "--relay") if args.relay else None,
+        upstream=upstream,
+        engine=relay_engine,
+        hold=args.relay_hold,
+        max_held=args.relay_max_held,
+    )
     return LaunchSpec(
         command=tuple(command),
         nproc_per_node=nproc,
@@ -86,6 +98,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         max_restarts=args.max_restarts,
         quarantine_after=args.quarantine_after,
         listen=specs.parse_hostport(args.listen, "--listen") if args.listen else None,
+        relay=relay,
         log_format=args.log_format,
         zero_code_hook=args.hook,
         watchdog=specs.WatchdogOptions(
@@ -170,7 +183,8 @@ class ServingPorts:
 
 def bind_serving_port(spec: LaunchSpec) -> tuple[LaunchSpec, ServingPorts]:
     """The serving port, bound once for the whole run (supervisor/processes/listen_socket.py): the built-in
-    engine's --host/--port (the relay's; rank 0 gets a loopback port), or --listen for a COMMAND (rank 0's);
+    engine's --host/--port (the relay's; rank 0 gets a loopback port), --relay for a COMMAND (the relay's; the
+    engine binds its own), or --listen for a COMMAND (rank 0's);
     only on the node that holds global rank 0.  A port that is taken is a usage error (64) before anything
     starts."""
     if spec.rank_offset != 0:
@@ -187,6 +201,12 @@ def bind_serving_port(spec: LaunchSpec) -> tuple[LaunchSpec, ServingPorts]:
         return spec, ServingPorts(rank0=rank0, public=public)
     if spec.listen is not None:
         return spec, ServingPorts(rank0=ListenSocket.bind(spec.listen[0], spec.listen[1], "--listen", systemd=True))
+    if spec.relay.address is not None:  # the engine binds its own port; the relay holds the public one
+        host, port = spec.relay.address
+        public = ListenSocket.bind(host, port, "--relay")
+        if port == 0:
+            spec = dataclasses.replace(spec, relay=dataclasses.replace(spec.relay, address=(host, public.port)))
+        return spec, ServingPorts(public=public)
     return spec, ServingPorts()
 
 

@@ -128,6 +128,30 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="with a COMMAND: bind HOST:PORT once for the whole run and hand it to rank 0 of every attempt the systemd way (LISTEN_FDS=1, fd 3, LISTEN_PID): connections wait in the backlog across restarts instead of being refused; for engines that support socket activation (the built-in engine's --host/--port are held across restarts without it, by the relay)",
     )
+    r = serve.add_argument_group('serving through faults (the relay: docs/engine.md, "The relay")')
+    r.add_argument(
+        "--relay",
+        metavar="HOST:PORT",
+        help="with a COMMAND (vLLM, SGLang, any OpenAI-compatible server): hold HOST:PORT for the whole run and forward to the engine's own listener; requests and streams a failing group answered are held across the restart and sent again (streams resumed by token ids where the engine gives them)",
+    )
+    r.add_argument(
+        "--relay-upstream",
+        metavar="URL",
+        help="the engine's own listener behind --relay (default: read from a vLLM or SGLang launcher's --host/--port)",
+    )
+    r.add_argument(
+        "--relay-hold",
+        type=seconds,
+        metavar="SECONDS",
+        help=f"how long a request is held for the group's next attempt before a 503 with Retry-After (default {specs.DEFAULT_RELAY_HOLD_S:g} s for a COMMAND, {specs.BUILTIN_RELAY_HOLD_S:g} s for the built-in engine)",
+    )
+    r.add_argument(
+        "--relay-max-held",
+        type=int,
+        default=specs.DEFAULT_RELAY_MAX_HELD,
+        metavar="N",
+        help="requests held at once across a restart; past it a 503 with Retry-After (default %(default)s)",
+    )
     w = serve.add_argument_group("watchdogs (omit timeouts for adaptive ones)")
     w.add_argument(
         "--hard-timeout",

@@ -183,8 +183,19 @@ class FailedAttempt:
 class RequestQuarantine:
     """Per run: the suspects of each failed attempt, the fingerprints quarantined, the files the engine reads."""
 
-    def __init__(self, run_dir: Path, after: int, fresh_after_s: float, on_quarantined: Callable[[int], None]):
+    def __init__(
+        self,
+        run_dir: Path,
+        after: int,
+        fresh_after_s: float,
+        on_quarantined: Callable[[int], None],
+        from_relay: bool = False,
+    ):
         self.run_dir = Path(run_dir)
+        # The relay's record (a COMMAND's engine behind --relay) instead of rank 0's: written by a process that
+        # outlives the attempts, its step is the relay's epoch (engine/relay.py).
+        self.from_relay = from_relay
+        self._relay_epoch: tuple[int, str] | None = None  # (the newest epoch blamed, for which incident)
         self.after = after  # 0: never quarantine (the in-flight requests still go into the bundles)
         self.fresh_after_s = fresh_after_s
         self.on_quarantined = on_quarantined
@@ -198,6 +209,8 @@ class RequestQuarantine:
 
     @property
     def inflight_path(self) -> Path:
+        if self.from_relay:
+            return self.run_dir / runfiles.RELAY_INFLIGHT_FILE
         return runfiles.inflight_path(self.run_dir, 0)
 
     def before_attempt(self) -> None:
@@ -216,9 +229,9 @@ class RequestQuarantine:
         if view.started_at and now - view.started_at >= self.fresh_after_s:
             self.loop = []  # it stayed up: not a crash loop, what came before is no evidence against a request
         rank0 = next((r.pid for r in view.ranks.values() if r.rank == 0), None)
-        if rank0 is None:
+        if rank0 is None and not self.from_relay:
             return  # rank 0 is on another node (or never started): its requests are that node's to read
-        failed = self.failed = FailedAttempt(incident_id, view.restarts, rank0)
+        failed = self.failed = FailedAttempt(incident_id, view.restarts, rank0 or 0)
         self.loop.append(failed)
         self._read_into(failed)
         self._decide(failed)
@@ -250,7 +263,7 @@ class RequestQuarantine:
             snap, note = None, f"unreadable: {str(exc)[:200]}"
         if snap is None:
             note = note or "no in-flight file (the engine does not write one, or rank 0 never served)"
-        elif snap.attempt != failed.attempt or snap.pid != failed.rank0_pid:
+        elif not self.from_relay and (snap.attempt != failed.attempt or snap.pid != failed.rank0_pid):
             note = (
                 f"the in-flight file is an earlier attempt's (attempt {snap.attempt}, pid {snap.pid}; "
                 f"this attempt {failed.attempt}, rank 0 pid {failed.rank0_pid})"
@@ -261,9 +274,27 @@ class RequestQuarantine:
             failed.step.update(snap.step)
             failed.suspects = suspects_of(failed.started_ns, failed.step)
             failed.note = None
+            if self.from_relay:
+                self._one_blame_per_epoch(failed)
         elif not failed.started_ns:  # a failed second read takes nothing away from the first
             failed.note = note
         self._evidence[failed.incident_id] = self._describe(failed)
+
+    def _one_blame_per_epoch(self, failed: FailedAttempt) -> None:
+        """The relay's requests of one epoch are blamed for one failure only: an attempt that failed before the
+        relay saw it serve (it crashed during its start) was sent nothing, and what the relay still holds from
+        the last failure is not evidence against it."""
+        epoch = max((failed.step.get(fp, 0) for fp in failed.suspects), default=0)
+        if (
+            self._relay_epoch is not None
+            and epoch <= self._relay_epoch[0]
+            and self._relay_epoch[1] != failed.incident_id
+        ):
+            failed.suspects = set()
+            failed.note = "the relay sent no request to this attempt (it failed before it served)"
+            return
+        if failed.suspects:
+            self._relay_epoch = (epoch, failed.incident_id)
 
     def _decide(self, failed: FailedAttempt) -> None:
         if self.after <= 0:

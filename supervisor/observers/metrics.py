@@ -111,7 +111,10 @@ def _threshold(value: float | None) -> float:
 
 
 RELAY = {  # relay.json key -> (metric name between supervise_relay_ and _total, help)
-    "requests": ("requests", "Generation requests the built-in engine's relay took from clients."),
+    "requests": (
+        "requests",
+        "Generation requests the relay (built-in engine, or a COMMAND's --relay) took from clients.",
+    ),
     "resent": ("resends", "Requests the relay sent again after a failed attempt's answer (resumed streams included)."),
     "resumed_streams": (
         "resumed_streams",
@@ -119,7 +122,13 @@ RELAY = {  # relay.json key -> (metric name between supervise_relay_ and _total,
     ),
     "given_up": (
         "gave_up",
-        "Requests the relay answered 503: no attempt answered within 90 s of a failure, or the run ended.",
+        "Requests the relay answered 503: no attempt answered within its hold (--relay-hold) of a failure, too "
+        "many were held (--relay-max-held), a stream could not be continued, or the run ended.",
+    ),
+    "quarantined": (
+        "quarantined_answers",
+        "Requests the relay answered 400 because their fingerprint is quarantined (a COMMAND's engine behind "
+        "--relay; the built-in engine answers these itself).",
     ),
 }
 
@@ -290,6 +299,11 @@ class SupervisorMetrics:
             key: Counter(name(f"relay_{metric}_total"), text, registry=reg) for key, (metric, text) in RELAY.items()
         }
         self._relay_seen: dict[str, int] = {}
+        self.relay_held = Gauge(
+            name("relay_held_requests"),
+            "Requests the relay holds now, waiting for the group's next attempt to answer.",
+            registry=reg,
+        )
         self.teardowns = Counter(name("teardowns_total"), "Teardowns by outcome.", ["result"], registry=reg)
         self.dumps = Counter(
             name("dumps_total"), "Incident bundles by reason and outcome.", ["reason", "result"], registry=reg
@@ -454,6 +468,7 @@ class SupervisorMetrics:
     def set_relay_counts(self, counts: Mapping[str, int]) -> None:
         """Feed the relay's cumulative counts (supervisor/processes/relay_process.py); counters advance by the difference."""
         with self._lock:
+            self.relay_held.set(counts.get("held", 0))
             for key, counter in self.relay.items():
                 value = counts.get(key, 0)
                 seen = self._relay_seen.get(key, 0)

@@ -1,9 +1,10 @@
-"""The built-in engine's relay process: the public port, held across every attempt (engine/relay.py).
+"""The relay process: the public port, held across every attempt (engine/relay.py).
 
 Started once per run, before the first attempt, on the node that serves
-HTTP; it accepts on the public socket (``--host``/``--port``, bound once by
-``supervise serve``) and forwards to rank 0's loopback socket (bound once
-too, handed to rank 0 of every attempt).  It is not a rank: no teardown of
+HTTP; it accepts on the public socket (the built-in engine's
+``--host``/``--port``, or a COMMAND's ``--relay``, bound once by ``supervise
+serve``) and forwards to rank 0's loopback socket (bound once too, handed to
+rank 0 of every attempt) or to the COMMAND's engine's own listener.  It is not a rank: no teardown of
 an attempt signals it (``OWN_HELPERS``), it carries no run marker and joins
 no run cgroup.  If it dies on its own, it is started again at once (a
 bounded number of times: ``MAX_RESTARTS`` in ``RESTART_WINDOW_S``); the
@@ -33,7 +34,8 @@ log = structlog.get_logger("supervise")
 
 MODULE = "tp_supervise.engine.relay"
 COUNTS_FILE = "relay.json"  # the relay's counts in the run dir (docs/engine.md, "The relay")
-COUNT_KEYS = ("requests", "resent", "resumed_streams", "given_up")
+COUNT_KEYS = ("requests", "resent", "resumed_streams", "given_up", "quarantined")
+GAUGE_KEYS = ("held",)  # the current relay process's value, not summed over restarts
 RELAY_URL_ENV = "SUPERVISE_RELAY_URL"  # rank 0's ready line names this URL (engine/app.py)
 STOP_S = 3.0  # the relay's own drain is 2 s (engine/relay.py DRAIN_S)
 RESTART_PAUSE_S = 0.2
@@ -48,11 +50,22 @@ def _dies_with_us() -> None:
 
 class RelayProcess:
     def __init__(
-        self, public: ListenSocket, upstream: ListenSocket, run_dir: str, log_format: str, read_timeout: float | None
+        self,
+        public: ListenSocket,
+        upstream: str,
+        run_dir: str,
+        log_format: str,
+        read_timeout: float | None,
+        engine: str = "builtin",
+        hold_s: float | None = None,
+        max_held: int | None = None,
     ):
         self.read_timeout = read_timeout  # the engine's --read-timeout (None: its default)
         self.public = public
-        self.upstream = upstream.address
+        self.upstream = upstream  # HOST:PORT of rank 0's loopback socket, or the URL of a COMMAND's listener
+        self.engine = engine  # the relay's adapter (engine/relay_engines.py)
+        self.hold_s = hold_s
+        self.max_held = max_held
         self.run_dir = run_dir
         self.log_format = log_format
         self.proc: subprocess.Popen | None = None
@@ -65,6 +78,7 @@ class RelayProcess:
         self._counts_lock = threading.Lock()
         self._counts_last: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)  # the current relay process's
         self._counts_base: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)  # earlier relay processes' (restarts)
+        self._gauges: dict[str, int] = dict.fromkeys(GAUGE_KEYS, 0)  # the current relay process's
 
     def counts(self) -> dict[str, int]:
         """The relay's counts over the run, every relay process summed (tmpfs: one stat, a read when changed).
@@ -83,6 +97,7 @@ class RelayProcess:
                     data = json.loads(f.read(4096))
                 pid = int(data["pid"])
                 values = {key: max(0, int(data.get(key, 0))) for key in COUNT_KEYS}
+                self._gauges = {key: max(0, int(data.get(key, 0))) for key in GAUGE_KEYS}
                 if pid != self._counts_pid:
                     for key in COUNT_KEYS:
                         self._counts_base[key] += self._counts_last[key]
@@ -90,7 +105,8 @@ class RelayProcess:
                 self._counts_last = values
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        return {key: self._counts_base[key] + self._counts_last[key] for key in COUNT_KEYS}
+        counts = {key: self._counts_base[key] + self._counts_last[key] for key in COUNT_KEYS}
+        return {**counts, **self._gauges}
 
     def start(self) -> None:
         self._spawn()
@@ -101,8 +117,13 @@ class RelayProcess:
         fd = self.public.fd
         env = dict(os.environ, **{SUPERVISE_LISTEN_FDS: str(fd), "SUPERVISE_LOG_FORMAT": self.log_format})
         argv = [sys.executable, "-m", MODULE, "--upstream", self.upstream, "--run-dir", self.run_dir]
+        argv += ["--engine", self.engine]
         if self.read_timeout is not None:
             argv += ["--read-timeout", repr(self.read_timeout)]
+        if self.hold_s is not None:
+            argv += ["--hold", repr(self.hold_s)]
+        if self.max_held is not None:
+            argv += ["--max-held", str(self.max_held)]
         with self._lock:
             if self._stopping.is_set():  # stop() ran while the watcher was about to start it again
                 return
@@ -116,7 +137,13 @@ class RelayProcess:
                 preexec_fn=_dies_with_us,
             )
             OWN_HELPERS.add(self.proc.pid)
-        log.info("relay started", pid=self.proc.pid, upstream=self.upstream)
+        log.info(
+            "relay started",
+            pid=self.proc.pid,
+            address=self.public.address,
+            upstream=self.upstream,
+            engine=self.engine,
+        )
 
     def _watch(self) -> None:
         while not self._stopping.is_set():

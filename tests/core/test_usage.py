@@ -138,3 +138,45 @@ def test_tree_mode_multiplies_vllm_tensor_and_pipeline_parallel_sizes():
 
     argv = ["serve", "--tree", "--", "vllm", "serve", "m", "-tp", "4", "--pipeline-parallel-size=2"]
     assert spec_from_args(build_parser().parse_args(argv)).nproc_per_node == 8
+
+
+@pytest.mark.parametrize("launcher, upstream, engine", [
+    (["vllm", "serve", "m", "--tensor-parallel-size", "2", "--port", "8100"], "http://127.0.0.1:8100", "vllm"),
+    (["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--host", "0.0.0.0", "-tp", "2"],
+     "http://127.0.0.1:8000", "vllm"),
+    (["python", "-m", "sglang.launch_server", "--model", "m", "--tp", "2", "--host", "::1", "--port=31000"],
+     "http://[::1]:31000", "openai"),
+])
+def test_relay_reads_the_engines_own_listener_from_the_launcher(launcher, upstream, engine):
+    from tp_supervise.supervisor.cli import build_parser, spec_from_args
+
+    spec = spec_from_args(build_parser().parse_args(["serve", "--tree", "--relay", "127.0.0.1:9000", "--", *launcher]))
+    assert (spec.relay.address, spec.relay.upstream, spec.relay.engine) == (("127.0.0.1", 9000), upstream, engine)
+    assert spec.relay.hold_s(builtin=False) == 180.0
+
+
+@pytest.mark.parametrize("args, command, needles", [
+    (["--relay", "127.0.0.1:9000"], None, ["--relay is for a COMMAND"]),
+    (["--relay", "127.0.0.1:9000", "--nproc-per-node", "1"], ["python", "serve.py"], ["--relay-upstream"]),
+    (["--relay-upstream", "http://127.0.0.1:8000", "--nproc-per-node", "1"], ["python", "serve.py"], ["--relay HOST"]),
+    (["--tree", "--relay", "127.0.0.1:8000"], ["vllm", "serve", "m", "--tensor-parallel-size", "2"],
+     ["is the engine's own port"]),
+    (["--tree", "--relay", "127.0.0.1:9000", "--relay-hold", "0"], ["vllm", "serve", "m", "--tensor-parallel-size", "2"],
+     ["--relay-hold"]),
+    (["--tree", "--relay", "127.0.0.1:9000", "--relay-max-held", "0"],
+     ["vllm", "serve", "m", "--tensor-parallel-size", "2"], ["--relay-max-held"]),
+    (["--relay", "127.0.0.1:9000", "--relay-upstream", "http://127.0.0.1:8000", "--listen", "127.0.0.1:9001",
+      "--nproc-per-node", "1"], ["python", "serve.py"], ["--relay and --listen"]),
+])
+def test_relay_usage_errors(supervise, args, command, needles):
+    _assert_usage(supervise(args, command), *needles)
+
+
+def test_relay_port_in_use(supervise):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        launcher = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--tensor-parallel-size", "2"]
+        run = supervise(["--tree", "--relay", f"127.0.0.1:{port}"], launcher)
+        _assert_usage(run, "--relay", "already in use")

@@ -3,6 +3,9 @@ runs first and chains this one, as it chains any sitecustomize of the program). 
 
 TPS_TEST_FAULT=stuck: TP worker ``TPS_TEST_RANK`` (default 1) sleeps in Python inside ``execute_model`` once the
     file ``TPS_TEST_TRIGGER`` exists: stuck outside any collective while its peer waits in one.
+TPS_TEST_FAULT=poison: TP worker ``TPS_TEST_RANK`` (default 1) dies (SIGKILL, as a segfault would end it) in the
+    step that first schedules a request whose prompt token ids contain ``TPS_TEST_POISON_IDS`` (comma-separated, in
+    that order): a request that kills the group every time it runs.
 TPS_TEST_FAULT=rename: vLLM's ``GroupCoordinator._all_reduce_out_place`` is renamed, as a newer version might,
     before anything else sees the module (a version whose seams differ).
 
@@ -16,7 +19,11 @@ import sys
 import time
 
 FAULT = os.environ.get("TPS_TEST_FAULT", "")
-TARGETS = {"stuck": "vllm.v1.worker.gpu_worker", "rename": "vllm.distributed.parallel_state"}
+TARGETS = {
+    "stuck": "vllm.v1.worker.gpu_worker",
+    "poison": "vllm.v1.worker.gpu_worker",
+    "rename": "vllm.distributed.parallel_state",
+}
 
 
 def _stuck(module):
@@ -28,6 +35,28 @@ def _stuck(module):
         if self.rank == rank and os.path.exists(trigger):
             while True:
                 time.sleep(0.05)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    module.Worker.execute_model = execute_model
+
+
+def _contains(ids, marker):
+    n = len(marker)
+    return any(list(ids[i : i + n]) == marker for i in range(len(ids) - n + 1))
+
+
+def _poison(module):
+    import signal
+
+    rank = int(os.environ.get("TPS_TEST_RANK", "1"))
+    marker = [int(i) for i in os.environ["TPS_TEST_POISON_IDS"].split(",")]
+    original = module.Worker.execute_model
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if self.rank == rank:
+            for new in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
+                if _contains(new.prompt_token_ids or [], marker):
+                    os.kill(os.getpid(), signal.SIGKILL)
         return original(self, scheduler_output, *args, **kwargs)
 
     module.Worker.execute_model = execute_model
@@ -62,7 +91,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader, _stuck if FAULT == "stuck" else _rename)
+                spec.loader = _Loader(spec.loader, {"stuck": _stuck, "poison": _poison, "rename": _rename}[FAULT])
                 return spec
         return None
 
