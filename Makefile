@@ -11,7 +11,7 @@ ARGS ?=
 # listed at the end; PYTEST_ARGS= runs serially
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=30
 
-.PHONY: serve test test-slow test-bench test-engines lint bench bench-vllm gpu-check clean
+.PHONY: serve test test-slow test-bench test-engines lint bench bench-vllm bench-vllm-relay gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,8 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) -m "not engines and not bench and not slow"
 
-# Runs whose subject needs tens of seconds of real time (a straggler is named after a sustained window), ~4 min:
+# Runs whose subject needs tens of seconds of real time (a straggler is named after a sustained window, a minute of
+# load shows nothing diverges, a fuzzer's hundreds of bodies, a COMMAND behind the relay), ~5 min:
 # their own tier, run by .ci/run after make test.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) -m "slow and not engines"
@@ -60,6 +61,12 @@ bench: $(STAMP)
 bench-vllm: $(STAMP)
 	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
 	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m bench.bench_vllm --update-docs $(ARGS)
+
+# Real vLLM behind `supervise serve --tree --relay`: the relay's cost without faults, and a worker SIGKILLed under
+# official-SDK clients through the relay and straight on vLLM's port (~8 min on 2 cores).
+bench-vllm-relay: $(STAMP)
+	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
+	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m bench.bench_vllm_relay --update-docs $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -272,6 +272,7 @@ def test_divergence_under_load_is_caught_before_any_hang(supervise, kind):
         assert values["0"] == batch0[-1] and values["1"] is None
 
 
+@pytest.mark.slow  # a minute of load on each control plane to show nothing diverges: make test-slow
 @pytest.mark.parametrize("plane", ["broadcast", "replicated"])
 def test_no_divergence_without_injection(supervise, tmp_path, plane):
     run, port = serve(supervise, "--control-plane", plane, "--consensus", "observe")

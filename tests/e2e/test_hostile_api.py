@@ -242,6 +242,7 @@ COMPLETION = st.fixed_dictionaries({"prompt": st.one_of(st.text(min_size=0, max_
 BODIES = st.one_of(COMPLETION.map(json.dumps), JSON_VALUE.map(json.dumps), st.binary(max_size=64).map(bytes.hex))
 
 
+@pytest.mark.slow  # hundreds of generated bodies against a live engine: make test-slow
 def test_fuzz_generated_bodies_never_500(served):
     port = served.port
     statuses: dict[int, int] = {}
