@@ -304,8 +304,11 @@ class Server:
             return {}
 
 
-def start(model: Path, work: Path, *, supervised: bool, env: dict[str, str] | None = None) -> Server:
-    """vLLM at TP=2 on a free port, alone or under `supervise serve --tree` (JSON log, bundles in work/dumps)."""
+def start(
+    model: Path, work: Path, *, supervised: bool, env: dict[str, str] | None = None, serve_args: tuple[str, ...] = ()
+) -> Server:
+    """vLLM at TP=2 on a free port, alone or under `supervise serve --tree` (JSON log, bundles in work/dumps;
+    ``serve_args``: more flags of `supervise serve`)."""
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     full_env = dict(os.environ, **ENGINE_ENV, **(env or {}))
@@ -315,7 +318,7 @@ def start(model: Path, work: Path, *, supervised: bool, env: dict[str, str] | No
         argv = [
             sys.executable, "-m", "tp_supervise.supervisor.cli", "serve", "--tree",
             "--kill-grace", str(KILL_GRACE_S), "--log-format", "json", "--metrics-addr", "127.0.0.1:0",
-            "--metrics-linger", "0", "--dump-dir", str(work / "dumps"), "--", *argv,
+            "--metrics-linger", "0", "--dump-dir", str(work / "dumps"), *serve_args, "--", *argv,
         ]  # fmt: skip
     with open(work / "stdout.log", "wb") as out, open(work / "stderr.log", "wb") as err:
         # Its own session: the run's processes are known by session as well as by pid.
