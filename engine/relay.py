@@ -161,7 +161,7 @@ class _Flight:
         if relay.inflight is None or self.fp is None:
             return
         relay.quarantine_check(self.fp)
-        if relay.quarantine.suspected(self.fp):
+        if relay.quarantine.suspected(self.fp) and relay.cleared.get(self.fp) != relay.epoch:
             await relay._turn.acquire()
             self._holds_turn = True
             relay._turn_free.clear()
@@ -173,9 +173,12 @@ class _Flight:
         relay.inflight.add(self.key, self.fp, relay.epoch)
 
     def answered(self) -> None:
-        """Its first token or answer came (or it ran alone for ALONE_S): no longer a suspect of a failure."""
+        """Its first token or answer came (or it ran alone for ALONE_S): no longer a suspect of a failure, and
+        the same request is not sent alone again in this attempt (a client repeating it)."""
         if self.relay.inflight is not None:
             self.relay.inflight.remove(self.key)
+        if self._holds_turn and self.fp is not None:
+            self.relay.cleared[self.fp] = self.relay.epoch
         self.release()
 
     def release(self) -> None:
@@ -225,6 +228,7 @@ class Relay:
         self._write_failed = False
         self.quarantine = runfiles.Quarantine(run_dir if self.engine.quarantines else None)
         self.inflight: runfiles.InflightFile | None = None
+        self.cleared: dict[str, int] = {}  # suspect fingerprint -> the epoch in which it ran alone unharmed
         self._turn = asyncio.Lock()  # the suspect being sent alone holds it
         self._turn_free = asyncio.Event()
         self._turn_free.set()

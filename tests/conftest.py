@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -93,10 +94,28 @@ class Run:
     stderr: str = ""
     ended: float | None = None
     lines: list[dict] = field(default_factory=list)
+    drains: list[tuple[threading.Thread, list[str]]] = field(default_factory=list)
+
+    def drain(self) -> None:
+        """Read stdout and stderr as they come (a long run's log would fill the pipes and block the supervisor's
+        writes, and with them the engine's output it forwards)."""
+        for stream in (self.proc.stdout, self.proc.stderr):
+            chunks: list[str] = []
+            thread = threading.Thread(target=lambda s=stream, c=chunks: c.extend(iter(s.readline, "")), daemon=True)
+            thread.start()
+            self.drains.append((thread, chunks))
+
+    def _communicate(self, timeout: float) -> tuple[str, str]:
+        if not self.drains:
+            return self.proc.communicate(timeout=timeout)
+        self.proc.wait(timeout=timeout)
+        for thread, _ in self.drains:
+            thread.join(30)
+        return "".join(self.drains[0][1]), "".join(self.drains[1][1])
 
     def wait(self, timeout: float = 60.0) -> int:
         try:
-            out, err = self.proc.communicate(timeout=timeout)
+            out, err = self._communicate(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             # Orphans of the killed supervisor may hold its pipes open.
@@ -105,7 +124,7 @@ class Run:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            out, err = self.proc.communicate(timeout=30)
+            out, err = self._communicate(30)
             pytest.fail(f"supervise did not exit within {timeout} s\nstderr:\n{err[-4000:]}")
         self.ended = time.monotonic()
         self.stdout, self.stderr = out, err
@@ -175,6 +194,7 @@ def supervisor_runs(tmp_path: Path):
     def start(args: list[str], command: list[str] | None = None, env: dict | None = None, **kw) -> Run:
         dump_dir = kw.pop("dump_dir", tmp_path / "dumps")
         default_linger = kw.pop("default_linger", False)
+        drain = kw.pop("drain", False)
         full_env = dict(os.environ)
         full_env[MARK_VAR] = mark
         full_env["SUPERVISE_REGISTRY_DIR"] = str(tmp_path / "registry")
@@ -200,6 +220,8 @@ def supervisor_runs(tmp_path: Path):
             argv, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
         )
         run = Run(proc=proc, dump_dir=dump_dir, mark=mark, started=time.monotonic())
+        if drain:
+            run.drain()
         runs.append(run)
         return run
 
@@ -209,7 +231,7 @@ def supervisor_runs(tmp_path: Path):
     for run in runs:
         if run.proc.poll() is None:
             run.proc.kill()
-            run.proc.communicate()
+            run._communicate(60)
     leaked = wait_no_marked(mark, timeout=3.0)
     for pid in leaked:
         try:

@@ -60,6 +60,7 @@ def test_an_engine_without_token_ids_behind_the_relay(supervise):
         ["--nproc-per-node", "2", "--max-restarts", "1", "--relay", f"127.0.0.1:{pub}", "--relay-upstream",
          f"http://127.0.0.1:{up}"],
         engine,
+        drain=True,
     )
     assert wait_serving(run.proc, pub, READY_TIMEOUT_S), run.stderr[-3000:]
     with post(pub, {"prompt": "hello", "max_tokens": 4}) as answer:

@@ -63,6 +63,24 @@ def test_ranks_that_rename_themselves_stay_held(supervise):
     assert hang["ranks"]["0"]["title"] == "VLLM::Worker_TP0", hang["ranks"]["0"]
 
 
+def test_a_restarted_attempt_whose_ranks_join_late_is_not_judged_by_the_last_attempts_slots(supervise):
+    """--max-restarts in tree mode with ranks that join seconds after the restart (vLLM loads its model again):
+    the slots still name the dead ranks of the first attempt, busy in an all_reduce.  Neither is a rank of the
+    new attempt (no 'vanished' rank 0, no hang of the new attempt); the new ranks crash as the first did."""
+    run = supervise(
+        ["--tree", "--nproc-per-node", "2", "--max-restarts", "1", "--soft-timeout", "2", "--hard-timeout", "4",
+         "--kill-grace", "2"],
+        mp_launcher("--tp", "2", "--iters", "100000", "--fault", "crash", "--fault-at", "40", "--restart-delay", "8"),
+    )
+    assert run.wait(timeout=120) == 80, run.stderr[-4000:]
+    names = [b.name for b in run.bundles() if "hang_suspected" not in b.name]
+    assert len(names) == 2 and all("rank_exit" in n for n in names), names
+    exits = run.events("rank_exited")
+    assert [line["rank"] for line in exits] == [1, 1], exits
+    assert exits[0]["pid"] != exits[1]["pid"]
+    assert not run.events("hang suspected")
+
+
 def test_engine_process_killed_is_the_first_failure(supervise, tmp_path):
     """launcher -> engine core -> workers, as vLLM runs: the engine core SIGKILLed is the fault, named by its
     title and its signal (read from its zombie before its own parent reaps it), not the workers it leaves."""

@@ -126,7 +126,8 @@ def references(port: int) -> list[str]:
 def relayed(supervise, model, args: list[str], env=None):
     up, pub = free_port(), free_port()
     run = supervise(
-        ["--tree", "--kill-grace", "3", "--relay", f"127.0.0.1:{pub}", *args], launcher(model, up), env=env or ENV
+        ["--tree", "--kill-grace", "3", "--relay", f"127.0.0.1:{pub}", *args], launcher(model, up), env=env or ENV,
+        drain=True,
     )
     wait_serving(run, pub)  # through the relay
     return run, pub
@@ -171,13 +172,13 @@ def test_worker_killed_mid_load_no_client_sees_an_error(supervise, tiny_model):
         ready.close()
     assert not clients.errors, clients.errors[:5]
     assert not clients.mismatches, clients.mismatches[:3]
+    stop_run(run)
     resumed = run.events("request resumed")
     assert resumed, "no stream was cut by the fault and continued: " + run.stderr[-3000:]
     assert all(line["resumed_tokens"] > 0 for line in resumed)
     assert run.events("request resent") or resumed
     during = [code for t, code in ready.seen if t > killed_at]
     assert 503 in during and during[-1] == 200, during
-    stop_run(run)
 
 
 def test_engine_core_killed_then_worker_stopped_no_client_sees_an_error(supervise, tiny_model):
@@ -225,8 +226,8 @@ def test_held_past_relay_hold_is_503_with_retry_after(supervise, tiny_model):
     ready.close()
     during = [code for t, code in ready.seen if t > killed_at]
     assert 503 in during and during[-1] == 200, during
-    assert run.events("request given up")
     stop_run(run)
+    assert run.events("request given up")
 
 
 def test_poison_request_is_quarantined_and_the_others_are_served(supervise, tiny_model):
@@ -247,8 +248,8 @@ def test_poison_request_is_quarantined_and_the_others_are_served(supervise, tiny
     assert "quarantined" in str(refused.value), refused.value
     assert not clients.errors, clients.errors[:5]
     assert not clients.mismatches, clients.mismatches[:3]
+    stop_run(run)
     quarantined = [line for line in run.events("request_quarantined") if "incident_ids" in line]
     assert quarantined and len(quarantined[0]["incident_ids"]) == 2, quarantined
     assert len(run.bundles()) == 2, [b.name for b in run.bundles()]
     assert time.monotonic() - sent_at < RESTART_TIMEOUT_S * 2
-    stop_run(run)

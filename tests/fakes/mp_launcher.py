@@ -2,7 +2,7 @@
 SGLang do (spawn context, ranks are grandchildren of the supervisor).
 
     python mp_launcher.py --tp 2 [--fault stop|stall|none] [--fault-rank 1] [--iters N] [--set-title]
-                          [--engine-core PIDFILE]
+                          [--engine-core PIDFILE] [--restart-delay S]
 
 ``--set-title``: each worker names itself with the real ``setproctitle`` once it
 joined, as vLLM's (``VLLM::Worker_TP<r>``) and SGLang's workers do; that
@@ -12,6 +12,9 @@ overwrites the environment block /proc/<pid>/environ shows.
 the launcher and them, as vLLM's ``VLLM::EngineCore`` (api_server -> engine core ->
 workers); its pid is written to PIDFILE once its workers are started, and each
 worker creates ``PIDFILE.joined-<rank>`` once it joined the group.
+
+``--restart-delay S``: in a restarted attempt (``TORCHELASTIC_RESTART_COUNT`` > 0) the workers start S seconds
+late, as vLLM's do after loading the model again.
 
 The launcher waits for its workers and exits with the first non-zero code.
 No supervisor code here: the zero-code hook must find the ranks.
@@ -67,7 +70,10 @@ def main():
     p.add_argument("--sleep", type=float, default=0.01)
     p.add_argument("--set-title", action="store_true")
     p.add_argument("--engine-core", default="")
+    p.add_argument("--restart-delay", type=float, default=0.0)
     args = p.parse_args()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        time.sleep(args.restart_delay)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
