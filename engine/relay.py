@@ -161,6 +161,7 @@ class _Flight:
         if relay.inflight is None or self.fp is None:
             return
         relay.quarantine_check(self.fp)
+        relay.inflight.remove(self.key)
         if relay.quarantine.suspected(self.fp) and relay.cleared.get(self.fp) != relay.epoch:
             await relay._turn.acquire()
             self._holds_turn = True
@@ -169,7 +170,8 @@ class _Flight:
         else:
             while not relay._turn_free.is_set():
                 await relay._turn_free.wait()
-        relay.inflight.remove(self.key)
+            if relay.quarantine.suspects_listed():
+                return  # a crash loop is being sorted out: only a request sent alone is evidence against it
         relay.inflight.add(self.key, self.fp, relay.epoch)
 
     def answered(self) -> None:
@@ -221,6 +223,9 @@ class Relay:
         self._ready.set()
         self._served = False  # an attempt answered /health or a request (before: "starting", after: "restarting")
         self._probe: asyncio.Future | None = None
+        # The incident of the failure the relay waits out: the supervisor removes its file before the next attempt
+        # starts, while the relay may still hold requests (their 503s name it).
+        self.last_incident: str | None = None
         self.epoch = 1  # +1 each time a new attempt is seen serving after a failure (inflight-relay's step)
         self.held = 0  # requests waiting for the next attempt now
         self.counts = {"requests": 0, "resent": 0, "resumed_streams": 0, "given_up": 0, "held": 0, "quarantined": 0}
@@ -298,8 +303,11 @@ class Relay:
         if self.session is not None:
             await self.session.close()
 
+    def _incident(self) -> str | None:
+        return read_incident(self.run_dir) or (None if self._ready.is_set() else self.last_incident)
+
     def _unavailable_text(self) -> str:
-        incident = read_incident(self.run_dir)
+        incident = self._incident()
         where = f" (incident {incident})" if incident else ""
         if self.ending.is_set():
             return f"the engine stopped{where}; retry the request"
@@ -307,7 +315,7 @@ class Relay:
 
     def _given_up(self, path: str, why: str, message: str | None = None) -> dict:
         """The request ends here with a 503 of ours (counted and logged once); returns the error body."""
-        incident = read_incident(self.run_dir)
+        incident = self._incident()
         self._count("given_up")
         log.warning("request given up", path=path, why=why, incident=incident)
         if message is not None and incident:
@@ -358,8 +366,10 @@ class Relay:
         """One probe at a time: its connection may wait in rank 0's backlog until the next attempt answers it."""
         assert self.session is not None
         while not self.ending.is_set():
+            self.last_incident = read_incident(self.run_dir) or self.last_incident
             if await self._health_ok(PROBE_TIMEOUT_S):
                 self.epoch += 1
+                self.last_incident = None
                 self._ready.set()
                 return
             await asyncio.sleep(PROBE_PAUSE_S)

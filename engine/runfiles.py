@@ -322,6 +322,10 @@ class Quarantine:
         """Whether the supervisor suspects this fingerprint (prefill it alone), as of the last ``lookup``."""
         return fp_hex in self._suspects
 
+    def suspects_listed(self) -> bool:
+        """Whether the supervisor lists any suspect (a crash loop is being sorted out), as of the last ``lookup``."""
+        return bool(self._suspects)
+
     def refresh(self) -> None:
         """Re-read the file if it changed (inode, size, mtime); cheap when it did not."""
         path = self.path
