@@ -83,6 +83,7 @@ RETRY_429_S = 1.0  # a resent request refused by a full queue (the restart's her
 FORWARD_TIMEOUT_S = 5.0  # /v1/models, anything that is not a generation
 HEALTH_TIMEOUT_S = 2.0  # /health: a restarting group is 503 quickly (probes time out at 1-2 s)
 CONNECT_TIMEOUT_S = 5.0  # loopback connect: the kernel completes it from the backlog
+INCIDENT_POLL_S = 0.1  # the incident file is read this often (tmpfs: ~20 us)
 INCIDENT_WAIT_S = 2.0  # a stream that cannot be continued waits this long at most for the incident to name
 ALONE_S = 2.0  # a suspect is sent alone: nothing else is sent until its first token, its answer, or this long
 MAX_BODY_BYTES = 1 << 20  # the engine's own limit (engine/server.py)
@@ -265,6 +266,13 @@ class Relay:
             if self._dirty:
                 self._publish_counts()
 
+    async def _incident_loop(self) -> None:
+        """The supervisor's incident file lives from its ruling until the next attempt starts (a SIGKILLed rank:
+        half a second); the relay keeps the id of the last one it saw, for the 503s of what it still holds."""
+        while True:
+            self.last_incident = read_incident(self.run_dir) or self.last_incident
+            await asyncio.sleep(INCIDENT_POLL_S)
+
     # -- plumbing ----------------------------------------------------------------
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
@@ -366,7 +374,6 @@ class Relay:
         """One probe at a time: its connection may wait in rank 0's backlog until the next attempt answers it."""
         assert self.session is not None
         while not self.ending.is_set():
-            self.last_incident = read_incident(self.run_dir) or self.last_incident
             if await self._health_ok(PROBE_TIMEOUT_S):
                 self.epoch += 1
                 self.last_incident = None
@@ -657,8 +664,11 @@ class Relay:
         )
         warn_if_exposed(host, port)
         publisher = asyncio.ensure_future(self._publish_loop())
+        watcher = asyncio.ensure_future(self._incident_loop()) if self.run_dir else None
         await self.ending.wait()
         publisher.cancel()
+        if watcher is not None:
+            watcher.cancel()
         await site.stop()  # closes our copy; the supervisor's copy keeps the port until the run ends
         await runner.cleanup()  # handlers get DRAIN_S to write their 503s
         self._publish_counts()
