@@ -27,7 +27,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) -m "not engines and not bench and not slow"
 
 # Runs whose subject needs tens of seconds of real time (a straggler is named after a sustained window, a minute of
-# load shows nothing diverges, a fuzzer's hundreds of bodies, a COMMAND behind the relay), ~5 min:
+# load shows nothing diverges, a slow or idle rank is shown not to be a hang, a fuzzer's hundreds of bodies, a COMMAND
+# behind the relay), ~6 min:
 # their own tier, run by .ci/run after make test.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) -m "slow and not engines"

@@ -93,6 +93,7 @@ def test_rank_stopped_a_second_after_the_first_collective_is_killed_within_30_s(
           f"hard {hang['watchdog']['hard_timeout_seconds']} s, events {hang['watchdog']['adaptive']}")
 
 
+@pytest.mark.slow  # a "not a hang" run needs tens of seconds of real time: make test-slow
 def test_idle_after_an_early_start_is_not_a_hang(supervise):
     # Learned from the first 100 iterations, then every rank sleeps 7 s
     # outside collectives: longer than the learned hard threshold (the 3 s floor).
@@ -104,6 +105,7 @@ def test_idle_after_an_early_start_is_not_a_hang(supervise):
     no_hang_bundle(run)
 
 
+@pytest.mark.slow  # a "not a hang" run needs tens of seconds of real time: make test-slow
 def test_slow_rank_is_not_a_hang(supervise):
     # After a fast start, rank 1 sleeps 0.5 s before each all_reduce: its peer
     # waits inside every one of them (busy, no progress for 0.5 s each time).
@@ -115,6 +117,7 @@ def test_slow_rank_is_not_a_hang(supervise):
     no_hang_bundle(run)
 
 
+@pytest.mark.slow  # a "not a hang" run needs tens of seconds of real time: make test-slow
 def test_long_first_step_is_not_a_hang(supervise):
     # The first iteration takes ~8 s on rank 1 (a model warm-up / compile),
     # rank 0 waits inside the first all_reduce all along; then a fast loop.

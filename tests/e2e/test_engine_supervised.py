@@ -213,6 +213,7 @@ def test_skipped_collective_under_decode_load_is_a_hang_named_by_the_flight_reco
     assert max(e["collective_seq_id"] for e in r1) == stuck["collective_seq_id"] - 1
 
 
+@pytest.mark.slow  # a "not a hang" run needs tens of seconds of real time: make test-slow
 def test_slow_rank_under_load_is_not_a_hang(supervise, tmp_path):
     run, port = serve(supervise, *SLOW_TIMEOUTS, "--inject", "slow@1")
     url = metrics_url(tmp_path)

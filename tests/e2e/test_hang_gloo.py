@@ -58,6 +58,7 @@ def test_rank_stuck_in_python_outside_collectives(supervise):
     assert "stuck_in_python" in (bundle / "stacks" / "rank-1.txt").read_text()
 
 
+@pytest.mark.slow  # a "not a hang" run needs tens of seconds of real time: make test-slow
 def test_idle_longer_than_hard_timeout_is_not_a_hang(supervise):
     run = supervise(
         ["--nproc-per-node", "2", "--soft-timeout", "2", "--hard-timeout", "4"],
@@ -67,6 +68,7 @@ def test_idle_longer_than_hard_timeout_is_not_a_hang(supervise):
     assert run.bundles() == []
 
 
+@pytest.mark.slow  # a "not a hang" run needs tens of seconds of real time: make test-slow
 def test_slow_rank_under_soft_timeout_is_not_a_hang(supervise):
     run = supervise(
         ["--nproc-per-node", "2", "--soft-timeout", "3", "--hard-timeout", "6"],
