@@ -165,6 +165,10 @@ class _Flight:
         relay.inflight.remove(self.key)
         if relay.quarantine.suspected(self.fp) and relay.cleared.get(self.fp) != relay.epoch:
             await relay._turn.acquire()
+            while not relay._ready.is_set():  # the group failed under the one before: its turn is the next attempt's
+                relay._turn.release()
+                await relay._await_ready()
+                await relay._turn.acquire()
             self._holds_turn = True
             relay._turn_free.clear()
             self._solo = asyncio.get_running_loop().call_later(ALONE_S, self.answered)
