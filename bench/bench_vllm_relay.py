@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import statistics
 import sys
 import tempfile
 import threading
@@ -50,14 +49,6 @@ LOAD_BEFORE_FAULT_S = 8.0
 RESTART_TIMEOUT_S = 400.0
 AFTER_SERVED_S = 3.0
 PROMPTS = ["the quick brown fox", "tell me a story", "hello world", "a small model"]
-
-
-def _q(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def _ms(v: float | None) -> str:
@@ -179,7 +170,15 @@ def cost(srv: vr.Server, up: int, pub: int, pairs: int, load_s: float, clients: 
         c1, t1, n1 = sum(relay.cpu_times()[:2]), time.monotonic(), len(load.done)
         load.close()
         share, load_requests = (c1 - c0) / (t1 - t0), n1 - n0
-    return Cost(pairs, _q(direct, 0.5), _q(relayed, 0.5), _q(added, 0.5), _q(added, 0.99), share, load_requests)
+    return Cost(
+        pairs,
+        vr.quantile(direct, 0.5),
+        vr.quantile(relayed, 0.5),
+        vr.quantile(added, 0.5),
+        vr.quantile(added, 0.99),
+        share,
+        load_requests,
+    )
 
 
 def _first_after(lines: list[dict], event: str, after: float) -> float | None:
@@ -220,7 +219,7 @@ def fault(srv: vr.Server, port: int, up: int, clients: int, through: str) -> Fau
     phases["vLLM /health 200"] = up_back[0] - killed if up_back else None
     serving = min(after) - killed if after else None
     phases["first answer"] = serving
-    return FaultRun(through, len(done), dict(errors), _q(ok, 0.5), _q(ok, 0.99), serving, phases)
+    return FaultRun(through, len(done), dict(errors), vr.quantile(ok, 0.5), vr.quantile(ok, 0.99), serving, phases)
 
 
 def markdown(stamp: str, c: Cost | None, runs: list[FaultRun], clients: int) -> str:

@@ -387,7 +387,8 @@ class Throughput:
     p99_s: float | None
 
 
-def _quantile(values: list[float], q: float) -> float | None:
+def quantile(values: list[float], q: float) -> float | None:
+    """The q quantile (inclusive method); None for no values."""
     if not values:
         return None
     if len(values) == 1:
@@ -454,6 +455,6 @@ def fixed_load(port: int, clients: int, seconds: float, warmup_s: float, max_tok
         errors=errors[0],
         tokens=tokens,
         tokens_per_s=tokens / seconds if window else None,
-        p50_s=_quantile(latencies, 0.50),
-        p99_s=_quantile(latencies, 0.99),
+        p50_s=quantile(latencies, 0.50),
+        p99_s=quantile(latencies, 0.99),
     )
