@@ -472,10 +472,11 @@ class Relay:
     async def readyz(self, _request: web.Request) -> web.Response:
         """200 only while the group answers /health; 503 ``restarting`` after a failure (the supervisor ruled
         one, or the relay saw one), ``starting`` before any attempt served."""
-        if self._ready.is_set() and not read_incident(self.run_dir) and await self._health_ok(HEALTH_TIMEOUT_S):
+        incident = read_incident(self.run_dir)
+        if self._ready.is_set() and not incident and await self._health_ok(HEALTH_TIMEOUT_S):
             return web.json_response({"status": "ready"})
-        status = "restarting" if self._served or read_incident(self.run_dir) else "starting"
-        return web.json_response({"status": status, "incident": read_incident(self.run_dir)}, status=503)
+        status = "restarting" if self._served or incident else "starting"
+        return web.json_response({"status": status, "incident": incident}, status=503)
 
     # -- everything but generations: once, with a deadline -------------------------
     async def forward(self, request: web.Request) -> web.StreamResponse:
