@@ -45,7 +45,7 @@ import pytest
 from tests.conftest import MARK_VAR, ROOT, fake_rank, marked_pids, wait_no_marked
 from tests.live import http_get, metric_value
 from tests.support.logs import json_lines
-from tests.support.serving import KINDS, openai_client, request_ok, stop_supervisor, wait_serving
+from tests.support.serving import KINDS, MODEL, openai_client, request_ok, stop_supervisor, wait_serving
 from tp_supervise.engine.inject import POISON_MARKER
 from tp_supervise.supervisor.rank.net import free_port
 
@@ -249,6 +249,51 @@ class Load:
         assert not any(t.is_alive() for t in self._threads), "a client never got its answer"
 
 
+class HalfSentStream:
+    """One long stream (the official client) that has received its first chunks when ``start`` returns: the fault
+    that follows cuts it with tokens sent, so the relay must continue it.  Its outcome joins the load's."""
+
+    TOKENS = 64  # far more than the moment between its third chunk and the kill can produce
+    CHUNKS_BEFORE_FAULT = 3
+
+    def __init__(self, port: int, load: Load) -> None:
+        self.port, self.load = port, load
+        self.received = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-half-sent", daemon=True)
+
+    def start(self) -> HalfSentStream:
+        self._thread.start()
+        assert self.received.wait(60), "the long stream sent no chunk"
+        return self
+
+    def _run(self) -> None:
+        api = client(self.port, self.load.attempts)
+        started, finish, chunks, error = time.time(), None, 0, ""
+        try:
+            stream = api.completions.create(
+                model=MODEL, prompt="a stream the fault cuts", max_tokens=self.TOKENS, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in stream:
+                chunks += 1
+                if chunks == self.CHUNKS_BEFORE_FAULT:
+                    self.received.set()
+                finish = chunk.choices[0].finish_reason if chunk.choices else finish
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        finally:
+            self.received.set()
+            api.close()
+        ok = finish == "length" and not error
+        self.load.outcomes.append(
+            Outcome(-1, "completion_stream", started, time.time(), ok, error or ("" if ok else "incomplete answer"))
+        )
+
+    def join(self) -> None:
+        self._thread.join(CLIENT_TIMEOUT_S + 10)
+        assert not self._thread.is_alive(), "the long stream never ended"
+
+
 class ReadyzPoller:
     """/readyz every READYZ_POLL_S: (wall time, status, state).  The time is when the answer came: a reading that
     began before the fault and was answered after its ruling says "failed", and belongs after the fault."""
@@ -290,9 +335,11 @@ def kill_run(tmp_path_factory) -> KillRun:
     served = serve(tmp_path_factory.mktemp("kill"), "--max-restarts", "3")
     readyz = ReadyzPoller(served.metrics_port)
     load = Load(served.port, CLIENTS).start()
+    cut = None
     try:
         time.sleep(LOAD_BEFORE_FAULT_S)
         victim = served.rank_pid(0)  # its connections die unanswered (rank 1: the poison run, and the bench)
+        cut = HalfSentStream(served.port, load).start()  # surely cut with tokens sent (the load's may all be between)
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + RESTART_TIMEOUT_S
@@ -303,6 +350,8 @@ def kill_run(tmp_path_factory) -> KillRun:
         time.sleep(LOAD_AFTER_RESTART_S)
     finally:
         load.stop()
+        if cut is not None:
+            cut.join()
         readyz.stop()
         # the relay writes its counts every 0.5 s and the watchdog tick reads them: wait (bounded) for the last
         metrics, deadline = "", time.monotonic() + 15
