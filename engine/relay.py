@@ -85,7 +85,10 @@ HEALTH_TIMEOUT_S = 2.0  # /health: a restarting group is 503 quickly (probes tim
 CONNECT_TIMEOUT_S = 5.0  # loopback connect: the kernel completes it from the backlog
 INCIDENT_POLL_S = 0.1  # the incident file is read this often (tmpfs: ~20 us)
 INCIDENT_WAIT_S = 2.0  # a stream that cannot be continued waits this long at most for the incident to name
-ALONE_S = 2.0  # a suspect is sent alone: nothing else is sent until its first token, its answer, or this long
+# A suspect is sent alone: nothing else is sent until its first token or its answer (a whole answer: of the request
+# cut to one token, sent first).  Past this the turn passes on all the same (an engine that neither answers nor
+# fails must not stall every request); the suspect stays recorded until its first token.
+TURN_LIMIT_S = 60.0
 MAX_BODY_BYTES = 1 << 20  # the engine's own limit (engine/server.py)
 DEFAULT_READ_TIMEOUT_S = 15.0  # the engine's --read-timeout default; the supervisor passes the engine's value
 LINGER_S = 1.0
@@ -171,7 +174,7 @@ class _Flight:
                 await relay._turn.acquire()
             self._holds_turn = True
             relay._turn_free.clear()
-            self._solo = asyncio.get_running_loop().call_later(ALONE_S, self.answered)
+            self._solo = asyncio.get_running_loop().call_later(TURN_LIMIT_S, self.release)
         else:
             while not relay._turn_free.is_set():
                 await relay._turn_free.wait()
@@ -179,9 +182,14 @@ class _Flight:
                 return  # a crash loop is being sorted out: only a request sent alone is evidence against it
         relay.inflight.add(self.key, self.fp, relay.epoch)
 
+    @property
+    def alone(self) -> bool:
+        """It holds the turn: a suspect sent with nothing else."""
+        return self._holds_turn
+
     def answered(self) -> None:
-        """Its first token or answer came (or it ran alone for ALONE_S): no longer a suspect of a failure, and
-        the same request is not sent alone again in this attempt (a client repeating it)."""
+        """Its first token or answer came: no longer a suspect of a failure, and the same request is not sent
+        alone again in this attempt (a client repeating it)."""
         if self.relay.inflight is not None:
             self.relay.inflight.remove(self.key)
         if self._holds_turn and self.fp is not None:
@@ -561,6 +569,13 @@ class Relay:
                 if sent:
                     self._resending(request.path, sent, 0)
                 await flight.sending()
+                if flight.alone and isinstance(body, dict):
+                    first = await self._first_token(request.path, body, sent)
+                    if first is None:
+                        flight.failed()
+                        continue
+                    if first:
+                        flight.answered()  # past its prefill; the whole request is sent with the others
                 try:
                     async with await self._send("POST", request.path, data=raw, headers=headers) as up:
                         data = await up.read()
@@ -576,6 +591,20 @@ class Relay:
         except _Ended as exc:
             why, message = str(exc), exc.message
         return self._unavailable(self._given_up(request.path, why, message))
+
+    async def _first_token(self, path: str, body: dict, sent: int) -> bool | None:
+        """A suspect's answer is not streamed: its first token alone, asked for as a request of one token.  True:
+        it came; False: the engine refused that request (the whole one then keeps the turn until its answer);
+        None: the group failed under it (or a full queue: send again)."""
+        try:
+            async with await self._send("POST", path, json=self.engine.first_token_payload(path, body)) as up:
+                data = await up.read()
+                if up.status == 200:
+                    return True
+                return None if await self._send_again(up.status, data, sent) else False
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            self._failed()
+            return None
 
     async def _stream(self, request: web.Request, body: dict, flight: _Flight) -> web.StreamResponse:
         stream = _Stream(request, body, self.engine, flight)

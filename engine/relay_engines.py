@@ -166,6 +166,15 @@ class Adapter:
     def first_payload(self, path: str, body: dict) -> dict:
         return body
 
+    @staticmethod
+    def first_token_payload(path: str, body: dict) -> dict:
+        """The same request cut to its first token and not streamed: a suspect whose answer is not streamed is
+        sent alone like this first, so that the engine's own signal (the token) ends its turn, not a timer."""
+        payload = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
+        payload.pop("max_completion_tokens", None)
+        payload["max_tokens"] = 1
+        return payload
+
     def resume(self, so_far: StreamSoFar) -> tuple[str, dict, Resumed] | None:
         return None
 

@@ -26,6 +26,8 @@ import urllib.request
 import pytest
 from aiohttp import web
 
+from tp_supervise.engine.relay_engines import request_fingerprint
+from tp_supervise.engine.runfiles import RELAY_INFLIGHT_FILE, read_inflight, write_quarantine
 from tp_supervise.supervisor.rank.net import listen_backlog
 
 STREAM_TOKENS = 10
@@ -39,6 +41,7 @@ class Upstream:
         self.sock = socket.create_server(("127.0.0.1", 0), backlog=listen_backlog())
         self.port = self.sock.getsockname()[1]
         self.plan: list[str] = []
+        self.script: dict[str, list[str]] = {}  # prompt -> its own steps, before the plan
         self.bodies: list[dict] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -65,7 +68,8 @@ class Upstream:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
-        step = self.plan.pop(0) if self.plan else "full"
+        own = self.script.get(body.get("prompt"))
+        step = own.pop(0) if own else self.plan.pop(0) if self.plan else "full"
         if step == "unavailable":
             error = {"message": "the engine's group failed (incident X); retry the request", "type": "server_error",
                      "param": None, "code": "engine_unavailable"}
@@ -76,6 +80,10 @@ class Upstream:
             return web.json_response({"error": error}, status=400)
         if step == "hold":
             await asyncio.sleep(3600)
+        if step.startswith("wait-cut:"):  # queued in the engine this long, then its group dies
+            await asyncio.sleep(float(step.split(":")[1]))
+            request.transport.close()
+            return web.Response()
         done = len(body.get("resume_token_ids") or [])
         cut = int(step.split(":")[1]) if step.startswith("cut:") else None
         fail = int(step.split(":")[1]) if step.startswith("fail:") else None
@@ -115,15 +123,13 @@ class Upstream:
         self._thread.join(10)
 
 
-@pytest.fixture
-def relay(tmp_path):
-    upstream = Upstream()
+def start_relay(tmp_path, upstream: Upstream, *args: str) -> tuple[subprocess.Popen, int]:
     public = socket.create_server(("127.0.0.1", 0), backlog=listen_backlog())
     port = public.getsockname()[1]
     env = dict(os.environ, SUPERVISE_LISTEN_FDS=str(public.fileno()))
     proc = subprocess.Popen(
         [sys.executable, "-m", "tp_supervise.engine.relay", "--upstream", f"127.0.0.1:{upstream.port}",
-         "--run-dir", str(tmp_path)],
+         "--run-dir", str(tmp_path), *args],
         pass_fds=(public.fileno(),), env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     public.close()
@@ -134,6 +140,13 @@ def relay(tmp_path):
                 break
         except OSError:
             time.sleep(0.1)
+    return proc, port
+
+
+@pytest.fixture
+def relay(tmp_path):
+    upstream = Upstream()
+    proc, port = start_relay(tmp_path, upstream)
     yield proc, port, upstream
     if proc.poll() is None:
         proc.kill()
@@ -322,6 +335,50 @@ def test_a_request_whose_client_left_during_a_restart_is_withdrawn(tmp_path):
         # the request, or nothing when the client left before the relay wrote it (a loaded host): closed either way
         assert data == b"" or (data.startswith(b"POST /v1/completions") and body in data), data[:200]
         held.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        upstream.close()
+
+
+def test_a_suspect_is_alone_until_the_engine_answers_its_first_token_however_long_it_waits(tmp_path):
+    """A COMMAND's engine (the openai adapter: the relay records and quarantines).  Two suspects of the crash loop,
+    neither streamed: the poison waits in the engine's queue for 3 s and then its group dies.  Until then nothing
+    else was sent and only the poison is recorded, so the failure is blamed on it alone (a timer that ended its
+    turn after 2 s once let the bystander's turn begin, and the bystander was blamed with it)."""
+    upstream = Upstream()
+    proc, port = start_relay(tmp_path, upstream, "--engine", "openai")
+    try:
+        poison = {"model": "m", "prompt": "poison", "max_tokens": 8}
+        bystander = {"model": "m", "prompt": "bystander", "max_tokens": 8}
+        fp = {b["prompt"]: request_fingerprint("/v1/completions", b) for b in (poison, bystander)}
+        write_quarantine(tmp_path, {}, suspects=fp.values())
+        upstream.script = {"poison": ["wait-cut:3"]}
+        answers: dict[str, int] = {}
+
+        def send(body: dict) -> None:
+            answers[body["prompt"]] = post(port, body, timeout=60)[0]
+
+        threads = [threading.Thread(target=send, args=(b,)) for b in (poison, bystander)]
+        threads[0].start()
+        deadline = time.monotonic() + 10
+        while not upstream.bodies:
+            assert time.monotonic() < deadline, "the poison was not sent"
+            time.sleep(0.05)
+        threads[1].start()
+        time.sleep(2.5)  # past the old 2 s window, the poison still waits in the engine
+        assert [(b["prompt"], b["max_tokens"]) for b in upstream.bodies] == [("poison", 1)], upstream.bodies
+        recorded = read_inflight(tmp_path / RELAY_INFLIGHT_FILE).fingerprints
+        assert recorded == (fp["poison"],), recorded
+        for t in threads:
+            t.join(60)
+        assert answers == {"poison": 200, "bystander": 200}, answers
+        sent = [(b["prompt"], b["max_tokens"]) for b in upstream.bodies]
+        # each suspect alone through its first token (one-token request), then whole; the poison again after the
+        # failure (the next attempt's turn is its own), the bystander only after the poison got past its prefill
+        assert sent[:2] == [("poison", 1), ("poison", 1)], sent
+        assert sent.index(("bystander", 1)) > sent.index(("poison", 1), 1), sent
+        assert ("bystander", 8) in sent and all("stream" not in b for b in upstream.bodies if b["max_tokens"] == 1)
     finally:
         proc.kill()
         proc.wait(10)

@@ -230,10 +230,6 @@ def test_held_past_relay_hold_is_503_with_retry_after(supervise, tiny_model):
     assert run.events("request given up")
 
 
-@pytest.mark.skip(
-    reason="known defect, open in #27: a bystander can be blamed with the poison request when the poison waits in "
-    "vLLM's queue past its 2 s alone window (a clean-clone run quarantined two bystanders)"
-)
 def test_poison_request_is_quarantined_and_the_others_are_served(supervise, tiny_model):
     poison = [250, 251, 252]
     env = dict(ENV, PYTHONPATH=PLUGIN, TPS_TEST_FAULT="poison", TPS_TEST_POISON_IDS=",".join(map(str, poison)))
