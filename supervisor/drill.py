@@ -1,4 +1,4 @@
-"""``supervise drill``: the fault matrix against the built-in engine.
+"""``supervise drill``: the fault matrix against the built-in engine (a COMMAND's drill: drill_command.py).
 
 For each inject kind: start ``supervise serve --tp N --max-restarts 1 --inject
 KIND@1:STEP`` on free ports, drive completion requests at it until the
@@ -86,6 +86,7 @@ class DrillResult:
     verdict: str
     note: str = ""
     serving_again_s: float | None = None  # the ruling → the first request sent after it completed
+    client_errors: int | None = None  # a COMMAND's drill: answers other than 200 the clients got (through the relay)
 
 
 def _post(port: int, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int | None, bytes]:
@@ -111,7 +112,10 @@ class Traffic:
     fingerprint is its content, and the quarantine must see each client's request as its own."""
 
     port: int
+    model: str | None = None  # sent in every request when the engine wants it (an OpenAI server: /v1/models)
+    timeout_s: float = REQUEST_TIMEOUT_S  # a client's patience: behind the relay, longer than the engine's restart
     probes: list[tuple[float, float, bool]] = field(default_factory=list)  # (sent, answered, ok)
+    errors: list[str] = field(default_factory=list)  # every answer that was not a 200: "STATUS body" or the error
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
 
@@ -131,7 +135,7 @@ class Traffic:
         while not self._stop.is_set():
             n += 1
             body = {"prompt": f"drill {worker}.{n}", "max_tokens": 64, "ignore_eos": True, "temperature": 0}
-            status, _ = _post(self.port, body)
+            status, _ = self._send(body)
             if status != 200:
                 self._stop.wait(HEALTH_POLL_S)
 
@@ -140,8 +144,16 @@ class Traffic:
         while not self._stop.wait(PROBE_EVERY_S):
             n += 1
             sent = time.time()
-            status, _ = _post(self.port, {"prompt": f"probe {n}", "max_tokens": PROBE_TOKENS, "temperature": 0})
+            status, _ = self._send({"prompt": f"probe {n}", "max_tokens": PROBE_TOKENS, "temperature": 0})
             self.probes.append((sent, time.time(), status == 200))
+
+    def _send(self, body: dict) -> tuple[int | None, bytes]:
+        if self.model is not None:
+            body["model"] = self.model
+        status, answer = _post(self.port, body, self.timeout_s)
+        if status != 200 and not self._stop.is_set():
+            self.errors.append(f"{status} {answer[:200].decode(errors='replace')}")
+        return status, answer
 
     def served_after(self, at: float) -> float | None:
         """When the first probe answered 200 after ``at`` was answered (wall clock), or None.  A probe in flight at
@@ -189,7 +201,7 @@ def first_ruling(log_path: Path) -> float | None:
     return None
 
 
-def _fatal_bundles(dump_dir: Path) -> list[dict]:
+def fatal_bundles(dump_dir: Path) -> list[dict]:
     if not dump_dir.is_dir():
         return []
     out = []
@@ -281,7 +293,7 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    fatal = _fatal_bundles(dump_dir)
+    fatal = fatal_bundles(dump_dir)
     summary = fatal[-1] if fatal else {}
     reason = summary.get("reason")
     culprits = summary.get("culprit_ranks")
@@ -364,7 +376,7 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    fatal = _fatal_bundles(dump_dir)
+    fatal = fatal_bundles(dump_dir)
     failures = len([s for s in fatal if s.get("reason") == expected_reason])
     quarantined = answer[0] == 400 and b"request_quarantined" in answer[1]
     passed = quarantined and alive and served is not None and code == expected_exit and 1 <= failures <= 2
@@ -391,7 +403,19 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
 
 
 def main(args) -> int:
-    kinds = list(INJECT_KINDS) if args.kinds == "all" else [k.strip() for k in args.kinds.split(",") if k.strip()]
+    command = list(getattr(args, "command", None) or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    if command:
+        from . import drill_command
+
+        return drill_command.main(args, command)
+    if getattr(args, "serve_flags", ""):
+        print("supervise drill: --serve-flags is for a COMMAND's drill (-- COMMAND ...)", file=sys.stderr)
+        return 64
+    kinds = (
+        list(INJECT_KINDS) if args.kinds in (None, "all") else [k.strip() for k in args.kinds.split(",") if k.strip()]
+    )
     unknown = [k for k in kinds if k not in EXPECT]
     if unknown:
         print(
@@ -401,19 +425,27 @@ def main(args) -> int:
     dump_root = Path(args.dump_dir)
     dump_root.mkdir(parents=True, exist_ok=True)
     results = [run_one(kind, args.tp, dump_root) for kind in kinds]
-    if args.json:
+    title = f"supervise drill (TP={args.tp}, fault on rank {FAULT_RANK} at step {FAULT_STEP}, one restart)"
+    return report(results, title, args.json)
+
+
+def report(results: list[DrillResult], title: str, as_json: bool) -> int:
+    """Print the results (a rich table, or JSON records); the drill's exit code: 0 when every kind passed."""
+    if as_json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(
-            title=f"supervise drill (TP={args.tp}, fault on rank {FAULT_RANK} at step {FAULT_STEP}, one restart)"
-        )
-        for col in ("kind", "result", "exit", "bundle", "culprit", "detected after", "serving again", "verdict"):
+        table = Table(title=title)
+        columns = ["kind", "result", "exit", "bundle", "culprit", "detected after", "serving again"]
+        with_errors = any(r.client_errors is not None for r in results)
+        if with_errors:
+            columns.append("client errors")
+        for col in (*columns, "verdict"):
             table.add_column(col)
         for r in results:
-            table.add_row(
+            row = [
                 r.kind,
                 "[green]pass[/]" if r.passed else "[red]FAIL[/]",
                 f"{r.exit_code} (want {r.expected_exit})",
@@ -421,10 +453,12 @@ def main(args) -> int:
                 str(r.culprit_ranks) if r.culprit_ranks is not None else "-",
                 f"{r.detect_s:.1f} s" if r.detect_s is not None else "-",
                 f"{r.serving_again_s:.1f} s" if r.serving_again_s is not None else "-",
-                r.verdict or r.note,
-            )
+            ]
+            if with_errors:
+                row.append(str(r.client_errors) if r.client_errors is not None else "-")
+            table.add_row(*row, r.verdict or r.note)
         Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0 if all(r.passed for r in results) else 1
 
 
-__all__ = ["main", "run_one", "EXPECT"]
+__all__ = ["main", "run_one", "report", "EXPECT"]

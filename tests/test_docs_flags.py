@@ -288,8 +288,8 @@ def test_computed_defaults_are_still_computed(parser):
         (
             "a dump flag documented under drill",
             lambda t: t.replace(
-                "| `--tp N` | 2 | ranks of each run |",
-                "| `--tp N` | 2 | ranks of each run |\n| `--timeout S` | 30 | x |",
+                "| `--tp N` | 2 | ranks of each run of the built-in engine |",
+                "| `--tp N` | 2 | ranks of each run of the built-in engine |\n| `--timeout S` | 30 | x |",
             ),
             "`supervise drill` has no flag --timeout",
         ),

@@ -149,11 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="print summary.json instead (several bundles: one record with every node's summary under 'nodes')",
     )
 
-    drill = sub.add_parser("drill", help="run the fault matrix against the built-in engine")
-    drill.add_argument(
-        "--kinds", default="all", metavar="K1,K2,...", help="comma-separated inject kinds, poison included, or 'all'"
+    drill = sub.add_parser(
+        "drill",
+        help="run the fault matrix against the built-in engine, or against COMMAND (signals to rank 1, behind the relay)",
     )
-    drill.add_argument("--tp", type=int, default=2, metavar="N", help="ranks of each run")
+    drill.add_argument(
+        "--kinds",
+        default=None,
+        metavar="K1,K2,...",
+        help="comma-separated kinds or 'all' (default: every inject kind of the built-in engine, poison included; "
+        "for a COMMAND kill,stop of kill,segfault,abort,stop)",
+    )
+    drill.add_argument("--tp", type=int, default=2, metavar="N", help="ranks of each run of the built-in engine")
     drill.add_argument(
         "--dump-dir",
         type=Path,
@@ -162,4 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="each kind's bundles go to DIR/<kind>/, its supervisor's log to DIR/<kind>.log",
     )
     drill.add_argument("--json", action="store_true", help="print one JSON record per kind instead of the table")
+    drill.add_argument(
+        "--serve-flags",
+        default="",
+        metavar="'FLAGS'",
+        help="a COMMAND's drill: flags of supervise serve for each run, in one string (e.g. --serve-flags=--tree; the = keeps argparse from reading it as a flag)",
+    )
+    drill.add_argument(
+        "--ready-timeout",
+        type=seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="a COMMAND's drill: how long the engine may take to serve, at the start and again after the fault",
+    )
+    drill.add_argument(
+        "--load-before",
+        type=seconds,
+        default=25.0,
+        metavar="SECONDS",
+        help="a COMMAND's drill: how long the load runs before the fault (the watchdog learns the engine's steps "
+        "from it, as it has in production; before that its warm-up thresholds apply)",
+    )
+    drill.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]: drill this engine instead")
     return parser
