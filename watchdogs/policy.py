@@ -231,9 +231,10 @@ class WatchdogState:
         return cls(started_at=now)
 
     def next_attempt(self, now: float) -> WatchdogState:
-        """State for the ranks' next attempt (a restart): progress history and
-        claims forgotten, what was learned about the engine's rhythm kept."""
-        return WatchdogState(started_at=now, learned=self.learned)
+        """State for the ranks' next attempt (a restart): progress history and claims forgotten; what was learned
+        of the engine's rhythm (the window) kept, its warm-up counted again: new processes pay their first steps
+        again (a compile, a cold allocator, the first prefill), which the window does not know."""
+        return WatchdogState(started_at=now, learned=adaptive.Learned(self.learned.window))
 
 
 def is_pending(snap: SlotSnapshot) -> bool:

