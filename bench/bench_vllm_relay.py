@@ -44,6 +44,7 @@ MODULE = "bench.bench_vllm_relay"
 CLIENTS = 8
 COST_REQUESTS = 60
 COST_LOAD_S = 30.0
+MODELS_PAIRS = 300
 MAX_TOKENS = 32
 LOAD_BEFORE_FAULT_S = 8.0
 RESTART_TIMEOUT_S = 400.0
@@ -131,6 +132,9 @@ class Cost:
     relay_p50_s: float | None
     added_p50_s: float | None
     added_p99_s: float | None
+    models_pairs: int  # GET /v1/models each way: the relay's own forwarding cost, without generation's noise
+    models_added_p50_s: float | None
+    models_added_p99_s: float | None
     relay_cpu_share: float | None  # of one core, over the load window
     load_requests: int
 
@@ -159,6 +163,15 @@ def cost(srv: vr.Server, up: int, pub: int, pairs: int, load_s: float, clients: 
             post(port, body)
             out.append(time.monotonic() - t)
     added = sorted(r - d for d, r in zip(direct, relayed, strict=True))
+    models_added = []
+    for _ in range(MODELS_PAIRS):
+        took = []
+        for port in (up, pub):
+            t = time.monotonic()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
+                response.read()
+            took.append(time.monotonic() - t)
+        models_added.append(took[1] - took[0])
     pid = relay_pid(srv)
     share, load_requests = None, 0
     if pid is not None:
@@ -176,6 +189,9 @@ def cost(srv: vr.Server, up: int, pub: int, pairs: int, load_s: float, clients: 
         vr.quantile(relayed, 0.5),
         vr.quantile(added, 0.5),
         vr.quantile(added, 0.99),
+        MODELS_PAIRS,
+        vr.quantile(models_added, 0.5),
+        vr.quantile(models_added, 0.99),
         share,
         load_requests,
     )
@@ -235,6 +251,12 @@ def markdown(stamp: str, c: Cost | None, runs: list[FaultRun], clients: int) -> 
             f"| straight to vLLM | {_ms(c.direct_p50_s)} | |",
             f"| through the relay | {_ms(c.relay_p50_s)} | |",
             f"| added by the relay (paired) | {_ms(c.added_p50_s)} | {_ms(c.added_p99_s)} |",
+            f"| added by the relay to `GET /v1/models` ({c.models_pairs} pairs) | {_ms(c.models_added_p50_s)} "
+            f"| {_ms(c.models_added_p99_s)} |",
+            "",
+            "A generation's own time varies by tens of ms from one request to the next on this host, so the paired "
+            "difference of generations cannot resolve a millisecond; `/v1/models` (no generation, answered by "
+            "vLLM's API server alone) shows what the relay's forwarding itself adds.",
             "",
             "Relay CPU: "
             + ("n/a" if c.relay_cpu_share is None else f"{c.relay_cpu_share * 100:.1f} % of one core")
@@ -270,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-requests", type=int, default=COST_REQUESTS, help="paired requests (0: no cost part)")
     ap.add_argument("--cost-load-s", type=float, default=COST_LOAD_S)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", type=Path, metavar="DIR", help="work in DIR and keep it (the supervisor's log, bundles)")
     add_common_args(ap, "10 paired requests, a 5 s CPU window, one fault through the relay")
     args = ap.parse_args(argv)
     if args.quick:
@@ -282,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = Stamp.begin(MODULE, argv)
     runs: list[FaultRun] = []
     c = None
-    with tempfile.TemporaryDirectory(prefix="bench-vllm-relay-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-relay-") as scratch:
+        tmp = str(args.keep) if args.keep else scratch
         model = Path(tmp) / "tiny-llama"
         vr.make_model(model)
         pub = free_port()
