@@ -280,33 +280,10 @@ class Relay:
 
     async def _incident_loop(self) -> None:
         """The supervisor's incident file lives from its ruling until the next attempt starts (a SIGKILLed rank:
-        half a second); the relay keeps the id of the last one it saw, for the 503s of what it still holds.
-
-        A new incident while the relay still thinks the group serves: the attempt is being torn down, so what the
-        relay has in flight to it is cut now and held for the next one.  Waiting for the engine's own answer costs
-        the restart: an engine server shutting down on SIGTERM waits for its open connections (vLLM's uvicorn:
-        "Waiting for connections to close") until the supervisor's --kill-grace runs out."""
-        cut: str | None = None
+        half a second); the relay keeps the id of the last one it saw, for the 503s of what it still holds."""
         while True:
-            incident = read_incident(self.run_dir)
-            if incident is not None and incident != cut and self._ready.is_set():
-                cut = incident
-                self._failed()
-                await self._cut_upstream()
-            self.last_incident = incident or self.last_incident
+            self.last_incident = read_incident(self.run_dir) or self.last_incident
             await asyncio.sleep(INCIDENT_POLL_S)
-
-    async def _cut_upstream(self) -> None:
-        """Close every connection to the failed attempt (their requests fail over to the next one); new sends go
-        through a new session."""
-        old, self.session = self.session, self._new_session()
-        if old is not None:
-            await old.close()
-
-    @staticmethod
-    def _new_session() -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(force_close=True, limit=0)  # every request its own connection
-        return aiohttp.ClientSession(connector=connector, auto_decompress=False)
 
     # -- plumbing ----------------------------------------------------------------
     @web.middleware
@@ -332,7 +309,8 @@ class Relay:
         return app
 
     async def _open(self, _app) -> None:
-        self.session = self._new_session()
+        connector = aiohttp.TCPConnector(force_close=True, limit=0)  # every request its own connection
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         if self.engine.records_requests and self.run_dir:
             try:
                 self.inflight = runfiles.InflightFile(
@@ -408,9 +386,7 @@ class Relay:
         """One probe at a time: its connection may wait in rank 0's backlog until the next attempt answers it."""
         assert self.session is not None
         while not self.ending.is_set():
-            # The failed attempt's server may still answer /health while it shuts down: the next attempt is the one
-            # that serves after the supervisor removed the incident file (it does as the next attempt starts).
-            if read_incident(self.run_dir) is None and await self._health_ok(PROBE_TIMEOUT_S):
+            if await self._health_ok(PROBE_TIMEOUT_S):
                 self.epoch += 1
                 self.last_incident = None
                 self._ready.set()
