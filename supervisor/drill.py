@@ -223,22 +223,11 @@ def _straggler_bundles(dump_dir: Path) -> list[dict]:
 
 def _argv(port: int, tp: int, dump_dir: Path, plane: str, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "tp_supervise.supervisor.cli",
-        "serve",
+        *serve_argv(dump_dir),
         "--tp",
         str(tp),
         "--port",
         str(port),
-        "--metrics-addr",
-        "127.0.0.1:0",
-        "--metrics-linger",
-        "0",
-        "--dump-dir",
-        str(dump_dir),
-        "--log-format",
-        "json",
         "--soft-timeout",
         "3",
         "--hard-timeout",
@@ -250,6 +239,33 @@ def _argv(port: int, tp: int, dump_dir: Path, plane: str, *extra: str) -> list[s
         "--consensus",
         "enforce",
         *extra,
+    ]
+
+
+def end_run(proc: subprocess.Popen, traffic: Traffic) -> None:
+    """The clients stop; the run too if it is still up (SIGKILL: the drill is done with it)."""
+    traffic.stop()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def serve_argv(dump_dir: Path) -> list[str]:
+    """``supervise serve`` as every drill run starts it: a JSON log the drill reads, bundles in ``dump_dir``,
+    metrics on a free port and no linger after the run."""
+    return [
+        sys.executable,
+        "-m",
+        "tp_supervise.supervisor.cli",
+        "serve",
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--metrics-linger",
+        "0",
+        "--dump-dir",
+        str(dump_dir),
+        "--log-format",
+        "json",
     ]
 
 
@@ -289,10 +305,7 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
                     proc.kill()
                     code = proc.wait()
         finally:
-            traffic.stop()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            end_run(proc, traffic)
     fatal = fatal_bundles(dump_dir)
     summary = fatal[-1] if fatal else {}
     reason = summary.get("reason")
@@ -372,10 +385,7 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
                 proc.send_signal(signal.SIGTERM)
             code = proc.wait(timeout=60)
         finally:
-            traffic.stop()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            end_run(proc, traffic)
     fatal = fatal_bundles(dump_dir)
     failures = len([s for s in fatal if s.get("reason") == expected_reason])
     quarantined = answer[0] == 400 and b"request_quarantined" in answer[1]

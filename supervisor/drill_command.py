@@ -32,7 +32,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .drill import DrillResult, Traffic, fatal_bundles, first_ruling, report
+from .drill import DrillResult, Traffic, end_run, fatal_bundles, first_ruling, report
+from .drill import serve_argv as drill_serve_argv
 from .observers import control_socket as control
 from .observers.status_view import fetch
 from .rank.net import free_port
@@ -84,27 +85,8 @@ def parse_serve_flags(text: str) -> list[str]:
 
 
 def serve_argv(public: int, dump_dir: Path, serve_flags: list[str], command: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "tp_supervise.supervisor.cli",
-        "serve",
-        "--relay",
-        f"127.0.0.1:{public}",
-        "--max-restarts",
-        "1",
-        "--metrics-addr",
-        "127.0.0.1:0",
-        "--metrics-linger",
-        "0",
-        "--dump-dir",
-        str(dump_dir),
-        "--log-format",
-        "json",
-        *serve_flags,
-        "--",
-        *command,
-    ]
+    return [*drill_serve_argv(dump_dir), "--relay", f"127.0.0.1:{public}", "--max-restarts", "1", *serve_flags,
+            "--", *command]  # fmt: skip
 
 
 def _get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int | None, bytes]:
@@ -209,10 +191,7 @@ def run_kind(
             traffic.stop()  # the answers to the drill's own SIGTERM are not the fault's
             code = _stop(proc)
         finally:
-            traffic.stop()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            end_run(proc, traffic)
     fatal = fatal_bundles(dump_dir)
     summary = fatal[0] if fatal else {}
     reason, culprits = summary.get("reason"), summary.get("culprit_ranks")
