@@ -413,13 +413,6 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
 
 
 def main(args) -> int:
-    command = list(getattr(args, "command", None) or [])
-    if command and command[0] == "--":
-        command = command[1:]
-    if command:
-        from . import drill_command
-
-        return drill_command.main(args, command)
     if getattr(args, "serve_flags", ""):
         print("supervise drill: --serve-flags is for a COMMAND's drill (-- COMMAND ...)", file=sys.stderr)
         return 64

@@ -305,6 +305,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if command:  # the user's engine, behind the relay
+        from .. import drill_command
+
+        return drill_command.main(args, command)
     from .. import drill
 
     return drill.main(args)
