@@ -47,7 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench._docs import Stamp, add_common_args, replace_section
 from tests.support.logs import json_lines
 from tp_supervise.consensus.monitor import ConsensusMonitor
-from tp_supervise.supervisor.drill import wait_engine_health
+from tp_supervise.supervisor.drill import wait_answering
 from tp_supervise.supervisor.observers.consensus_thread import CONSENSUS_POLL_S
 from tp_supervise.supervisor.rank import consensus as consensus
 from tp_supervise.supervisor.rank import encoding
@@ -175,7 +175,7 @@ class Supervised:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def ready(self) -> None:
-        if not wait_engine_health(self.port, self.proc, time.monotonic() + READY_TIMEOUT_S):
+        if not wait_answering(self.port, "/health", self.proc, time.monotonic() + READY_TIMEOUT_S):
             raise RuntimeError(f"the engine did not become ready:\n{self.log_path.read_text()[-3000:]}")
 
     def steps(self) -> int:

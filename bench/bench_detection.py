@@ -46,7 +46,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench._docs import Stamp, add_common_args, replace_section
-from tp_supervise.supervisor.drill import wait_engine_health
+from tp_supervise.supervisor.drill import wait_answering
 from tp_supervise.supervisor.observers.watchdog_thread import TICK_S
 from tp_supervise.supervisor.rank.net import free_port
 from tp_supervise.watchdogs.adaptive import AdaptiveParams
@@ -210,7 +210,7 @@ class Scraper:
 
 
 def _wait_health(port: int, proc: subprocess.Popen, timeout: float) -> bool:
-    return wait_engine_health(port, proc, time.monotonic() + timeout)
+    return wait_answering(port, "/health", proc, time.monotonic() + timeout)
 
 
 def parse_log(text: str) -> dict:

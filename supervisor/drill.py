@@ -52,6 +52,7 @@ READY_TIMEOUT_S = 90.0
 LOAD_THREADS = 4
 REQUEST_TIMEOUT_S = 30.0
 HEALTH_POLL_S = 0.2
+READY_POLL_TIMEOUT_S = 5.0  # one readiness poll (the relay's /readyz asks the engine's /health, up to 2 s)
 PROBE_EVERY_S = 0.2
 PROBE_TOKENS = 2
 RETRY_PAUSE_S = 1.0  # a client whose request failed (503, connection error) sends it again after this
@@ -170,11 +171,12 @@ class Traffic:
         return None
 
 
-def wait_engine_health(port: int, proc: subprocess.Popen, deadline: float) -> bool:
-    """Until the engine's /health answers 200, ``proc`` exits, or the monotonic deadline."""
+def wait_answering(port: int, path: str, proc: subprocess.Popen, deadline: float) -> bool:
+    """Until ``GET path`` answers 200 (the engine's /health, the relay's /readyz), ``proc`` exits, or the monotonic
+    deadline."""
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=READY_POLL_TIMEOUT_S) as resp:
                 if resp.status == 200:
                     return True
         except (urllib.error.URLError, OSError):
@@ -286,7 +288,7 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
         try:
-            if not wait_engine_health(port, proc, time.monotonic() + READY_TIMEOUT_S):
+            if not wait_answering(port, "/health", proc, time.monotonic() + READY_TIMEOUT_S):
                 proc.kill()
                 proc.wait()
                 return DrillResult(
@@ -363,7 +365,7 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
         try:
-            if not wait_engine_health(port, proc, time.monotonic() + READY_TIMEOUT_S):
+            if not wait_answering(port, "/health", proc, time.monotonic() + READY_TIMEOUT_S):
                 proc.kill()
                 proc.wait()
                 return DrillResult(
@@ -413,7 +415,7 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
 
 
 def main(args) -> int:
-    if getattr(args, "serve_flags", ""):
+    if args.serve_flags:
         print("supervise drill: --serve-flags is for a COMMAND's drill (-- COMMAND ...)", file=sys.stderr)
         return 64
     kinds = (

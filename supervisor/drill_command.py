@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .drill import DrillResult, Traffic, end_run, fatal_bundles, first_ruling, report
+from .drill import DrillResult, Traffic, end_run, fatal_bundles, first_ruling, report, wait_answering
 from .drill import serve_argv as drill_serve_argv
 from .observers import control_socket as control
 from .observers.status_view import fetch
@@ -50,8 +50,8 @@ DEFAULT_KINDS = ("kill", "stop")
 OWNED_FLAGS = ("--relay", "--dump-dir", "--log-format", "--inject", "--listen")
 POLL_S = 0.5
 STATUS_TIMEOUT_S = 3.0
-STOP_TIMEOUT_S = 120.0
-CLIENT_SLACK_S = 60.0  # a client's timeout: the engine's start (--ready-timeout) and this  # SIGTERM → exit: the engine's own shutdown, then the supervisor's teardown
+STOP_TIMEOUT_S = 120.0  # SIGTERM → exit: the engine's own shutdown, then the supervisor's teardown
+CLIENT_SLACK_S = 60.0  # a client's timeout: the engine's start (--ready-timeout) and this
 
 
 class UsageError(Exception):
@@ -97,15 +97,6 @@ def _get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int | None, byte
         return exc.code, b""
     except (urllib.error.URLError, OSError, ValueError):
         return None, b""
-
-
-def wait_ready(public: int, proc: subprocess.Popen, deadline: float) -> bool:
-    """Until the relay's /readyz says the group serves (200), the run ends, or the monotonic deadline."""
-    while time.monotonic() < deadline and proc.poll() is None:
-        if _get(public, "/readyz")[0] == 200:
-            return True
-        time.sleep(POLL_S)
-    return False
 
 
 def served_model(public: int) -> str | None:
@@ -159,7 +150,7 @@ def run_kind(
             serve_argv(public, dump_dir, serve_flags, command), stdout=log_file, stderr=subprocess.STDOUT
         )
         try:
-            if not wait_ready(public, proc, time.monotonic() + ready_s):
+            if not wait_answering(public, "/readyz", proc, time.monotonic() + ready_s):
                 ended = proc.poll() is not None
                 failed.exit_code = _stop(proc)
                 failed.verdict = (

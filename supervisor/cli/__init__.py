@@ -29,10 +29,14 @@ from ..spec import EngineOptions, LaunchSpec, UsageError
 from .parser import DISTRIBUTION, build_parser, errors_as_json, package_version, say_error, wants_json_logs
 
 
-def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
+def _command(args: argparse.Namespace) -> list[str]:
+    """The COMMAND after ``--`` (argparse's REMAINDER keeps the separator), or [] for the built-in engine."""
     command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+    return command[1:] if command and command[0] == "--" else command
+
+
+def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
+    command = _command(args)
     builtin = not command
     if args.standalone:
         if args.nnodes != 1:
@@ -305,9 +309,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = _command(args)
     if command:  # the user's engine, behind the relay
         from .. import drill_command
 

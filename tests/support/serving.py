@@ -14,7 +14,7 @@ import time
 import httpx2
 import openai
 
-from tp_supervise.supervisor.drill import wait_engine_health
+from tp_supervise.supervisor.drill import wait_answering
 
 MODEL = "random-tiny"
 KINDS = ("completion", "completion_stream", "chat", "chat_stream")
@@ -24,7 +24,7 @@ KILL_WAIT_S = 30.0
 def wait_serving(proc: subprocess.Popen, port: int, limit_s: float) -> bool:
     """Poll ``/health`` on ``port`` until it answers 200 (True), or ``proc`` exited or ``limit_s`` passed (False):
     the product's own wait (``supervise drill`` uses it)."""
-    return wait_engine_health(port, proc, time.monotonic() + limit_s)
+    return wait_answering(port, "/health", proc, time.monotonic() + limit_s)
 
 
 def stop_supervisor(proc: subprocess.Popen, limit_s: float) -> int:
