@@ -27,6 +27,7 @@ spawned only from the main thread (parent-death signals fire when the forking
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import shutil
@@ -718,15 +719,20 @@ class Supervisor:
         if handle.proc is None:  # gone already (or not ours): its exit is all there is to report
             self.post(ProcessExited(("tree-rank", ev.slot), ev.pid, None, time.monotonic(), self.attempt.number))
             return
-        self.monitor.watch(("tree-rank", ev.slot), handle.proc, self.attempt.number)
-        self._hold_engine_processes(ev.pid, identity)
-
-    def _hold_engine_processes(self, rank_pid: int, identity: procs.RunIdentity) -> None:
-        """The processes between the launcher and a rank that joined (vLLM's ``VLLM::EngineCore``) are held and
-        watched too: the death of one is the first failure, not the ranks that die of it."""
         launcher = self.attempt.launcher
-        between = procs.ancestors_below(rank_pid, launcher.pid) if launcher is not None else None
-        for pid in between or ():
+        between = procs.ancestors_below(ev.pid, launcher.pid) if launcher is not None else None
+        # Its parent (an engine process, or the launcher) is watched too: when both die of one kill, the
+        # parent's exit is reported first (the rank dies of its parent-death signal).
+        lineage = [*between, launcher.pid] if between is not None and launcher is not None else []
+        parent = lineage[0] if lineage else None
+        self.monitor.watch(("tree-rank", ev.slot), handle.proc, self.attempt.number, parent=parent)
+        self._hold_engine_processes(ev.pid, lineage, identity)
+
+    def _hold_engine_processes(self, rank_pid: int, lineage: list[int], identity: procs.RunIdentity) -> None:
+        """The processes between the launcher and a rank that joined (vLLM's ``VLLM::EngineCore``; ``lineage``:
+        those, nearest the rank first, then the launcher) are held and watched too: the death of one is the
+        first failure, not the ranks that die of it."""
+        for pid, parent in itertools.pairwise(lineage):
             if self.attempt.holds_process(pid):
                 continue
             slot = -2 - len(self.attempt.engine_processes)
@@ -739,7 +745,7 @@ class Supervisor:
             handle.read_title()
             key = self.attempt.add_engine_process(handle)
             log.info("engine process held", pid=pid, title=handle.title, above_rank_pid=rank_pid)
-            self.monitor.watch(key, handle.proc, self.attempt.number)
+            self.monitor.watch(key, handle.proc, self.attempt.number, parent=parent)
 
     def _on_loop_tick(self, ev: LoopTick) -> None:
         self.services.liveness.beat()

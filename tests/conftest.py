@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.freezer import FREEZER_ROOT
+
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_RANK = ROOT / "tests" / "fakes" / "rank.py"
 MARK_VAR = "TP_SUPERVISE_TEST_MARK"
@@ -265,3 +267,27 @@ def supervise_module(tmp_path_factory):
 
 def fake_rank(*args: str) -> list[str]:
     return [sys.executable, str(FAKE_RANK), *args]
+
+
+@pytest.fixture
+def freezer(tmp_path):
+    """A cgroup v1 freezer of our own (tests/support/freezer.py); thawed and removed at the end, whatever
+    happened."""
+    if not (FREEZER_ROOT / "freezer.state").exists() and not FREEZER_ROOT.is_dir():
+        pytest.skip("no cgroup v1 freezer hierarchy mounted (a frozen task is the only survivor of SIGKILL)")
+    path = FREEZER_ROOT / f"tp-supervise-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        path.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a freezer cgroup: {exc}")
+    yield path
+    (path / "freezer.state").write_text("THAWED")
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            path.rmdir()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

@@ -19,6 +19,12 @@ REAP_INTERVAL_S, by pid and never with ``waitpid(-1)``
 (``procs.reap_orphans``): a long run collects no zombies.  Processes being
 spawned are protected by ``spawning()``: the sweep never runs between a fork
 and the ``watch`` of its child.
+
+Cause before consequence: a tree-mode rank dies of its parent-death signal
+(SIGKILL) when the thread that started it exits, and a big parent (vLLM's
+engine core) takes longer to finish exiting than its child, so the child's
+exit can be readable first.  A child killed by SIGKILL whose watched parent is
+itself exiting is reported after the parent (at most PARENT_WAIT_S later).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +52,9 @@ THREAD_JOIN_S = 2.0
 ERROR_BACKOFF_S = 0.05  # after a failed pass, before the next (never a busy loop)
 # How often zombies that reparented to us are looked for (bounds how long one stays a zombie).
 REAP_INTERVAL_S = 0.25
+# How long a SIGKILLed child's exit waits for the exit of its parent, which was seen exiting (bounds the delay
+# of the report when the parent's exit is slow or the parent only lost a thread).
+PARENT_WAIT_S = 2.0
 
 
 @dataclass
@@ -52,6 +62,17 @@ class _Watch:
     key: object
     proc: Pidfd
     attempt: int
+    parent: int | None = None  # pid of the watched process that started it (tree mode), if any
+
+
+@dataclass
+class _Held:
+    """An exit read and not reported yet: it waits for its parent's (``_waits_for_parent``)."""
+
+    watch: _Watch
+    status: ExitStatus | None
+    at: float
+    until: float
 
 
 class ExitMonitor:
@@ -67,6 +88,7 @@ class ExitMonitor:
         self._pending: set[object] = set()
         self._reap_lock = threading.Lock()  # held by a sweep, and from a fork until its watch
         self._next_sweep = 0.0
+        self._held: list[_Held] = []  # monitor thread only
         self.orphans_reaped = 0
 
     def start(self) -> None:
@@ -79,6 +101,7 @@ class ExitMonitor:
         with self._lock:
             self._watches.clear()
             self._kept.clear()
+        self._held.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -88,10 +111,11 @@ class ExitMonitor:
         with self._reap_lock:
             yield
 
-    def watch(self, key: object, proc: Pidfd, attempt: int = 0) -> None:
-        """Report the end of ``proc`` (the caller owns the pidfd; ``release`` it once reaped)."""
+    def watch(self, key: object, proc: Pidfd, attempt: int = 0, parent: int | None = None) -> None:
+        """Report the end of ``proc`` (the caller owns the pidfd; ``release`` it once reaped).  ``parent``: the
+        pid of a watched process that started it, whose exit is reported first when both die of one kill."""
         with self._lock:
-            self._watches[proc.fd] = _Watch(key, proc, attempt)
+            self._watches[proc.fd] = _Watch(key, proc, attempt, parent)
             self._kept[proc.pid] = proc
             self._pending.add(key)
         self._wake()
@@ -144,7 +168,8 @@ class ExitMonitor:
             fds = list(self._watches)
         for fd in fds:
             poller.register(fd, select.POLLIN)
-        timeout_ms = max(0.0, self._next_sweep - time.monotonic()) * 1000
+        wake_at = min([self._next_sweep] + [h.until for h in self._held])
+        timeout_ms = max(0.0, wake_at - time.monotonic()) * 1000
         ready = []
         for fd, _ev in poller.poll(timeout_ms):
             if fd == self._wake_r:
@@ -157,7 +182,12 @@ class ExitMonitor:
             ready.append(fd)
         seen = [e for e in (self._read(fd) for fd in ready) if e is not None]
         for w, status, at in sorted(seen, key=_parents_first):
-            self._report(w, status, at)
+            if self._waits_for_parent(w, status):
+                self._held.append(_Held(w, status, at, time.monotonic() + PARENT_WAIT_S))
+                log.debug("exit held for its parent's", pid=w.proc.pid, parent=w.parent)
+            else:
+                self._report(w, status, at)
+        self._report_held()
         if time.monotonic() >= self._next_sweep and not self._stop:
             self._sweep()
             self._next_sweep = time.monotonic() + REAP_INTERVAL_S
@@ -189,6 +219,33 @@ class ExitMonitor:
             elif not procs.is_gone(w.proc.pid):
                 return None  # a spurious wake-up
         return w, status, time.monotonic()
+
+    def _waits_for_parent(self, w: _Watch, status: ExitStatus | None) -> bool:
+        """Killed by SIGKILL (or its status is gone) while the watched process that started it is exiting: the
+        parent-death signal, most likely; the parent's exit is the cause and is reported first."""
+        if w.parent is None or (status is not None and status.signal != signal.SIGKILL):
+            return False
+        with self._lock:
+            parent_watched = any(other.proc.pid == w.parent for other in self._watches.values())
+        return parent_watched and procs.is_exiting(w.parent)
+
+    def _report_held(self) -> None:
+        """Held exits whose parent was reported (or released), or whose wait is over."""
+        if not self._held:
+            return
+        with self._lock:
+            current = dict(self._watches)
+        watched = {w.proc.pid for w in current.values()}
+        now = time.monotonic()
+        still = []
+        for h in self._held:
+            if current.get(h.watch.proc.fd) is not h.watch:
+                continue  # released by its owner meanwhile (a teardown): nothing to report
+            if h.watch.parent in watched and now < h.until:
+                still.append(h)
+            else:
+                self._report(h.watch, h.status, h.at)
+        self._held = still
 
     def _report(self, w: _Watch, status: ExitStatus | None, at: float) -> None:
         with self._exited:

@@ -93,8 +93,9 @@ class ProcInfo:
         return f"pid {self.pid} ({self.name}, state {self.state}{wchan})"
 
 
-def _stat(pid: int) -> tuple[str, list[str]] | None:
-    """(name, fields after the name) of /proc/<pid>/stat; parsed past the parenthesised name."""
+def _stat(pid: int | str) -> tuple[str, list[str]] | None:
+    """(name, fields after the name) of /proc/<pid>/stat (``pid`` may be ``"<pid>/task/<tid>"``); parsed past
+    the parenthesised name."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode("utf-8", "replace")
@@ -494,6 +495,35 @@ def reap_orphans(keep: Iterable[int]) -> int:
         except ChildProcessError:
             continue
     return reaped
+
+
+# /proc/<pid>/stat field 9 (flags), counted after the parenthesised name: index 6; PF_EXITING is set by the
+# first step of a thread's exit (do_exit) and stays set.
+_STAT_FLAGS = 6
+PF_EXITING = 0x4
+
+
+def is_exiting(pid: int) -> bool:
+    """True when ``pid`` is gone or on its way out: its leader thread is a zombie or any of its threads has begun
+    to exit.  A process killed by a signal can take a while to finish (every thread exits, the last one frees
+    the memory): its children's parent-death signal arrives at the first thread's exit, so a child can be gone
+    before the parent's exit is readable."""
+    if is_gone(pid):
+        return True
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tids:
+        parsed = _stat(f"{pid}/task/{tid}")
+        if parsed is None or len(parsed[1]) <= _STAT_FLAGS:
+            continue
+        try:
+            if int(parsed[1][_STAT_FLAGS]) & PF_EXITING:
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def is_gone(pid: int) -> bool:

@@ -14,11 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import marked_pids
 from tests.live import wait_for
-from tests.support.freezer import FREEZER_ROOT, FROZEN_CHILD, freeze_survivor, remove_run_cgroups, thaw, wait_empty
+from tests.support.freezer import FROZEN_CHILD, freeze_survivor, remove_run_cgroups, thaw, wait_empty
 
 CHILD_LIMIT_S = 20.0  # until rank 0's child is in the freezer
 POLL_S = 0.05
@@ -98,29 +96,6 @@ def test_one_marker_scan_per_teardown(supervise, tmp_path):
     assert run.wait(timeout=30) == 80, run.stderr[-3000:]
     done = run.events("teardown complete")
     assert done and done[-1]["marker_scans"] == 1, done
-
-
-@pytest.fixture
-def freezer(tmp_path):
-    """A cgroup v1 freezer of our own; thawed and removed at the end, whatever happened."""
-    if not (FREEZER_ROOT / "freezer.state").exists() and not FREEZER_ROOT.is_dir():
-        pytest.skip("no cgroup v1 freezer hierarchy mounted (a frozen task is the only survivor of SIGKILL)")
-    path = FREEZER_ROOT / f"tp-supervise-test-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        path.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot create a freezer cgroup: {exc}")
-    yield path
-    (path / "freezer.state").write_text("THAWED")
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            path.rmdir()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def test_a_process_that_survives_sigkill_is_exit_85(supervise, tmp_path, freezer):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.live import wait_for
+from tests.support.freezer import freeze_thread, thaw
 
 pytestmark = pytest.mark.e2e
 
@@ -105,6 +106,45 @@ def test_engine_process_killed_is_the_first_failure(supervise, tmp_path):
     assert first["signal"] == "SIGKILL" or first["reason"] == "lost", first
 
 
+def test_engine_process_slow_to_exit_is_still_the_first_failure(supervise, tmp_path, freezer):
+    """The engine core SIGKILLed while one of its threads cannot exit yet (frozen: as a big process's last
+    thread freeing its memory, only longer): its workers die of their parent-death signal at once, and their
+    exits are readable before the core's.  The core is still the first failure."""
+    import psutil
+
+    pidfile = tmp_path / "core.pid"
+    run = supervise(
+        ["--tree", "--nproc-per-node", "2", "--kill-grace", "2"],
+        mp_launcher("--tp", "2", "--iters", "100000", "--set-title", "--engine-core", str(pidfile)),
+        drain=True,
+    )
+    core = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 60, "the engine core's pid file"))
+    wait_for(lambda: all(pidfile.with_name(f"core.pid.joined-{r}").exists() for r in (0, 1)), 60, "both ranks joined")
+    stderr_lines = run.drains[1][1]
+    wait_for(lambda: sum("engine process held" in line for line in stderr_lines), 30, "the engine core held")
+    workers = psutil.Process(core).children()
+    assert len(workers) == 2, workers
+    thread = int(pidfile.with_name("core.pid.thread").read_text())
+    freeze_thread(freezer, thread)
+    try:
+        os.kill(core, signal.SIGKILL)
+
+        def exited(proc: psutil.Process) -> bool:
+            try:
+                return proc.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_for(lambda: all(exited(w) for w in workers), 10, "the workers dead of their parent-death signal")
+        assert Path(f"/proc/{core}/task/{thread}").exists(), "the core's frozen thread is gone"
+        time.sleep(0.5)  # the workers' exits are read by now
+    finally:
+        thaw(freezer)
+    assert run.wait(timeout=60) == 80, run.stderr[-4000:]
+    first = run.summary("rank_exit")["first_failure"]
+    assert (first["role"], first["pid"], first["title"]) == ("engine process", core, "VLLM::EngineCore"), first
+
+
 def test_supervisor_sigkill_takes_the_whole_launcher_tree(supervise, tmp_path):
     """launcher -> engine core -> workers (vLLM's shape), the supervisor SIGKILLed: the launcher dies of its
     parent-death signal, and the engine core and the workers, which have none, of the hook's watch on the
@@ -141,7 +181,9 @@ def test_multiprocessing_launcher_crashed_rank(supervise):
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([sys.executable, str(FAKES / "hf_tp_generate.py"), "--make", str(path)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(FAKES / "hf_tp_generate.py"), "--make", str(path)], check=True, capture_output=True
+    )
     return path
 
 
@@ -150,7 +192,20 @@ def test_torchrun_transformers_tp_generate(supervise, tiny_llama):
     script = str(FAKES / "hf_tp_generate.py")
     run = supervise(
         ["--tree", "--nproc-per-node", "2", "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "2"],
-        [torchrun, "--nproc-per-node", "2", script, "--model", str(tiny_llama), "--loops", "4000", "--fault", "stop", "--fault-at", "3"],
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            script,
+            "--model",
+            str(tiny_llama),
+            "--loops",
+            "4000",
+            "--fault",
+            "stop",
+            "--fault-at",
+            "3",
+        ],
     )
     assert run.wait(timeout=120) == 81, run.stderr[-4000:]
     assert sorted(line["rank"] for line in run.events("rank joined the group")) == [0, 1]
@@ -164,8 +219,19 @@ def test_engine_counters_detect_a_hang_without_python_collectives(supervise):
     port = free_port()
     run = supervise(
         [
-            "--tree", "--nproc-per-node", "1", "--soft-timeout", "2", "--hard-timeout", "4", "--kill-grace", "1",
-            "--engine-metrics-url", f"http://127.0.0.1:{port}/metrics", "--engine-kind", "vllm",
+            "--tree",
+            "--nproc-per-node",
+            "1",
+            "--soft-timeout",
+            "2",
+            "--hard-timeout",
+            "4",
+            "--kill-grace",
+            "1",
+            "--engine-metrics-url",
+            f"http://127.0.0.1:{port}/metrics",
+            "--engine-kind",
+            "vllm",
         ],
         [sys.executable, str(FAKES / "fake_vllm.py"), "--port", str(port), "--freeze-after", "3"],
     )
@@ -181,8 +247,17 @@ def test_engine_counters_progressing_is_not_a_hang(supervise):
     port = free_port()
     run = supervise(
         [
-            "--tree", "--nproc-per-node", "1", "--soft-timeout", "2", "--hard-timeout", "4",
-            "--engine-metrics-url", f"http://127.0.0.1:{port}/metrics", "--engine-kind", "vllm",
+            "--tree",
+            "--nproc-per-node",
+            "1",
+            "--soft-timeout",
+            "2",
+            "--hard-timeout",
+            "4",
+            "--engine-metrics-url",
+            f"http://127.0.0.1:{port}/metrics",
+            "--engine-kind",
+            "vllm",
         ],
         [sys.executable, str(FAKES / "fake_vllm.py"), "--port", str(port), "--run-for", "8"],
     )

@@ -11,7 +11,8 @@ overwrites the environment block /proc/<pid>/environ shows.
 ``--engine-core PIDFILE``: the workers are started by an engine-core process between
 the launcher and them, as vLLM's ``VLLM::EngineCore`` (api_server -> engine core ->
 workers); its pid is written to PIDFILE once its workers are started, and each
-worker creates ``PIDFILE.joined-<rank>`` once it joined the group.
+worker creates ``PIDFILE.joined-<rank>`` once it joined the group; the thread id of the core's second thread
+is in ``PIDFILE.thread``.
 
 ``--restart-delay S``: in a restarted attempt (``TORCHELASTIC_RESTART_COUNT`` > 0) the workers start S seconds
 late, as vLLM's do after loading the model again.
@@ -104,11 +105,20 @@ def run_workers(port, args):
 
 
 def engine_core(port, args):
+    # A second thread, as every real engine core has; its id is in PIDFILE.thread (a test freezes it to make
+    # the core's exit slow: the core is gone only when its last thread is).
+    import threading
+
+    side = threading.Thread(target=time.sleep, args=(10**6,), daemon=True)
+    side.start()  # returns once the thread runs: its native id is set
+    with open(args.engine_core + ".thread", "w") as f:
+        f.write(str(side.native_id))
     if args.set_title:
         import setproctitle
 
         setproctitle.setproctitle("VLLM::EngineCore")
     sys.exit(run_workers(port, args))
+
 
 if __name__ == "__main__":
     main()

@@ -39,6 +39,13 @@ def freeze_survivor(freezer: Path, child_limit_s: float) -> int:
     return int(pids[0])
 
 
+def freeze_thread(freezer: Path, tid: int) -> None:
+    """Move one thread (by its id) into ``freezer`` and freeze it: it cannot run, nor exit, until thawed."""
+    (freezer / "tasks").write_text(str(tid))
+    (freezer / "freezer.state").write_text("FROZEN")
+    wait_for(lambda: _state(freezer) == "FROZEN", FREEZE_LIMIT_S, "the freeze", WAIT_INTERVAL_S)
+
+
 def thaw(freezer: Path) -> None:
     """Thaw ``freezer``: the survivor's pending SIGKILL takes it now."""
     (freezer / "freezer.state").write_text("THAWED")
