@@ -24,7 +24,10 @@ Cause before consequence: a tree-mode rank dies of its parent-death signal
 (SIGKILL) when the thread that started it exits, and a big parent (vLLM's
 engine core) takes longer to finish exiting than its child, so the child's
 exit can be readable first.  A child killed by SIGKILL whose watched parent is
-itself exiting is reported after the parent (at most PARENT_WAIT_S later).
+itself exiting waits for the parent's exit (at most PARENT_WAIT_S) and is
+ordered as exits seen together are (``_parents_first``): after a parent killed
+by a signal, before a parent that exited on its own (a launcher that returns
+after its rank died).
 """
 
 from __future__ import annotations
@@ -164,8 +167,9 @@ class ExitMonitor:
     def _pass(self) -> None:
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
+        held = {h.watch.proc.fd for h in self._held}  # read already: polled again, they would spin the loop
         with self._lock:
-            fds = list(self._watches)
+            fds = [fd for fd in self._watches if fd not in held]
         for fd in fds:
             poller.register(fd, select.POLLIN)
         wake_at = min([self._next_sweep] + [h.until for h in self._held])
@@ -185,8 +189,10 @@ class ExitMonitor:
             if self._waits_for_parent(w, status):
                 self._held.append(_Held(w, status, at, time.monotonic() + PARENT_WAIT_S))
                 log.debug("exit held for its parent's", pid=w.proc.pid, parent=w.parent)
-            else:
-                self._report(w, status, at)
+                continue
+            if status is not None and status.signal is None:
+                self._report_held(of_parent=w.proc.pid)  # it exited on its own, after them: theirs come first
+            self._report(w, status, at)
         self._report_held()
         if time.monotonic() >= self._next_sweep and not self._stop:
             self._sweep()
@@ -229,8 +235,9 @@ class ExitMonitor:
             parent_watched = any(other.proc.pid == w.parent for other in self._watches.values())
         return parent_watched and procs.is_exiting(w.parent)
 
-    def _report_held(self) -> None:
-        """Held exits whose parent was reported (or released), or whose wait is over."""
+    def _report_held(self, of_parent: int | None = None) -> None:
+        """Held exits whose parent was reported (or released), or whose wait is over; with ``of_parent``, those
+        of that parent now."""
         if not self._held:
             return
         with self._lock:
@@ -241,7 +248,7 @@ class ExitMonitor:
         for h in self._held:
             if current.get(h.watch.proc.fd) is not h.watch:
                 continue  # released by its owner meanwhile (a teardown): nothing to report
-            if h.watch.parent in watched and now < h.until:
+            if h.watch.parent != of_parent and h.watch.parent in watched and now < h.until:
                 still.append(h)
             else:
                 self._report(h.watch, h.status, h.at)
