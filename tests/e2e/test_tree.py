@@ -181,9 +181,7 @@ def test_multiprocessing_launcher_crashed_rank(supervise):
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run(
-        [sys.executable, str(FAKES / "hf_tp_generate.py"), "--make", str(path)], check=True, capture_output=True
-    )
+    subprocess.run([sys.executable, str(FAKES / "hf_tp_generate.py"), "--make", str(path)], check=True, capture_output=True)
     return path
 
 
@@ -192,20 +190,7 @@ def test_torchrun_transformers_tp_generate(supervise, tiny_llama):
     script = str(FAKES / "hf_tp_generate.py")
     run = supervise(
         ["--tree", "--nproc-per-node", "2", "--soft-timeout", "3", "--hard-timeout", "6", "--kill-grace", "2"],
-        [
-            torchrun,
-            "--nproc-per-node",
-            "2",
-            script,
-            "--model",
-            str(tiny_llama),
-            "--loops",
-            "4000",
-            "--fault",
-            "stop",
-            "--fault-at",
-            "3",
-        ],
+        [torchrun, "--nproc-per-node", "2", script, "--model", str(tiny_llama), "--loops", "4000", "--fault", "stop", "--fault-at", "3"],
     )
     assert run.wait(timeout=120) == 81, run.stderr[-4000:]
     assert sorted(line["rank"] for line in run.events("rank joined the group")) == [0, 1]
@@ -219,19 +204,8 @@ def test_engine_counters_detect_a_hang_without_python_collectives(supervise):
     port = free_port()
     run = supervise(
         [
-            "--tree",
-            "--nproc-per-node",
-            "1",
-            "--soft-timeout",
-            "2",
-            "--hard-timeout",
-            "4",
-            "--kill-grace",
-            "1",
-            "--engine-metrics-url",
-            f"http://127.0.0.1:{port}/metrics",
-            "--engine-kind",
-            "vllm",
+            "--tree", "--nproc-per-node", "1", "--soft-timeout", "2", "--hard-timeout", "4", "--kill-grace", "1",
+            "--engine-metrics-url", f"http://127.0.0.1:{port}/metrics", "--engine-kind", "vllm",
         ],
         [sys.executable, str(FAKES / "fake_vllm.py"), "--port", str(port), "--freeze-after", "3"],
     )
@@ -247,17 +221,8 @@ def test_engine_counters_progressing_is_not_a_hang(supervise):
     port = free_port()
     run = supervise(
         [
-            "--tree",
-            "--nproc-per-node",
-            "1",
-            "--soft-timeout",
-            "2",
-            "--hard-timeout",
-            "4",
-            "--engine-metrics-url",
-            f"http://127.0.0.1:{port}/metrics",
-            "--engine-kind",
-            "vllm",
+            "--tree", "--nproc-per-node", "1", "--soft-timeout", "2", "--hard-timeout", "4",
+            "--engine-metrics-url", f"http://127.0.0.1:{port}/metrics", "--engine-kind", "vllm",
         ],
         [sys.executable, str(FAKES / "fake_vllm.py"), "--port", str(port), "--run-for", "8"],
     )
