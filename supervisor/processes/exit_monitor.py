@@ -188,7 +188,7 @@ class ExitMonitor:
         for w, status, at in sorted(seen, key=_parents_first):
             if self._waits_for_parent(w, status):
                 self._held.append(_Held(w, status, at, time.monotonic() + PARENT_WAIT_S))
-                log.debug("exit held for its parent's", pid=w.proc.pid, parent=w.parent)
+                log.debug("exit held for its parent", pid=w.proc.pid, parent=w.parent)
                 continue
             if status is not None and status.signal is None:
                 self._report_held(of_parent=w.proc.pid)  # it exited on its own, after them: theirs come first
