@@ -42,7 +42,7 @@ test-bench: $(STAMP)
 VLLM_VENV ?= .venv-vllm
 test-engines: $(STAMP)
 	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
-	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -q -p no:randomly -m engines tests/engines
+	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -q -p no:randomly --durations=0 -m engines tests/engines
 
 # ruff (lint + format) and mypy over the product packages.  mypy cannot see the editable install's
 # package-dir mapping, so it checks a tree of links named as installed (build/mypy/tp_supervise/...).
