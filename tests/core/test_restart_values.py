@@ -124,6 +124,7 @@ def test_junk_where_the_barrier_waits_is_dropped_and_the_link_goes_on():
 
 
 @pytest.mark.alone  # node timeouts of seconds: no second busy test meanwhile
+@pytest.mark.slow  # two attempts of a two-node group, each decision after a 3 s kill grace (~26 s): make test-slow
 def test_junk_decisions_are_dropped_and_node_1_follows_node_0s_real_ones(tmp_path):
     """``restart/1`` holds junk (the issue: json.loads on the main thread, exit 70) and ``restart/2`` a decision
     with a backoff of 1e12 s (every other node parked) before node 0 decides: node 0's rank ignores SIGTERM, so
