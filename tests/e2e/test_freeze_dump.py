@@ -45,8 +45,11 @@ def test_enforced_divergence_freezes_the_group_before_the_dump(supervise):
     assert summary["culprit_ranks"] == [1], summary["verdict"]
     freeze = summary["capture"]["freeze"]
     assert 0 in freeze["stopped_ranks"], freeze
-    # The peer was stopped before gloo could abort it: it is still inside the collective rank 1 diverged in.
-    assert "all_reduce" in stacks(bundle, 0), (bundle / "stacks" / "rank-0.txt").read_text()
+    # The peer's stacks were read while it was stopped.  Where it was stopped is a race of milliseconds with
+    # gloo, which releases it from the mismatched collective as rank 1 aborts: usually still inside the
+    # all_reduce, else on the path of the failed collective (measured in docs/benchmarks.md, "freeze race").
+    peer = stacks(bundle, 0)
+    assert "all_reduce" in peer or "fail_group" in peer, (bundle / "stacks" / "rank-0.txt").read_text()
     assert summary["ranks"]["0"]["stack_method"] == "py-spy --nonblocking"
     culprit = (bundle / "stacks" / "rank-1.txt").read_text()
     # rank 1 aborts inside gloo before any freeze; its stacks come from its own dump at death
