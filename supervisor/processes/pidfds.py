@@ -504,26 +504,26 @@ PF_EXITING = 0x4
 
 
 def is_exiting(pid: int) -> bool:
-    """True when ``pid`` is gone or on its way out: its leader thread is a zombie or any of its threads has begun
-    to exit.  A process killed by a signal can take a while to finish (every thread exits, the last one frees
-    the memory): its children's parent-death signal arrives at the first thread's exit, so a child can be gone
-    before the parent's exit is readable."""
-    if is_gone(pid):
-        return True
+    """True when ``pid`` is gone or on its way out: any of its threads has begun to exit (a zombie's leader
+    too: the flag stays set).  A process killed by a signal can take a while to finish (every thread exits, the
+    last one frees the memory): its children's parent-death signal arrives at the first thread's exit, so a
+    child can be gone before the parent's exit is readable."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return True
+        return True  # reaped
+    live = False
     for tid in tids:
         parsed = _stat(f"{pid}/task/{tid}")
         if parsed is None or len(parsed[1]) <= _STAT_FLAGS:
-            continue
+            continue  # gone since the listing
         try:
             if int(parsed[1][_STAT_FLAGS]) & PF_EXITING:
                 return True
         except ValueError:
             continue
-    return False
+        live = True
+    return not live
 
 
 def is_gone(pid: int) -> bool:
