@@ -20,15 +20,29 @@ A JSON line starts with the keys log agents map without configuration
 - ``logger``: the module that logged (whatever name ``get_logger`` was given);
   a call site may bind ``logger=`` to name another source.
 - a library's record is ``library_log``, a ``warnings.warn`` is ``python_warning``.
+
+A reader that stops (a terminal paused, a pipe to a log agent that fell behind)
+never stops the supervisor: lines to its own stdout and stderr are queued by
+the thread that formats them and written by one daemon thread per stream
+(``Sink``).  The ranks' lines wait for room (the ranks block on their output as
+they would without us); the supervisor's own lines never wait: past
+``SINK_MAX_BYTES`` they are dropped and counted, and one ``log_lines_dropped``
+line says how many once the stream moves again (docs/logs.md).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import re
+import select
 import sys
 import threading
+import time
+from collections import deque
 from types import FrameType
+from typing import IO
 
 import structlog
 from structlog.stdlib import ProcessorFormatter
@@ -48,6 +62,173 @@ _SKIPPED_MODULES = ("structlog", "logging")
 # What every line names (run id, attempt): replaced whole, never changed in place, so a thread that is
 # logging while the main thread binds a new attempt iterates a dict that does not change under it.
 _run: list[dict[str, object]] = [{}]
+
+
+#: Characters of lines that may wait for a slow reader of one of our streams before the supervisor's own lines
+#: are dropped.  The ranks' lines wait at ``RANK_SHARE`` of it, so the supervisor's own always find room.
+SINK_MAX_BYTES = 4 << 20
+RANK_SHARE = 0.75
+#: At exit, how long what is queued may take to reach a reader that is slow (one that reads nothing loses it).
+DRAIN_AT_EXIT_S = 2.0
+
+
+class Sink:
+    """The writer of one of the supervisor's output descriptors (stdout, stderr): any thread queues whole
+    lines with ``put``, one daemon thread writes them, so a line is never cut by another and no caller waits
+    for the reader unless it asks to (``wait``: the ranks' lines, which wait as the ranks would without us)."""
+
+    def __init__(self, stream: IO[str], fd: int):
+        self.stream = stream
+        self.fd = fd
+        self._encoding = getattr(stream, "encoding", None) or "utf-8"
+        self._errors = getattr(stream, "errors", None) or "backslashreplace"
+        self._cond = threading.Condition()
+        self._lines: deque[str] = deque()
+        self._queued = 0  # characters queued or being written
+        self._dropped = 0  # lines not queued since the last report
+        self._broken = False  # the descriptor failed (closed reader): nothing more is written
+        self._thread: threading.Thread | None = None
+
+    def put(self, text: str, wait: bool = False) -> bool:
+        """Queue ``text`` (whole lines); False when it was dropped (no room and not ``wait``, or a broken stream)."""
+        size = len(text)
+        with self._cond:
+            if wait:
+                limit = SINK_MAX_BYTES * RANK_SHARE
+                while self._queued and self._queued + size > limit and not self._broken:
+                    self._cond.wait()
+            elif self._queued + size > SINK_MAX_BYTES:
+                self._dropped += 1
+                return False
+            if self._broken:
+                return False
+            self._lines.append(text)
+            self._queued += size
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"output-fd{self.fd}", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return True
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until everything queued was written, at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._queued and not self._broken:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._lines:
+                    self._cond.wait()
+                batch = "".join(self._lines)
+                self._lines.clear()
+            written = self._write(batch.encode(self._encoding, self._errors))
+            with self._cond:
+                self._queued -= len(batch)
+                if not written:
+                    self._broken, self._queued = True, 0
+                    self._lines.clear()
+                dropped = 0
+                if self._dropped and not self._lines:  # caught up: say what was lost
+                    dropped, self._dropped = self._dropped, 0
+                self._cond.notify_all()
+            if not written:
+                return
+            if dropped:
+                structlog.get_logger("supervise.output").warning(
+                    f"{dropped} log lines dropped: fd {self.fd} was not read fast enough",
+                    event_name="log_lines_dropped",
+                    lines=dropped,
+                    fd=self.fd,
+                )
+
+    def _write(self, data: bytes) -> bool:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.fd, view) :]
+            except BlockingIOError:  # a descriptor someone made non-blocking: wait for room
+                select.select([], [self.fd], [], 1.0)
+            except OSError:  # EPIPE, EBADF: no reader any more
+                return False
+        return True
+
+
+_sinks: dict[int, Sink] = {}
+_sinks_lock = threading.Lock()
+
+
+def sink_for(stream: IO[str]) -> Sink | None:
+    """The ``Sink`` of ``stream`` when it is this process's stdout or stderr descriptor; None for any other
+    stream (a test's file or StringIO), which its callers write directly."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    if fd not in (1, 2):
+        return None
+    with _sinks_lock:
+        sink = _sinks.get(fd)
+        if sink is None or sink.stream is not stream:
+            sink = _sinks[fd] = Sink(stream, fd)
+        return sink
+
+
+def drain(timeout: float = DRAIN_AT_EXIT_S) -> None:
+    """Let what is queued for stdout and stderr be written, at most ``timeout`` seconds in all (at exit)."""
+    deadline = time.monotonic() + timeout
+    with _sinks_lock:
+        sinks = list(_sinks.values())
+    for sink in sinks:
+        sink.drain(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(drain)
+
+
+def write_line(stream: IO[str], text: str) -> None:
+    """One line for people on ``stream`` (the ready line), never waiting for its reader."""
+    sink = sink_for(stream)
+    if sink is None:
+        print(text, file=stream, flush=True)
+    else:
+        sink.put(text + "\n")
+
+
+class _Handler(logging.Handler):
+    """The root logger's handler: a record is formatted on the thread that logged it and queued to the
+    stream's ``Sink``; a rank's line (``RANK_OUTPUT_LOGGER``) waits for room, no other line ever waits."""
+
+    def __init__(self, stream: IO[str]):
+        super().__init__()
+        self.stream = stream
+        self.sink = sink_for(stream)
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        # Not under the handler's lock: a rank's line waiting for room must not hold up another thread's line.
+        if not self.filter(record):
+            return False
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record) + "\n"
+        except Exception:
+            self.handleError(record)
+            return
+        if self.sink is not None:
+            self.sink.put(text, wait=record.name == RANK_OUTPUT_LOGGER)
+            return
+        with self.lock:  # type: ignore[union-attr]
+            self.stream.write(text)
+            self.stream.flush()
 
 
 def event_name(text: str) -> str:
@@ -195,7 +376,7 @@ def configure(fmt: str = "console", level: int = logging.INFO, stream=None) -> N
             _visible_controls,
             structlog.dev.ConsoleRenderer(colors=stream.isatty(), pad_event_to=40, event_key="message"),
         ]
-    handler = logging.StreamHandler(stream)
+    handler = _Handler(stream)
     handler.setFormatter(
         ProcessorFormatter(
             foreign_pre_chain=[*stamp, _name_foreign],

@@ -18,6 +18,7 @@ import structlog
 from tp_supervise.engine.inject import ALL_KINDS as INJECT_KINDS  # the engine owns its fault kinds
 from tp_supervise.engine.inject import REQUEST_KINDS
 
+from .. import logs
 from .. import preflight as host
 from .. import spec as specs
 from ..nodes.handshake import HandshakeError
@@ -151,7 +152,6 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .. import logs
     from ..observers import control_socket as control
 
     logs.configure(args.log_format, level=logging.getLevelName(args.log_level.upper()))
@@ -238,6 +238,7 @@ def _serve(spec: LaunchSpec, args: argparse.Namespace, ports: ServingPorts) -> i
         # Multi-node: a daemon thread may still sit in a TCPStore call (bounded by the store's timeout) and
         # torch's store objects must not meet the interpreter's finalisation: on a loaded host that ended in
         # C++ terminate() (SIGABRT) instead of our exit code.  Everything of ours is flushed and closed here.
+        logs.drain()  # os._exit skips atexit: what is queued for a reader gets its bounded time here
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -17,6 +17,7 @@ passed in by the caller.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ import structlog
 from tp_supervise.watchdogs.gpu import GpuSampler, holding_memory
 from tp_supervise.watchdogs.straggler import StragglerReport
 
+from .. import logs
 from .. import state as engine_state
 from ..events import ControlRequest, LoopTick
 from ..processes.pidfds import named_thread
@@ -262,7 +264,7 @@ class Services:
                 '-d \'{"prompt": "Hello", "max_tokens": 16}\''
             )
             log.info("engine ready", url=url, metrics=self.metrics_url, try_it=example)
-            print(f"ready: {example}", flush=True)
+            logs.write_line(sys.stdout, f"ready: {example}")
         else:
             log.info("every rank is ready", ranks=ranks, metrics=self.metrics_url)
 

@@ -12,9 +12,10 @@ stream, in this order:
   a file refused or failing is dropped with one log line, the stream goes on;
 * forwards whole lines to the console, unless redirected or filtered out
   (``--local-ranks-filter``): console log format, ``[rank<N>]:<line>`` on the
-  supervisor's stdout (rank stdout) or stderr (rank stderr), written under
-  the log handler's own lock for that stream, so a log line and a rank line
-  never share a line; JSON log format, one ``rank_output`` log record per line, so
+  supervisor's stdout (rank stdout) or stderr (rank stderr), queued with the
+  log lines to that stream's writer (``logs.Sink``: when the supervisor's
+  reader is slow, this thread and then the rank wait, never the supervisor's
+  decisions), so a log line and a rank line never share a line; JSON log format, one ``rank_output`` log record per line, so
   nothing raw reaches the supervisor's streams.
 
 A partial line (no newline yet: a prompt, a progress bar redrawn with ``\\r``)
@@ -436,6 +437,10 @@ class RankOutput:
         prefix = f"[{source.label}]:"
         text = "".join(f"{prefix}{line}\n" for line in lines)
         console = self._console[stream.name]
+        sink = logs.sink_for(console)
+        if sink is not None:  # our stdout/stderr: queued with the log lines, waiting for room as the rank would
+            sink.put(text, wait=True)
+            return
         with contextlib.ExitStack() as held:  # one write of whole lines, under the log's own locks
             for lock in self._locks[stream.name]:
                 held.enter_context(lock)

@@ -170,3 +170,27 @@ def test_a_wedged_gpu_driver_stops_neither_the_watchdog_nor_the_teardown(supervi
     assert "gpu" not in summary, "no NVML reading ever completed, so there is none to report"
     done = run.events("teardown complete")
     assert done and done[-1]["gpu_memory_verified"] is False  # not waited for: the sampler is stuck
+
+
+# Each rank writes this much to its stderr first: as JSON records on the supervisor's stderr, ~15 times what a
+# pipe holds (64 KiB), far below what the supervisor queues for a slow reader (supervisor/logs.py).
+FLOOD_LINES = 2000
+FLOOD = f"import sys\nfor i in range({FLOOD_LINES}): sys.stderr.write('chatter %d ' % i + 'x' * 200 + '\\n')"
+
+
+def test_a_hang_is_ruled_and_torn_down_although_nobody_reads_the_supervisors_output(supervise):
+    """The supervisor's stdout and stderr are pipes nobody reads (a paused terminal, a log agent that fell
+    behind) and the ranks' chatter filled them before rank 1 stopped: the hang is ruled and torn down as if
+    they were read, not when someone reads them (before: the output thread waited on the full pipe under the
+    log handler's lock, and the main thread with it at its next log line, for as long as nobody read)."""
+    ranks = ["bash", "-c", '"$0" -c "$1" && shift && exec "$@"', sys.executable, FLOOD,
+             *gloo("--iters", "100000", "--fault", "stop", "--fault-at", "300")]
+    run = supervise(["--nproc-per-node", "2", "--soft-timeout", "2", "--hard-timeout", "4", *DEADLINE_ARGS], ranks)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while run.proc.poll() is None and time.monotonic() < deadline:  # poll() reads nothing of the pipes
+        time.sleep(0.2)
+    exited_unread = run.proc.poll() is not None
+    code = finish(run)  # now reads them
+    assert exited_unread, f"the supervisor was still running {RUN_TIMEOUT_S:.0f} s on, its output unread"
+    assert code == 81, run.stderr[-4000:]
+    assert run.summary("-hang")["culprit_ranks"] == [1]
