@@ -87,6 +87,7 @@ class Sink:
         self._queued = 0  # characters queued or being written
         self._dropped = 0  # lines not queued since the last report
         self._broken = False  # the descriptor failed (closed reader): nothing more is written
+        self._reporting = False  # a log_lines_dropped line is being logged (drain waits for it too)
         self._thread: threading.Thread | None = None
 
     def put(self, text: str, wait: bool = False) -> bool:
@@ -114,7 +115,7 @@ class Sink:
         """Wait until everything queued was written, at most ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._queued and not self._broken:
+            while (self._queued or self._reporting) and not self._broken:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -136,17 +137,22 @@ class Sink:
                     self._lines.clear()
                 dropped = 0
                 if self._dropped and not self._lines:  # caught up: say what was lost
-                    dropped, self._dropped = self._dropped, 0
+                    dropped, self._dropped, self._reporting = self._dropped, 0, True
                 self._cond.notify_all()
             if not written:
                 return
             if dropped:
-                structlog.get_logger("supervise.output").warning(
-                    f"{dropped} log lines dropped: fd {self.fd} was not read fast enough",
-                    event_name="log_lines_dropped",
-                    lines=dropped,
-                    fd=self.fd,
-                )
+                try:
+                    structlog.get_logger("supervise.output").warning(
+                        f"{dropped} log lines dropped: fd {self.fd} was not read fast enough",
+                        event_name="log_lines_dropped",
+                        lines=dropped,
+                        fd=self.fd,
+                    )
+                finally:
+                    with self._cond:
+                        self._reporting = False
+                        self._cond.notify_all()
 
     def _write(self, data: bytes) -> bool:
         view = memoryview(data)

@@ -1,0 +1,111 @@
+"""The supervisor's own stdout/stderr writer (supervisor/logs.py, ``Sink``; docs/logs.md, "A reader that
+stops"): real pipes, real threads.  The supervisor's lines never wait for a reader that stopped (past the
+queue they are dropped, and counted once the reader is back); the ranks' lines wait for room and are never
+dropped; a reader that went away costs nothing."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import select
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from tests.conftest import ROOT
+from tp_supervise.supervisor import logs
+
+LINES = 2000
+PAD = "x" * 200
+
+CHILD = textwrap.dedent(
+    f"""
+    import sys, time
+    import structlog
+    from tp_supervise.supervisor import logs
+
+    logs.SINK_MAX_BYTES = 64 << 10
+    logs.configure("json")  # stderr: a pipe the test does not read yet
+    log = structlog.get_logger("t")
+    started = time.monotonic()
+    for i in range({LINES}):
+        log.info("filler line", i=i, pad="{PAD}")
+    print(f"logged {{time.monotonic() - started:.3f}}", flush=True)
+    sys.stdin.read()  # until the test reads stderr
+    log.info("last line")
+    """
+)
+
+
+def test_own_lines_never_wait_for_a_stopped_reader_and_the_dropped_ones_are_counted():
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        # ~600 KB of lines against a 64 KiB pipe and a 64 KiB queue
+        assert select.select([proc.stdout], [], [], 30)[0], "logging waited for the unread stderr"
+        said = proc.stdout.readline()
+        assert said.startswith("logged "), said
+        assert float(said.split()[1]) < 10.0, said  # generous: nothing waited for the pipe
+        out, err = proc.communicate("", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    lines = [json.loads(line) for line in err.splitlines()]
+    filler = [line["i"] for line in lines if line["event"] == "filler_line"]
+    dropped = [line for line in lines if line["event"] == "log_lines_dropped"]
+    assert len(dropped) == 1 and dropped[0]["fd"] == 2, dropped
+    assert 0 < dropped[0]["lines"] < LINES and len(filler) + dropped[0]["lines"] == LINES, (len(filler), dropped)
+    assert filler == sorted(filler) and filler[0] == 0, "what was kept is in order, the first lines first"
+    assert lines[-1]["event"] in ("last_line", "log_lines_dropped"), lines[-1]  # said once the queue emptied
+    assert [line["event"] for line in lines].count("last_line") == 1
+
+
+def test_rank_lines_wait_for_room_and_the_supervisors_own_still_get_through(monkeypatch):
+    monkeypatch.setattr(logs, "SINK_MAX_BYTES", 64 << 10)
+    r, w = os.pipe()
+    sink = logs.Sink(io.StringIO(), w)
+    kept: list[bool] = []
+    ranks = threading.Thread(
+        target=lambda: kept.extend(sink.put(f"rank line {i} {PAD}\n", wait=True) for i in range(LINES)), daemon=True
+    )
+    got = bytearray()
+    try:
+        ranks.start()
+        time.sleep(1.0)
+        assert ranks.is_alive(), "400 KB of rank lines went into a 64 KiB pipe and a 64 KiB queue without waiting"
+        started = time.monotonic()
+        assert sink.put("own line\n"), "the supervisor's line found no room beside the waiting rank lines"
+        assert time.monotonic() - started < 0.5
+        reader = threading.Thread(target=lambda: [got.extend(c) for c in iter(lambda: os.read(r, 1 << 16), b"")],
+                                  daemon=True)
+        reader.start()
+        ranks.join(30)
+        assert not ranks.is_alive() and all(kept) and len(kept) == LINES
+        assert sink.drain(10.0)
+    finally:
+        os.close(w)
+    reader.join(10)
+    os.close(r)
+    text = got.decode().splitlines()
+    assert "own line" in text
+    numbers = [int(line.split()[2]) for line in text if line.startswith("rank line ")]
+    assert numbers == list(range(LINES)), "every rank line, once, in order"
+
+
+def test_a_reader_that_went_away_costs_nothing():
+    r, w = os.pipe()
+    os.close(r)
+    sink = logs.Sink(io.StringIO(), w)
+    try:
+        sink.put("into a closed pipe\n")
+        assert sink.drain(5.0)
+        started = time.monotonic()
+        assert not sink.put("again\n") and not sink.put("a rank line\n", wait=True)
+        assert time.monotonic() - started < 0.5
+    finally:
+        os.close(w)
