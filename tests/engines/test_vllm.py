@@ -159,7 +159,9 @@ def serving_under_load(supervise, model, env=None, learn_s: float = 0.0):
     """vLLM under ``supervise serve --tree``, serving, with clients sending requests for ``learn_s`` seconds
     already: (run, port, /dev/shm names before it, the load)."""
     port, before = free_port(), set(os.listdir("/dev/shm"))
-    run = supervise(["--tree", "--kill-grace", "3"], launcher(model, port), env=env or ENV)
+    # drain: the supervisor's output read as it comes, as a terminal or a log agent does (unread, vLLM's own
+    # logging waits on the full pipe, as it would without us)
+    run = supervise(["--tree", "--kill-grace", "3"], launcher(model, port), env=env or ENV, drain=True)
     wait_serving(run, port)
     load = Load(port)
     time.sleep(learn_s)
@@ -168,7 +170,7 @@ def serving_under_load(supervise, model, env=None, learn_s: float = 0.0):
 
 def test_serves_then_ctrl_c_leaves_nothing(supervise, tiny_model):
     port, before = free_port(), set(os.listdir("/dev/shm"))
-    run = supervise(["--tree"], launcher(tiny_model, port), env=ENV)
+    run = supervise(["--tree"], launcher(tiny_model, port), env=ENV, drain=True)
     wait_serving(run, port)
     assert len(workers(run)) == 2
     text = post(port, "/v1/completions", {"model": "tiny", "prompt": "hello world", "max_tokens": 8})
