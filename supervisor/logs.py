@@ -113,14 +113,8 @@ class Sink:
 
     def drain(self, timeout: float) -> bool:
         """Wait until everything queued was written, at most ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while (self._queued or self._reporting) and not self._broken:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+            return self._cond.wait_for(lambda: self._broken or not (self._queued or self._reporting), timeout)
 
     def _run(self) -> None:
         while True:
