@@ -26,8 +26,8 @@ never stops the supervisor: lines to its own stdout and stderr are queued by
 the thread that formats them and written by one daemon thread per stream
 (``Sink``).  The ranks' lines wait for room (the ranks block on their output as
 they would without us); the supervisor's own lines never wait: past
-``SINK_MAX_BYTES`` they are dropped and counted, and one ``log_lines_dropped``
-line says how many once the stream moves again (docs/logs.md).
+``SINK_MAX_BYTES`` they are dropped and counted, and a ``log_lines_dropped``
+line says how many whenever the queue has room again (docs/logs.md).
 """
 
 from __future__ import annotations
@@ -73,15 +73,15 @@ DRAIN_AT_EXIT_S = 2.0
 
 
 class Sink:
-    """The writer of one of the supervisor's output descriptors (stdout, stderr): any thread queues whole
-    lines with ``put``, one daemon thread writes them, so a line is never cut by another and no caller waits
-    for the reader unless it asks to (``wait``: the ranks' lines, which wait as the ranks would without us)."""
+    """The writer of one of the supervisor's output descriptors (stdout, stderr, or both when they are the
+    same file: ``2>&1``, a pipe to a log agent): any thread queues whole lines with ``put``, one daemon thread
+    writes them, whole lines per write (at most ``PIPE_BUF`` bytes a write when they fit, so another writer of
+    the same pipe cannot cut one), and no caller waits for the reader unless it asks to (``wait``: the ranks'
+    lines, which wait as the ranks would without us)."""
 
     def __init__(self, stream: IO[str], fd: int):
-        self.stream = stream
         self.fd = fd
         self._encoding = getattr(stream, "encoding", None) or "utf-8"
-        self._errors = getattr(stream, "errors", None) or "backslashreplace"
         self._cond = threading.Condition()
         self._lines: deque[str] = deque()
         self._queued = 0  # characters queued or being written
@@ -98,7 +98,7 @@ class Sink:
                 limit = SINK_MAX_BYTES * RANK_SHARE
                 while self._queued and self._queued + size > limit and not self._broken:
                     self._cond.wait()
-            elif self._queued + size > SINK_MAX_BYTES:
+            elif self._queued and self._queued + size > SINK_MAX_BYTES:
                 self._dropped += 1
                 return False
             if self._broken:
@@ -117,38 +117,59 @@ class Sink:
             return self._cond.wait_for(lambda: self._broken or not (self._queued or self._reporting), timeout)
 
     def _run(self) -> None:
-        while True:
+        try:
+            while self._pass():
+                pass
+        except BaseException:  # whatever failed, nothing waits for this thread any more
             with self._cond:
-                while not self._lines:
-                    self._cond.wait()
-                batch = "".join(self._lines)
+                self._broken, self._queued = True, 0
                 self._lines.clear()
-            written = self._write(batch.encode(self._encoding, self._errors))
-            with self._cond:
-                self._queued -= len(batch)
-                if not written:
-                    self._broken, self._queued = True, 0
-                    self._lines.clear()
-                dropped = 0
-                if self._dropped and not self._lines:  # caught up: say what was lost
-                    dropped, self._dropped, self._reporting = self._dropped, 0, True
                 self._cond.notify_all()
-            if not written:
-                return
-            if dropped:
-                try:
-                    structlog.get_logger("supervise.output").warning(
-                        f"{dropped} log lines dropped: fd {self.fd} was not read fast enough",
-                        event_name="log_lines_dropped",
-                        lines=dropped,
-                        fd=self.fd,
-                    )
-                finally:
-                    with self._cond:
-                        self._reporting = False
-                        self._cond.notify_all()
+            raise
 
-    def _write(self, data: bytes) -> bool:
+    def _pass(self) -> bool:
+        """Write what is queued; False once the descriptor failed."""
+        with self._cond:
+            while not self._lines:
+                self._cond.wait()
+            lines = list(self._lines)
+            self._lines.clear()
+        written = self._write(lines)
+        with self._cond:
+            self._queued -= sum(map(len, lines))
+            if not written:
+                self._broken, self._queued = True, 0
+                self._lines.clear()
+            dropped = 0
+            if self._dropped and self._queued <= SINK_MAX_BYTES // 2:  # room again: say what was lost
+                dropped, self._dropped, self._reporting = self._dropped, 0, True
+            self._cond.notify_all()
+        if dropped:
+            try:
+                structlog.get_logger("supervise.output").warning(
+                    f"{dropped} log lines dropped: fd {self.fd} was not read fast enough",
+                    event_name="log_lines_dropped",
+                    lines=dropped,
+                    fd=self.fd,
+                )
+            finally:
+                with self._cond:
+                    self._reporting = False
+                    self._cond.notify_all()
+        return written
+
+    def _write(self, lines: list[str]) -> bool:
+        chunk = bytearray()
+        for text in lines:
+            data = text.encode(self._encoding, "backslashreplace")
+            if chunk and len(chunk) + len(data) > select.PIPE_BUF:
+                if not self._write_all(chunk):
+                    return False
+                chunk.clear()
+            chunk += data
+        return not chunk or self._write_all(chunk)
+
+    def _write_all(self, data: bytearray) -> bool:
         view = memoryview(data)
         while view:
             try:
@@ -164,9 +185,17 @@ _sinks: dict[int, Sink] = {}
 _sinks_lock = threading.Lock()
 
 
+def _same_file(a: int, b: int) -> bool:
+    try:
+        return os.path.samestat(os.fstat(a), os.fstat(b))
+    except OSError:
+        return False
+
+
 def sink_for(stream: IO[str]) -> Sink | None:
-    """The ``Sink`` of ``stream`` when it is this process's stdout or stderr descriptor; None for any other
-    stream (a test's file or StringIO), which its callers write directly."""
+    """The ``Sink`` of ``stream`` when it is this process's stdout or stderr descriptor (one for both when
+    they are the same file); None for any other stream (a test's file or StringIO), which its callers write
+    directly."""
     try:
         fd = stream.fileno()
     except (AttributeError, OSError, ValueError):
@@ -175,8 +204,9 @@ def sink_for(stream: IO[str]) -> Sink | None:
         return None
     with _sinks_lock:
         sink = _sinks.get(fd)
-        if sink is None or sink.stream is not stream:
-            sink = _sinks[fd] = Sink(stream, fd)
+        if sink is None:
+            other = _sinks.get(3 - fd)
+            sink = _sinks[fd] = other if other is not None and _same_file(1, 2) else Sink(stream, fd)
         return sink
 
 
@@ -184,7 +214,7 @@ def drain(timeout: float = DRAIN_AT_EXIT_S) -> None:
     """Let what is queued for stdout and stderr be written, at most ``timeout`` seconds in all (at exit)."""
     deadline = time.monotonic() + timeout
     with _sinks_lock:
-        sinks = list(_sinks.values())
+        sinks = {id(sink): sink for sink in _sinks.values()}.values()
     for sink in sinks:
         sink.drain(max(0.0, deadline - time.monotonic()))
 
