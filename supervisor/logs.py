@@ -33,6 +33,7 @@ line says how many whenever the queue has room again (docs/logs.md).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import re
@@ -222,13 +223,18 @@ def drain(timeout: float = DRAIN_AT_EXIT_S) -> None:
 atexit.register(drain)
 
 
-def write_line(stream: IO[str], text: str) -> None:
-    """One line for people on ``stream`` (the ready line), never waiting for its reader."""
+def write(stream: IO[str], text: str, wait: bool = False) -> None:
+    """Whole lines for ``stream`` beside the log lines: queued to its ``Sink`` when it is our stdout or stderr
+    (``wait``: for room, as a rank's lines do), else written at once under the lock of the log handler that
+    writes to the same stream, so the two never share a line."""
     sink = sink_for(stream)
-    if sink is None:
-        print(text, file=stream, flush=True)
-    else:
-        sink.put(text + "\n")
+    if sink is not None:
+        sink.put(text, wait=wait)
+        return
+    handler = next((h for h in logging.getLogger().handlers if isinstance(h, _Handler) and h.stream is stream), None)
+    with handler.lock if handler is not None and handler.lock is not None else contextlib.nullcontext():
+        stream.write(text)
+        stream.flush()
 
 
 class _Handler(logging.Handler):

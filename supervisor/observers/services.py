@@ -264,7 +264,7 @@ class Services:
                 '-d \'{"prompt": "Hello", "max_tokens": 16}\''
             )
             log.info("engine ready", url=url, metrics=self.metrics_url, try_it=example)
-            logs.write_line(sys.stdout, f"ready: {example}")
+            logs.write(sys.stdout, f"ready: {example}\n")
         else:
             log.info("every rank is ready", ranks=ranks, metrics=self.metrics_url)
 

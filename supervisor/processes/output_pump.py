@@ -13,10 +13,11 @@ stream, in this order:
 * forwards whole lines to the console, unless redirected or filtered out
   (``--local-ranks-filter``): console log format, ``[rank<N>]:<line>`` on the
   supervisor's stdout (rank stdout) or stderr (rank stderr), queued with the
-  log lines to that stream's writer (``logs.Sink``: when the supervisor's
+  log lines to that stream's writer (``logs.write``: when the supervisor's
   reader is slow, this thread and then the rank wait, never the supervisor's
-  decisions), so a log line and a rank line never share a line; JSON log format, one ``rank_output`` log record per line, so
-  nothing raw reaches the supervisor's streams.
+  decisions), so a log line and a rank line never share a line; JSON log
+  format, one ``rank_output`` log record per line, so nothing raw reaches the
+  supervisor's streams.
 
 A partial line (no newline yet: a prompt, a progress bar redrawn with ``\\r``)
 is forwarded once its stream has been idle ``PARTIAL_IDLE_S``, once its first
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import queue
 import selectors
@@ -88,24 +88,6 @@ class Source:
     @property
     def dir_name(self) -> str:
         return "launcher" if self.rank is None else str(self.rank)
-
-
-def _console_locks(stream: IO[str]) -> list[contextlib.AbstractContextManager[object]]:
-    """The locks log lines take to write to ``stream``: the stdlib handlers' on the root logger
-    (supervisor/logs.py) and structlog's PrintLogger's, taken in that order around each write of rank
-    lines, so a rank line and a log line never share a line."""
-    locks: list[contextlib.AbstractContextManager[object]] = []
-    for h in logging.getLogger().handlers:
-        lock = getattr(h, "lock", None)
-        if getattr(h, "stream", None) is stream and lock is not None:
-            locks.append(lock)
-    try:
-        from structlog._output import _get_lock_for_file
-
-        locks.append(_get_lock_for_file(stream))
-    except Exception:  # another structlog: our own lock still keeps rank lines whole
-        locks.append(threading.Lock())
-    return locks
 
 
 def visible(segment: bytes) -> str:
@@ -198,7 +180,6 @@ class RankOutput:
         self._rank_log = logs.rank_output_logger()
         self._adapter_lines: set[str] = set()
         self._console = {"stdout": console_out or sys.stdout, "stderr": console_err or sys.stderr}
-        self._locks = {name: _console_locks(stream) for name, stream in self._console.items()}
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -436,16 +417,7 @@ class RankOutput:
             return
         prefix = f"[{source.label}]:"
         text = "".join(f"{prefix}{line}\n" for line in lines)
-        console = self._console[stream.name]
-        sink = logs.sink_for(console)
-        if sink is not None:  # our stdout/stderr: queued with the log lines, waiting for room as the rank would
-            sink.put(text, wait=True)
-            return
-        with contextlib.ExitStack() as held:  # one write of whole lines, under the log's own locks
-            for lock in self._locks[stream.name]:
-                held.enter_context(lock)
-            console.write(text)
-            console.flush()
+        logs.write(self._console[stream.name], text, wait=True)  # waits for room as the rank would
 
     def _eof(self, stream: _Stream) -> None:
         self._flush_partial(stream)
