@@ -36,6 +36,7 @@ PROMPTS = [
     "ranks waits in a collective",
 ]
 RESTART_TIMEOUT_S = 400  # a fault, the teardown and a second vLLM start (~60-120 s on 2 busy cores)
+LONG_TOKENS = 256  # a stream still running when the test makes its fault, a few chunks in
 
 
 def ask(client: openai.OpenAI, i: int, stream: bool) -> str:
@@ -117,6 +118,46 @@ class Readiness:
         self.thread.join(timeout=10)
 
 
+class LongStream:
+    """One greedy stream of LONG_TOKENS: ``flowing`` is set once its first chunks reached the client, so a fault
+    made then cuts a stream that has answered part of its text (the clients' short requests leave that to chance:
+    they run in step, and a fault can find every stream of theirs still waiting for its first token)."""
+
+    PROMPT = "the supervisor names the rank that is somewhere else"
+
+    def __init__(self, port: int, chunks_before: int = 3):
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        self.reference = self._ask(stream=False)
+        self.chunks_before = chunks_before
+        self.flowing = threading.Event()
+        self.text: str | None = None
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _ask(self, stream: bool):
+        common = {"model": "tiny", "max_tokens": LONG_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        if not stream:
+            return self.client.completions.create(prompt=self.PROMPT, **common).choices[0].text
+        return self.client.completions.create(prompt=self.PROMPT, stream=True, **common)
+
+    def _run(self) -> None:
+        parts: list[str] = []
+        try:
+            for chunk in self._ask(stream=True):
+                parts.append("".join(c.text for c in chunk.choices))
+                if len(parts) == self.chunks_before:
+                    self.flowing.set()
+        except Exception as exc:  # an error is a failure of the relay
+            self.error = f"{type(exc).__name__}: {exc}"
+        self.text = "".join(parts)
+
+    def result(self, timeout: float) -> str | None:
+        self.thread.join(timeout)
+        assert self.error is None, self.error
+        return self.text
+
+
 def references(port: int) -> list[str]:
     """Each client's answer from the group alone, unstreamed: what an uninterrupted run gives."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
@@ -163,9 +204,12 @@ def test_worker_killed_mid_load_no_client_sees_an_error(supervise, tiny_model):
     clients = Clients(pub, refs)
     try:
         time.sleep(8)  # streams and unary requests in flight
+        long = LongStream(pub)
+        assert long.flowing.wait(60), long.error
         killed_at = time.monotonic()
         workers(run)[1].kill()
         wait_served_after(run, clients, killed_at + 1)
+        assert long.result(timeout=RESTART_TIMEOUT_S) == long.reference
         time.sleep(2)
     finally:
         clients.close()
@@ -174,7 +218,7 @@ def test_worker_killed_mid_load_no_client_sees_an_error(supervise, tiny_model):
     assert not clients.mismatches, clients.mismatches[:3]
     stop_run(run)
     resumed = run.events("request resumed")
-    assert resumed, "no stream was cut by the fault and continued: " + run.stderr[-3000:]
+    assert resumed, "the long stream, cut by the fault, was not continued: " + run.stderr[-3000:]
     assert all(line["resumed_tokens"] > 0 for line in resumed)
     assert run.events("request resent") or resumed
     during = [code for t, code in ready.seen if t > killed_at]
