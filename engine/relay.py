@@ -708,6 +708,11 @@ class Relay:
         self._publish_counts()
         counts = {k: v for k, v in self.counts.items() if k != "held"}
         log.info("relay stopped", **counts)
+        # The supervisor's SIGTERM follows its closing our stdin: one that came while asyncio.run closes the loop
+        # (its wakeup pipe first, its signal handlers after) printed a traceback to the run's log.  Ending now.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, signal.SIG_IGN)
 
     def _stdin_readable(self) -> None:
         try:

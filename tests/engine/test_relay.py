@@ -383,3 +383,20 @@ def test_a_suspect_is_alone_until_the_engine_answers_its_first_token_however_lon
         proc.kill()
         proc.wait(10)
         upstream.close()
+
+
+def test_signals_while_the_relay_ends_are_not_a_traceback_or_a_death_by_signal(relay):
+    # The supervisor closes the relay's stdin, then sends SIGTERM: a signal that came while asyncio closed its
+    # loop printed "Exception ignored ... signal wakeup fd" to the run's log, and one after it killed the relay.
+    proc, _port, _upstream = relay
+    proc.stdin.close()
+    deadline = time.monotonic() + 15
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        time.sleep(0.0005)
+    assert proc.wait(10) == 0
+    stderr = proc.stderr.read().decode(errors="replace")
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-2000:]
