@@ -123,10 +123,14 @@ class Sink:
                 pass
         except BaseException:  # whatever failed, nothing waits for this thread any more
             with self._cond:
-                self._broken, self._queued = True, 0
-                self._lines.clear()
+                self._break()
                 self._cond.notify_all()
             raise
+
+    def _break(self) -> None:
+        """Nothing more is written (held: ``_cond``)."""
+        self._broken, self._queued = True, 0
+        self._lines.clear()
 
     def _pass(self) -> bool:
         """Write what is queued; False once the descriptor failed."""
@@ -139,8 +143,7 @@ class Sink:
         with self._cond:
             self._queued -= sum(map(len, lines))
             if not written:
-                self._broken, self._queued = True, 0
-                self._lines.clear()
+                self._break()
             dropped = 0
             if self._dropped and self._queued <= SINK_MAX_BYTES // 2:  # room again: say what was lost
                 dropped, self._dropped, self._reporting = self._dropped, 0, True
@@ -228,11 +231,20 @@ def write(stream: IO[str], text: str, wait: bool = False) -> None:
     (``wait``: for room, as a rank's lines do), else written at once under the lock of the log handler that
     writes to the same stream, so the two never share a line."""
     sink = sink_for(stream)
+    handler = None
+    if sink is None:
+        handler = next(
+            (h for h in logging.getLogger().handlers if isinstance(h, _Handler) and h.stream is stream), None
+        )
+    _put(stream, sink, handler.lock if handler is not None else None, text, wait)
+
+
+def _put(stream: IO[str], sink: Sink | None, lock: threading.RLock | None, text: str, wait: bool) -> None:
+    """``text`` to its stream's ``sink``, or, for a stream without one, written at once under ``lock``."""
     if sink is not None:
         sink.put(text, wait=wait)
         return
-    handler = next((h for h in logging.getLogger().handlers if isinstance(h, _Handler) and h.stream is stream), None)
-    with handler.lock if handler is not None and handler.lock is not None else contextlib.nullcontext():
+    with lock if lock is not None else contextlib.nullcontext():
         stream.write(text)
         stream.flush()
 
@@ -259,12 +271,7 @@ class _Handler(logging.Handler):
         except Exception:
             self.handleError(record)
             return
-        if self.sink is not None:
-            self.sink.put(text, wait=record.name == RANK_OUTPUT_LOGGER)
-            return
-        with self.lock:  # type: ignore[union-attr]
-            self.stream.write(text)
-            self.stream.flush()
+        _put(self.stream, self.sink, self.lock, text, wait=record.name == RANK_OUTPUT_LOGGER)
 
 
 def event_name(text: str) -> str:
