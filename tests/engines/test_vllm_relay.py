@@ -39,9 +39,14 @@ RESTART_TIMEOUT_S = 400  # a fault, the teardown and a second vLLM start (~60-12
 LONG_TOKENS = 256  # a stream still running when the test makes its fault, a few chunks in
 
 
+def greedy(max_tokens: int = MAX_TOKENS) -> dict:
+    """The sampling of every request of these tests: greedy, exactly ``max_tokens`` long (ignore_eos)."""
+    return {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
 def ask(client: openai.OpenAI, i: int, stream: bool) -> str:
-    """Client i's request: even ones completions, odd ones chat; greedy, a fixed length (ignore_eos)."""
-    common = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    """Client i's request: even ones completions, odd ones chat; greedy, a fixed length."""
+    common = greedy()
     if i % 2 == 0:
         if not stream:
             return client.completions.create(prompt=PROMPTS[i], **common).choices[0].text
@@ -136,7 +141,7 @@ class LongStream:
         self.thread.start()
 
     def _ask(self, stream: bool):
-        common = {"model": "tiny", "max_tokens": LONG_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        common = greedy(LONG_TOKENS)
         if not stream:
             return self.client.completions.create(prompt=self.PROMPT, **common).choices[0].text
         return self.client.completions.create(prompt=self.PROMPT, stream=True, **common)
