@@ -55,6 +55,7 @@ from tp_supervise.dumps.render import plain
 HEAD_KEYS = ("message", "level", "timestamp", "logger", "event")
 LIBRARY_EVENT = "library_log"
 WARNING_EVENT = "python_warning"
+UNFORMATTABLE_EVENT = "log_record_unformattable"  # a record logging could not format (``_Handler.handleError``)
 _WARNINGS_LOGGER = "py.warnings"
 _HEADLINE_END = re.compile(r"[:;(]")
 _NOT_NAME = re.compile(r"[^a-z0-9]+")
@@ -273,6 +274,31 @@ class _Handler(logging.Handler):
             return
         _put(self.stream, self.sink, self.lock, text, wait=record.name == RANK_OUTPUT_LOGGER)
 
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A record that could not be formatted (say a library's ``%d`` given a string): one line of ours in the
+        run's format, through the sink like any other, instead of logging's traceback written straight to
+        stderr, which a reader that stopped would make this thread wait for."""
+        exc = sys.exc_info()[1]
+        where = f"{record.name} at {record.pathname}:{record.lineno}"
+        try:
+            message = f"a log record could not be formatted: {type(exc).__name__}: {exc} ({where}: {record.msg!r})"
+        except Exception:  # the record's own msg cannot be shown either
+            message = f"a log record could not be formatted ({where})"
+        line = logging.makeLogRecord(
+            {
+                "name": __name__,
+                "levelno": logging.ERROR,
+                "levelname": "ERROR",
+                "msg": message,
+                "event_name": UNFORMATTABLE_EVENT,
+            }
+        )
+        try:
+            text = self.format(line) + "\n"
+        except Exception:
+            text = message + "\n"
+        _put(self.stream, self.sink, self.lock, text, wait=False)
+
 
 def event_name(text: str) -> str:
     """The stable name of an event text: its headline, lower-cased, in snake_case.
@@ -335,7 +361,8 @@ def _name_foreign(_logger: WrappedLogger, _method: str, event: EventDict) -> Eve
     """``message``, ``event`` and ``logger`` of a record of the stdlib ``logging`` (a library, a warning)."""
     record = event["_record"]
     event["message"] = str(event.pop("event", "")).rstrip("\n")
-    event["event"] = WARNING_EVENT if record.name == _WARNINGS_LOGGER else LIBRARY_EVENT
+    named = getattr(record, "event_name", None)  # a record of our own made without structlog (handleError's)
+    event["event"] = named or (WARNING_EVENT if record.name == _WARNINGS_LOGGER else LIBRARY_EVENT)
     event["logger"] = record.name
     return event
 

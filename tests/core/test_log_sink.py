@@ -173,3 +173,46 @@ def test_text_the_stream_cannot_encode_is_escaped_and_the_writer_goes_on():
         os.close(w)
     with os.fdopen(r, "rb") as reader:
         assert reader.read() == b"caf\\xe9 \\ufffd\nnext\n"
+
+
+UNFORMATTABLE = textwrap.dedent(
+    """
+    import logging, os, sys, time
+    from tp_supervise.supervisor import logs
+
+    logs.configure("json")  # stderr: a pipe the test does not read yet, filled first
+    os.set_blocking(2, False)
+    try:
+        while True:
+            os.write(2, b"\\n" * 4096)
+    except BlockingIOError:
+        pass
+    os.set_blocking(2, True)
+    started = time.monotonic()
+    logging.getLogger("some.library").warning("%d requests", "many")  # cannot be formatted
+    print(f"logged {time.monotonic() - started:.3f}", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_a_record_that_cannot_be_formatted_is_one_line_of_ours_and_waits_for_no_reader():
+    """logging's own handleError writes a traceback straight to stderr, where a reader that stopped would hold
+    the thread that logged: the supervisor's handler says it in one line, queued like every other."""
+    proc = subprocess.Popen([sys.executable, "-c", UNFORMATTABLE], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert select.select([proc.stdout], [], [], 30)[0], "logging waited for the unread stderr"
+        said = proc.stdout.readline()
+        assert said.startswith("logged ") and float(said.split()[1]) < 5.0, said
+        _, err = proc.communicate("", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    records = [json.loads(line) for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err
+    [record] = records
+    assert record["event"] == logs.UNFORMATTABLE_EVENT and record["level"] == "error", record
+    assert "some.library" in record["message"] and "'%d requests'" in record["message"], record
