@@ -41,21 +41,26 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_own_lines_never_wait_for_a_stopped_reader_and_the_dropped_ones_are_counted():
-    proc = subprocess.Popen([sys.executable, "-c", CHILD], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+def logged_against_an_unread_stderr(script: str, within_s: float) -> str:
+    """Run ``script``, which logs to a stderr pipe nobody reads yet and then prints ``logged <seconds>``: that
+    must come within ``within_s`` (generous: nothing waited for the pipe); then its stderr, read to the end."""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        # ~600 KB of lines against a 64 KiB pipe and a 64 KiB queue
         assert select.select([proc.stdout], [], [], 30)[0], "logging waited for the unread stderr"
         said = proc.stdout.readline()
-        assert said.startswith("logged "), said
-        assert float(said.split()[1]) < 10.0, said  # generous: nothing waited for the pipe
-        out, err = proc.communicate("", timeout=60)
+        assert said.startswith("logged ") and float(said.split()[1]) < within_s, said
+        _, err = proc.communicate("", timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err[-2000:]
+    return err
+
+
+def test_own_lines_never_wait_for_a_stopped_reader_and_the_dropped_ones_are_counted():
+    err = logged_against_an_unread_stderr(CHILD, within_s=10.0)  # ~600 KB against a 64 KiB pipe and queue
     lines = [json.loads(line) for line in err.splitlines()]
     filler = [line["i"] for line in lines if line["event"] == "filler_line"]
     dropped = [line for line in lines if line["event"] == "log_lines_dropped"]
@@ -199,18 +204,7 @@ UNFORMATTABLE = textwrap.dedent(
 def test_a_record_that_cannot_be_formatted_is_one_line_of_ours_and_waits_for_no_reader():
     """logging's own handleError writes a traceback straight to stderr, where a reader that stopped would hold
     the thread that logged: the supervisor's handler says it in one line, queued like every other."""
-    proc = subprocess.Popen([sys.executable, "-c", UNFORMATTABLE], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert select.select([proc.stdout], [], [], 30)[0], "logging waited for the unread stderr"
-        said = proc.stdout.readline()
-        assert said.startswith("logged ") and float(said.split()[1]) < 5.0, said
-        _, err = proc.communicate("", timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err[-2000:]
+    err = logged_against_an_unread_stderr(UNFORMATTABLE, within_s=5.0)
     records = [json.loads(line) for line in err.splitlines() if line.strip()]
     assert "Traceback" not in err
     [record] = records
