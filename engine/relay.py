@@ -684,8 +684,14 @@ class Relay:
         site = web.SockSite(runner, sock, backlog=listen_backlog())
         await site.start()
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.ending.set)
-        loop.add_signal_handler(signal.SIGINT, self.ending.set)
+
+        def on_stop_signal(_signum: int, _frame: object) -> None:  # runs on this thread, between bytecodes
+            loop.call_soon_threadsafe(self.ending.set)
+
+        # Plain handlers, not the loop's: asyncio.run ends by resetting the signals its loop handled to SIG_DFL
+        # (and remove_signal_handler does too), where a SIGTERM of the supervisor kills the relay (exit -15).
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, on_stop_signal)
         loop.add_reader(sys.stdin.fileno(), self._stdin_readable)
         host, port = runner.addresses[0][:2]
         log.info(
@@ -708,10 +714,9 @@ class Relay:
         self._publish_counts()
         counts = {k: v for k, v in self.counts.items() if k != "held"}
         log.info("relay stopped", **counts)
-        # The supervisor's SIGTERM follows its closing our stdin: one that came while asyncio.run closes the loop
-        # (its wakeup pipe first, its signal handlers after) printed a traceback to the run's log.  Ending now.
+        # The supervisor's SIGTERM follows its closing our stdin, and may come at any point of the exit from here
+        # on: ignored, in one step (a handler replaced, never a moment of SIG_DFL), while the loop still runs.
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
             signal.signal(signum, signal.SIG_IGN)
 
     def _stdin_readable(self) -> None:
