@@ -58,6 +58,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import uuid
 
@@ -212,6 +213,46 @@ class _Flight:
 
     def close(self) -> None:
         self.answered()
+
+
+def _noted(_signum: int, _frame: object) -> None:
+    """The Python-level handler of a stop signal: nothing; the wakeup socket tells the loop (``_StopSignals``)."""
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT end the relay.  Not through the loop's ``add_signal_handler``: when the loop closes it
+    puts SIG_DFL back (``remove_signal_handler`` does too), and a SIGTERM of the supervisor in that moment killed
+    the relay (exit -15), one in the moment its wakeup pipe was closed printed a traceback.  Here a no-op
+    handler and our own wakeup socket, read by the loop (a signal that comes just before the loop waits still
+    wakes it); ``ignore()`` makes each signal SIG_IGN in one step, and only then lets the socket go."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_signal) -> None:
+        self._loop = loop
+        self._read, self._write = socket.socketpair()
+        for end in (self._read, self._write):
+            end.setblocking(False)
+        loop.add_reader(self._read.fileno(), self._readable, on_signal)
+        signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        for signum in self.SIGNALS:
+            signal.signal(signum, _noted)
+
+    def _readable(self, on_signal) -> None:
+        try:
+            numbers = self._read.recv(4096)  # one byte per signal: its number
+        except OSError:
+            return
+        if any(number in self.SIGNALS for number in numbers):
+            on_signal()
+
+    def ignore(self) -> None:
+        for signum in self.SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        signal.set_wakeup_fd(-1)
+        self._loop.remove_reader(self._read.fileno())
+        self._read.close()
+        self._write.close()
 
 
 class Relay:
@@ -684,14 +725,7 @@ class Relay:
         site = web.SockSite(runner, sock, backlog=listen_backlog())
         await site.start()
         loop = asyncio.get_running_loop()
-
-        def on_stop_signal(_signum: int, _frame: object) -> None:  # runs on this thread, between bytecodes
-            loop.call_soon_threadsafe(self.ending.set)
-
-        # Plain handlers, not the loop's: asyncio.run ends by resetting the signals its loop handled to SIG_DFL
-        # (and remove_signal_handler does too), where a SIGTERM of the supervisor kills the relay (exit -15).
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, on_stop_signal)
+        stop_signals = _StopSignals(loop, self.ending.set)
         loop.add_reader(sys.stdin.fileno(), self._stdin_readable)
         host, port = runner.addresses[0][:2]
         log.info(
@@ -714,10 +748,8 @@ class Relay:
         self._publish_counts()
         counts = {k: v for k, v in self.counts.items() if k != "held"}
         log.info("relay stopped", **counts)
-        # The supervisor's SIGTERM follows its closing our stdin, and may come at any point of the exit from here
-        # on: ignored, in one step (a handler replaced, never a moment of SIG_DFL), while the loop still runs.
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, signal.SIG_IGN)
+        # The supervisor's SIGTERM follows its closing our stdin and may come at any point of the exit from here on.
+        stop_signals.ignore()
 
     def _stdin_readable(self) -> None:
         try:

@@ -400,3 +400,13 @@ def test_signals_while_the_relay_ends_are_not_a_traceback_or_a_death_by_signal(r
     assert proc.wait(10) == 0
     stderr = proc.stderr.read().decode(errors="replace")
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-2000:]
+
+
+def test_ctrl_c_alone_ends_the_relay_cleanly(relay):
+    # A terminal's Ctrl-C reaches the whole foreground group, the relay included, maybe before the supervisor
+    # closes its stdin: it ends as on SIGTERM (exit 0, its counts said), never with a KeyboardInterrupt.
+    proc, _port, _upstream = relay
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(10) == 0
+    stderr = proc.stderr.read().decode(errors="replace")
+    assert "relay stopped" in stderr and "Traceback" not in stderr, stderr[-2000:]
