@@ -90,6 +90,11 @@ def stack_file(rank: int) -> str:
     return f"stacks/rank-{rank}.txt"
 
 
+def process_stack_file(role: str, pid: int | None) -> str:
+    """The stacks of a process of the run that is not a rank: ``stacks/scheduler-1234.txt``."""
+    return f"stacks/{role.replace(' ', '-') or 'process'}-{pid}.txt"
+
+
 def fr_file(rank: int) -> str:
     """Rank r's flight-recorder trace as the pickle ``torchfrtrace <bundle>/fr`` reads.
 

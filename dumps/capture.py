@@ -101,10 +101,18 @@ class RankTarget:
     exit: dict | None = None  # {"code", "signal", "core_dumped", "description"}
     heartbeat: SlotSnapshot | None = None
     title: str = ""  # its process title when last seen (docs/bundle.md)
+    # A process of the run that is not a rank (``rank`` is then a negative key of the capture): its role,
+    # ``frontend``, ``scheduler``, ``helper``, ``launcher`` or ``engine process`` ("" for a rank).
+    role: str = ""
+
+    @property
+    def is_rank(self) -> bool:
+        return self.rank >= 0
 
     def evidence(self, **captured: Any) -> RankEvidence:
         """Its evidence: what the supervisor knew of it, plus what the capture found (``captured``)."""
         captured.setdefault("title", self.title)
+        captured.setdefault("role", self.role)
         return RankEvidence(
             rank=self.rank,
             slot=self.slot,

@@ -15,6 +15,14 @@ applies is the root cause; the rest of the group are its consequences):
                             one: another op, size or dtype, or one that some
                             ranks never entered (flight recorder); with all ranks
                             in the same collective, no rank is named
+``control_plane``           every live rank is idle (waiting for its next step,
+                            outside steps and collectives) while a process of
+                            the engine that is not a rank holds the group: its
+                            scheduler (vLLM's engine core) stopped, blocked in
+                            the kernel or stuck inside its step, or its front
+                            end stopped or holding requests it never passes on;
+                            the culprit is that process (``culprit``: role,
+                            pid, title), ``culprit_ranks`` is empty
 ``unknown``                 nothing distinguishes any rank
 
 "In a collective" combines three sources: the heartbeat slot (instrumented
@@ -31,7 +39,7 @@ the capture side (py-spy, ``/proc``, signals, sockets).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tp_supervise.supervisor.rank.collectives import COLLECTIVES
 from tp_supervise.supervisor.rank.heartbeat import SlotSnapshot
@@ -47,6 +55,7 @@ KLASSES = (
     "communication_hang",
     "non_communication_hang",
     "slow",
+    "control_plane",
     "unknown",
 )
 # Library frames that say *how* a rank waits, not *where*: skipped when naming its place.
@@ -81,14 +90,19 @@ class Diagnosis:
     ranks: dict[int, dict]  # per-rank summary.json entries
     groups: tuple[StackGroup, ...] = ()
     notes: tuple[str, ...] = ()  # supporting facts, root cause first
+    # Who is somewhere else, whatever its role: {"role", "pid", "title", "rank"} (None when nobody is named).
+    culprit: dict | None = None
+    processes: dict[int, dict] = field(default_factory=dict)  # pid -> the processes of the run that are not ranks
 
     def summary_fields(self) -> dict:
         """The parts of summary.json this verdict owns."""
         return {
             "class": self.klass,
             "culprit_ranks": list(self.culprit_ranks),
+            "culprit": self.culprit,
             "verdict": self.verdict,
             "ranks": {str(r): d for r, d in sorted(self.ranks.items())},
+            "processes": {str(pid): d for pid, d in sorted(self.processes.items())},
             "stack_groups": [
                 {
                     "label": g.label,
@@ -375,6 +389,115 @@ def _decide(places: list[_Place], groups, fr: FrFindings | None, policy: Diagnos
     return "unknown", [], f"no rank stands out: all {len(alive)} live ranks are{place}{at}", notes
 
 
+@dataclass(frozen=True)
+class _Process:
+    """A process of the run that is not a rank (an engine's scheduler, front end, launcher), as captured."""
+
+    ev: RankEvidence
+    where: str
+    signature: str
+
+    @property
+    def role(self) -> str:
+        return self.ev.role or "process"
+
+    @property
+    def alive(self) -> bool:
+        return self.ev.alive and self.ev.state not in ("Z", "X")
+
+    def who(self) -> str:
+        title = self.ev.title
+        named = title and not any(c.isspace() or c == "/" for c in title)
+        words = {"frontend": "front end", "scheduler": "scheduler"}.get(self.role, self.role)
+        return f"the {words} (pid {self.ev.pid}, {title})" if named else f"the {words} (pid {self.ev.pid})"
+
+    def culprit(self) -> dict:
+        return {"role": self.role, "pid": self.ev.pid, "title": self.ev.title, "rank": None}
+
+
+def _process(ev: RankEvidence) -> _Process:
+    where_frame = st.innermost_function(ev.threads, skip=WAIT_FUNCTIONS)
+    where = f"{where_frame.base_function} ({where_frame.base_file})" if where_frame else ""
+    return _Process(ev, where, st.stack_signature(ev.threads))
+
+
+def _idle(p: _Place) -> bool:
+    """Waiting for its next step: alive, outside any step and collective."""
+    return not p.dead and not p.in_collective and not (p.hb is not None and (p.hb.in_step or p.hb.torn))
+
+
+def _control_plane(places: Sequence[_Place], procs: Sequence[_Process], policy: DiagnosisPolicy, now: float):
+    """(culprit process, cause) when a process that is not a rank holds the group, else None.
+
+    Asked once no rank is dead or stopped: every live rank idle (its slot outside steps and collectives,
+    its stack in no collective) and a scheduler or front end stopped, blocked in the kernel, or inside its
+    step (the scheduler) or holding requests with no output (the front end) while its peers wait."""
+    alive = [p for p in places if not p.dead]
+    if not alive or not all(_idle(p) for p in alive):
+        return None
+    candidates = [q for q in procs if q.alive and q.role in ("scheduler", "frontend")]
+    candidates.sort(key=lambda q: q.role != "scheduler")  # the scheduler decides every step: asked first
+    for letter, text in (
+        ("T", "is stopped (state T, a stop signal such as SIGSTOP; SIGCONT resumes it)"),
+        ("t", "is held by a tracer (state t, e.g. a debugger attached)"),
+        ("D", "is blocked in uninterruptible I/O (state D{wchan})"),
+    ):
+        for q in candidates:
+            if q.ev.state == letter:
+                wchan = q.ev.proc.wchan if q.ev.proc else ""
+                where = f" in {q.where}" if q.where else ""
+                return q, f"{q.who()} {text.format(wchan=f', in {wchan}' if wchan else '')}{where}"
+    for q in candidates:
+        hb = q.ev.heartbeat
+        if hb is None or not (hb.in_step or hb.torn):
+            continue
+        waited = max(0.0, now - hb.ts_step_begin) if hb.ts_step_begin else 0.0
+        for_s = f" for {waited:.1f} s" if waited else ""
+        where = f" in {q.where}" if q.where else ""
+        cpu = q.ev.cpu_fraction
+        act = ""
+        if cpu is not None:
+            act = f" ({'running' if cpu >= policy.busy_cpu_fraction else 'waiting'}, {cpu * 100:.0f}% CPU)"
+        if q.role == "scheduler":
+            phase = f", phase {hb.phase}" if hb.phase else ""
+            return q, f"{q.who()} is stuck inside its step{for_s}{where}{act}{phase}"
+        return q, f"{q.who()} holds requests in flight with no output{for_s}{where}{act}"
+    return None
+
+
+def _waiting_for(proc: _Process, places: Sequence[_Place]) -> str:
+    ranks = [p.rank for p in places if not p.dead]
+    if not ranks:
+        return ""
+    words = "its next step" if proc.role == "scheduler" else "the next step"
+    return f"{_rank_list(ranks)} {_verb(ranks, 'is', 'are')} idle, waiting for {words}"
+
+
+def _process_dict(q: _Process, culprit: _Process | None) -> dict:
+    ev, hb = q.ev, q.ev.heartbeat
+    return {
+        "role": q.role,
+        "pid": ev.pid,
+        "title": ev.title,
+        "alive": q.alive,
+        "state": ev.state if ev.alive else None,
+        "state_name": STATE_NAMES.get(ev.state or "", "") if ev.alive else "",
+        "wchan": ev.proc.wchan if ev.proc else "",
+        "threads": ev.proc.num_threads if ev.proc else None,
+        "cpu_percent": round(ev.cpu_fraction * 100, 1) if ev.cpu_fraction is not None else None,
+        "exit": ev.exit,
+        "in_step": bool(hb.in_step) if hb is not None else None,
+        "steps": hb.step if hb is not None else None,
+        "phase": hb.phase if hb is not None else "",
+        "step_tokens": hb.step_tokens if hb is not None else None,
+        "where": q.where,
+        "stack_signature": q.signature,
+        "stack_method": ev.method,
+        "stack_error": ev.error,
+        "culprit": culprit is q,
+    }
+
+
 def _outside_verdict(hit, culprits, peers, policy, notes):
     slow = all(p.progressed for p in hit)
     klass = "slow" if slow else "non_communication_hang"
@@ -433,16 +556,35 @@ def diagnose(
     time of death), when given, orders several deaths.
     """
     places = []
+    procs = []
     for rank, ev in sorted(evidence.ranks.items()):
+        if rank < 0:  # a process of the run that is not a rank (its scheduler, front end, launcher)
+            procs.append(_process(ev))
+            continue
         hb = (heartbeats or {}).get(rank, ev.heartbeat)
         ex = (exits or {}).get(rank, ev.exit)
         places.append(_place(ev, hb, ex, fr_findings))
     groups = _groups([p for p in places if not p.dead])
-    klass, culprits, verdict, notes = _decide(places, groups, fr_findings, policy, reason)
+    held = None
+    if not any(p.dead or p.state in ("T", "t", "D") for p in places):
+        held = _control_plane(places, procs, policy, evidence.started_at)
+    culprit_proc: _Process | None = None
+    if held is not None:
+        culprit_proc, cause = held
+        waiting = _waiting_for(culprit_proc, places)
+        klass, culprits, verdict, notes = "control_plane", [], f"{cause}; {waiting}" if waiting else cause, []
+    else:
+        klass, culprits, verdict, notes = _decide(places, groups, fr_findings, policy, reason)
     if reason == ON_DEMAND:
         verdict = f"on-demand snapshot: {verdict}"
     group_of = {r: g.label for g in groups for r in g.ranks}
     ranks = {p.rank: _rank_dict(p, group_of, culprits, evidence.started_at) for p in places}
+    culprit = None
+    if culprit_proc is not None:
+        culprit = culprit_proc.culprit()
+    elif len(culprits) == 1:
+        only = next(p for p in places if p.rank == culprits[0])
+        culprit = {"role": "rank", "pid": only.ev.pid, "title": only.ev.title, "rank": only.rank}
     return Diagnosis(
         klass=klass,
         culprit_ranks=sorted(culprits),
@@ -450,4 +592,6 @@ def diagnose(
         ranks=ranks,
         groups=groups,
         notes=tuple(notes),
+        culprit=culprit,
+        processes={q.ev.pid or 0: _process_dict(q, culprit_proc) for q in procs},
     )

@@ -94,6 +94,7 @@ class RankEvidence:
     attempts: tuple[str, ...] = ()
     capture_s: float = 0.0
     title: str = ""  # the process title the supervisor last saw (a dead rank's too)
+    role: str = ""  # not a rank (a negative key): its role, e.g. "scheduler" (``capture.RankTarget.role``)
 
     @property
     def has_stacks(self) -> bool:

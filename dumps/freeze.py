@@ -176,7 +176,9 @@ def freeze(targets: Sequence[FreezeTarget], settle_s: float) -> Frozen:
         if letter is None or letter in _NOT_OURS:
             continue
         # Read after the pidfd was opened; the signal through it succeeds only if that very process still runs.
-        proc.group = _leads_group(pid)
+        # A process that is not a rank (negative key: the launcher, an engine core) is stopped alone: the
+        # launcher leads the group of the whole tree, and its thaw must not resume a process the fault stopped.
+        proc.group = rank >= 0 and _leads_group(pid)
         if proc.send(signal.SIGSTOP):
             stopped[rank] = pid
             group[rank] = proc.group

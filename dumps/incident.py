@@ -37,7 +37,7 @@ from pathlib import Path
 import structlog
 
 from . import flight_capture as flight
-from .bundle import BundleWriter, fr_file, fr_json_file, iso_utc, stack_file, torch_dump_file
+from .bundle import BundleWriter, fr_file, fr_json_file, iso_utc, process_stack_file, stack_file, torch_dump_file
 from .capture import RankTarget, capture_all
 from .diagnose import Diagnosis, diagnose
 from .evidence import STATE_NAMES, CpuSamples, Evidence, RankEvidence
@@ -76,10 +76,15 @@ def _bare_evidence(targets: Sequence[RankTarget], error: str, started: float) ->
     return Evidence(ranks=ranks, started_at=started, duration_s=0.0, method="none", pyspy=None)
 
 
+def _stack_file_name(ev: RankEvidence) -> str:
+    return stack_file(ev.rank) if ev.rank >= 0 else process_stack_file(ev.role, ev.pid)
+
+
 def _stack_file_text(ev: RankEvidence) -> str:
     state = ev.state or "-"
+    who = f"rank {ev.rank} slot {ev.slot}" if ev.rank >= 0 else f"{ev.role or 'process'} ({ev.title or '-'})"
     head = [
-        f"# rank {ev.rank} slot {ev.slot} pid {ev.pid} state {state} ({STATE_NAMES.get(state, '')})",
+        f"# {who} pid {ev.pid} state {state} ({STATE_NAMES.get(state, '')})",
         f"# method: {ev.method}; attempts: {'; '.join(ev.attempts) or '-'}; took {ev.capture_s:.3f} s",
     ]
     if ev.error:
@@ -88,9 +93,13 @@ def _stack_file_text(ev: RankEvidence) -> str:
 
 
 def _evidence_json(evidence: Evidence) -> str:
-    ranks = {}
+    ranks: dict[str, dict] = {}
+    processes: dict[str, dict] = {}
     for rank, ev in sorted(evidence.ranks.items()):
-        ranks[str(rank)] = {
+        entry = ranks if rank >= 0 else processes
+        entry[str(rank) if rank >= 0 else str(ev.pid)] = {
+            "role": ev.role or "rank",
+            "title": ev.title,
             "pid": ev.pid,
             "slot": ev.slot,
             "alive": ev.alive,
@@ -113,11 +122,18 @@ def _evidence_json(evidence: Evidence) -> str:
                 for t in ev.threads
             ],
         }
-    doc = {"method": evidence.method, "pyspy": evidence.pyspy, "duration_s": evidence.duration_s, "ranks": ranks}
+    doc = {
+        "method": evidence.method,
+        "pyspy": evidence.pyspy,
+        "duration_s": evidence.duration_s,
+        "ranks": ranks,
+        "processes": processes,
+    }
     return json.dumps(doc, indent=1, default=str) + "\n"
 
 
 def _fallback_ranks(targets: Sequence[RankTarget]) -> dict:
+    targets = [t for t in targets if t.is_rank]
     return {
         str(t.rank): {
             "pid": t.pid,
@@ -156,8 +172,9 @@ class Captured:
                 continue
             ev = self.evidence.ranks.get(t.rank)
             if ev is None or not ev.has_stacks:
-                out[stack_file(t.rank)] = (ev.error if ev is not None else None) or "not captured"
-            if t.rank not in self.traces:
+                name = stack_file(t.rank) if t.is_rank else process_stack_file(t.role, t.pid)
+                out[name] = (ev.error if ev is not None else None) or "not captured"
+            if t.is_rank and t.rank not in self.traces:
                 out[fr_file(t.rank)] = self.fr_errors.get(t.rank) or "not collected"
         return out
 
@@ -178,6 +195,7 @@ def capture_incident(
     budget = max(0.0, deadline_s * CAPTURE_SHARE)
     end = start + budget
     targets = tuple(targets)
+    ranks = tuple(t for t in targets if t.is_rank)  # the flight recorders are the ranks' (torch.distributed)
     errors: list[str] = []
     frozen: Frozen | None = None
     if freeze:
@@ -192,10 +210,10 @@ def capture_incident(
     def fr_work() -> None:
         try:
             fr_out["traces"], fr_out["errors"] = flight.collect_detailed(
-                targets, run_dir, max(0.0, end - time.monotonic())
+                ranks, run_dir, max(0.0, end - time.monotonic())
             )
         except Exception as exc:
-            fr_out["errors"] = {t.rank: f"collection failed: {exc!r}" for t in targets}
+            fr_out["errors"] = {t.rank: f"collection failed: {exc!r}" for t in ranks}
 
     fr_thread = threading.Thread(target=fr_work, name="dump-flight", daemon=True)
     if frozen is None:
@@ -313,12 +331,12 @@ def write_captured(
         summary["incomplete"] = dict(incomplete, missing=captured.missing())
 
     files: dict[str, bytes | str] = {}
-    for rank, ev in sorted(evidence.ranks.items()):
-        files[stack_file(rank)] = _stack_file_text(ev)
+    for _rank, ev in sorted(evidence.ranks.items()):
+        files[_stack_file_name(ev)] = _stack_file_text(ev)
     for rank, trace in sorted(traces.items()):
         files[fr_json_file(rank)] = json.dumps(trace, indent=1) + "\n"
     try:
-        world = sorted(t.rank for t in captured.targets)
+        world = sorted(t.rank for t in captured.targets if t.is_rank)
         for rank, data in flight.fr_pickles({r: t for r, t in traces.items() if r >= 0}, world).items():
             files[fr_file(rank)] = data
     except Exception as exc:  # the traces still have their JSON

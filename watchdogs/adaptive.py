@@ -30,7 +30,19 @@ After warm-up::
     hard = clamp(max(hard_multiplier * pXX, hard_max_multiplier * window_max), hard_floor, hard_ceiling)
 
 where pXX is the ``percentile`` of the last ``window_samples`` samples and
-window_max their maximum.  The percentile term keeps detection within a few
+window_max their maximum.
+
+**Steps judged by their shape.**  Ranks and schedulers that say how many
+tokens a step was given (``step_tokens`` in their slot: vLLM's scheduled
+tokens) teach one more thing: each completed step's duration filed under
+its size class, ``bucket(tokens)`` = the bit length of ``tokens`` (1, 2-3,
+4-7, ... 512-1023 tokens), the last ``shape_samples`` of each class kept.
+``shape_thresholds(learned, tokens)`` is the formula above over the samples
+of that class alone (or, with fewer than ``shape_min_samples`` there, of the
+nearest larger class that has them): a stall while a 4-token decode step is
+in progress is judged by decode steps, a 512-token prefill by prefills, and
+one long prefill no longer raises every later decode step's bar.  With no
+class learned yet, the window's thresholds apply.  The percentile term keeps detection within a few
 normal step times; the max term keeps rare but legitimate long gaps (a long
 prefill, a GC pause) from looking like hangs; the window lets thresholds follow
 an engine whose step time drifts.
@@ -70,9 +82,11 @@ class AdaptiveParams:
     warmup_soft: float = 30.0
     warmup_hard: float = 60.0
     change_ratio: float = 0.2
+    shape_samples: int = 64  # completed steps kept per size class
+    shape_min_samples: int = 8  # a size class judges its steps once it has this many
 
     def __post_init__(self) -> None:
-        for name in ("warmup_events", "warmup_steps", "window_samples"):
+        for name in ("warmup_events", "warmup_steps", "window_samples", "shape_samples", "shape_min_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -97,6 +111,8 @@ class AdaptiveParams:
             raise ValueError("soft floor/ceiling must not exceed the hard floor/ceiling")
         if self.warmup_soft > self.warmup_hard:
             raise ValueError("warmup_soft must be <= warmup_hard")
+        if self.shape_min_samples > self.shape_samples:
+            raise ValueError("shape_min_samples must be <= shape_samples")
         if not 0.0 < self.change_ratio < 1.0:
             raise ValueError(f"change_ratio must be in (0, 1), got {self.change_ratio}")
 
@@ -124,11 +140,12 @@ class Mark:
     coll_seq: int
     ts_coll: float  # when its latest collective began (rank-reported, monotonic; 0: none yet)
     last_step_s: float  # duration of its latest completed step (0: none yet)
+    last_step_tokens: int = 0  # what that step was given (0: not reported)
 
     @classmethod
     def of(cls, slot: SlotSnapshot) -> Mark:
         """The mark of one heartbeat slot read."""
-        return cls(slot.pid, slot.step, slot.coll_seq, slot.ts_coll_begin, slot.last_step_s)
+        return cls(slot.pid, slot.step, slot.coll_seq, slot.ts_coll_begin, slot.last_step_s, slot.last_step_tokens)
 
 
 @dataclass(frozen=True)
@@ -138,6 +155,7 @@ class Observed:
     samples: tuple[float, ...] = ()
     events: int = 0  # progress events measured (of the group: the most any rank made)
     steps: int = 0  # steps the group completed (the most any rank did)
+    shaped: tuple[tuple[int, float], ...] = ()  # (size class, seconds) of completed steps that gave their tokens
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,13 @@ class Learned:
     window: tuple[float, ...] = ()
     events: int = 0
     steps: int = 0
+    # size class -> its last ``shape_samples`` step durations, ascending by class
+    shapes: tuple[tuple[int, tuple[float, ...]], ...] = ()
+
+
+def bucket(tokens: int) -> int:
+    """The size class of a step of ``tokens`` tokens: 1, 2-3, 4-7, ... are classes 1, 2, 3, ..."""
+    return max(0, int(tokens)).bit_length()
 
 
 def clamp(value: float, low: float, high: float) -> float:
@@ -194,27 +219,32 @@ def rank_progress(before: Mark | None, after: Mark, quiet_at: float) -> Observed
     samples: list[float] = []
     events = steps = 0
     done = after.step - before.step
+    shaped: tuple[tuple[int, float], ...] = ()
     if done > 0 and usable(after.last_step_s):
         samples.append(after.last_step_s)
         events += done
         steps = done
+        if after.last_step_tokens > 0:
+            shaped = ((bucket(after.last_step_tokens), after.last_step_s),)
     entered = after.coll_seq - before.coll_seq
     if entered > 0 and before.ts_coll > quiet_at and before.ts_coll > 0.0 and after.ts_coll > before.ts_coll:
         samples.append((after.ts_coll - before.ts_coll) / entered)
         events += entered
-    return Observed(tuple(samples), events, steps)
+    return Observed(tuple(samples), events, steps, shaped)
 
 
 def combine(observed: Iterable[Observed]) -> Observed:
     """One observation of the group from its ranks': every sample; events and
     steps are the group's, the most any rank made (they progress together)."""
     samples: list[float] = []
+    shaped: list[tuple[int, float]] = []
     events = steps = 0
     for o in observed:
         samples.extend(o.samples)
+        shaped.extend(o.shaped)
         events = max(events, o.events)
         steps = max(steps, o.steps)
-    return Observed(tuple(samples), events, steps)
+    return Observed(tuple(samples), events, steps, tuple(shaped))
 
 
 def observation(
@@ -237,15 +267,30 @@ def observation(
     extra = tuple(s for s in (stall_s, untimed_gap_s) if s is not None)
     if not extra:
         return group
-    return Observed(group.samples + extra, group.events + (untimed_gap_s is not None), group.steps)
+    return Observed(group.samples + extra, group.events + (untimed_gap_s is not None), group.steps, group.shaped)
+
+
+def extend_shapes(
+    shapes: tuple[tuple[int, tuple[float, ...]], ...], shaped: Iterable[tuple[int, float]], params: AdaptiveParams
+) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """Each size class's window after appending the steps of ``shaped`` (oldest dropped first)."""
+    fresh = [(b, s) for b, s in shaped if usable(s)]
+    if not fresh:
+        return shapes
+    by_class = dict(shapes)
+    for b, seconds in fresh:
+        merged = by_class.get(b, ()) + (seconds,)
+        by_class[b] = merged[-params.shape_samples :]
+    return tuple(sorted(by_class.items()))
 
 
 def learn(learned: Learned, observed: Observed, params: AdaptiveParams) -> Learned:
     """``learned`` with one more observation (the same object when it teaches nothing)."""
     window = extend_window(learned.window, observed.samples, params)
-    if window is learned.window and not observed.events and not observed.steps:
+    shapes = extend_shapes(learned.shapes, observed.shaped, params)
+    if window is learned.window and shapes is learned.shapes and not observed.events and not observed.steps:
         return learned
-    return Learned(window, learned.events + observed.events, learned.steps + observed.steps)
+    return Learned(window, learned.events + observed.events, learned.steps + observed.steps, shapes)
 
 
 def warmed_up(learned: Learned, params: AdaptiveParams, reports_steps: bool) -> bool:
@@ -269,15 +314,7 @@ def thresholds(learned: Learned, params: AdaptiveParams, reports_steps: bool = F
             events=learned.events,
             steps=learned.steps,
         )
-    ordered = sorted(window)
-    basis = percentile(ordered, params.percentile)
-    top = ordered[-1]
-    soft = clamp(
-        max(params.soft_multiplier * basis, params.soft_max_multiplier * top), params.soft_floor, params.soft_ceiling
-    )
-    hard = clamp(
-        max(params.hard_multiplier * basis, params.hard_max_multiplier * top), params.hard_floor, params.hard_ceiling
-    )
+    soft, hard, basis, top = _bars(window, params)
     return Thresholds(
         soft=soft,
         hard=hard,
@@ -288,6 +325,33 @@ def thresholds(learned: Learned, params: AdaptiveParams, reports_steps: bool = F
         events=learned.events,
         steps=learned.steps,
     )
+
+
+def _bars(samples: Iterable[float], params: AdaptiveParams) -> tuple[float, float, float, float]:
+    """(soft, hard, pXX, max) of some samples, by the module's formula."""
+    ordered = sorted(samples)
+    basis = percentile(ordered, params.percentile)
+    top = ordered[-1]
+    soft = clamp(
+        max(params.soft_multiplier * basis, params.soft_max_multiplier * top), params.soft_floor, params.soft_ceiling
+    )
+    hard = clamp(
+        max(params.hard_multiplier * basis, params.hard_max_multiplier * top), params.hard_floor, params.hard_ceiling
+    )
+    return soft, hard, basis, top
+
+
+def shape_thresholds(learned: Learned, params: AdaptiveParams, tokens: int) -> tuple[float, float] | None:
+    """(soft, hard) for a step of ``tokens`` tokens, from the steps of its size class (or the nearest larger
+    class with ``shape_min_samples`` of them); None when none has, or for a step of unknown size."""
+    if tokens <= 0:
+        return None
+    wanted = bucket(tokens)
+    for size_class, samples in learned.shapes:
+        if size_class >= wanted and len(samples) >= params.shape_min_samples:
+            soft, hard, _basis, _top = _bars(samples, params)
+            return soft, hard
+    return None
 
 
 def changed_materially(old: tuple[float, float] | None, new: tuple[float, float], ratio: float) -> bool:

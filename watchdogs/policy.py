@@ -13,10 +13,14 @@ Definitions (docs/watchdogs.md has the long form):
   not exited (``exited`` holds the slots the exit monitor saw die).
 * **busy**: some live rank is inside a step or a collective (a slot read
   ``torn`` counts as busy: its rank stopped in the middle of an update), or
-  the engine's own metrics say requests are running (``external``).
-* **progress**: any live rank's step or collective counter changed since the
-  previous observation (a slot newly claimed or re-claimed by another pid
-  counts too), or the external token counter changed.
+  a live control-plane process is inside a step (``control``: an engine's
+  scheduler inside its step, its front end with requests in flight and no
+  output since the last batch), or the engine's own metrics say requests
+  are running (``external``).
+* **progress**: any live rank's or control-plane process's step or
+  collective counter changed since the previous observation (a slot newly
+  claimed or re-claimed by another pid counts too), or the external token
+  counter changed.
 * **stall**: busy with no progress; the stall clock starts at the last
   progress or when the group became busy, whichever is later.  An idle group
   has no stall, however long it idles.
@@ -159,6 +163,8 @@ class Verdict:
     min_coll_seq: int
     max_coll_seq: int
     external: ExternalProgress | None
+    control: tuple[SlotSnapshot, ...] = ()  # the live control-plane slots (scheduler, front end) as read
+    step_tokens: int = 0  # the thresholds are those of a step of this size (0: the window's)
 
     @property
     def fired(self) -> bool:
@@ -193,7 +199,21 @@ class Verdict:
             "step_range": [self.min_step, self.max_step],
             "collective_seq_range": [self.min_coll_seq, self.max_coll_seq],
             "external": None if self.external is None else self.external.to_dict(),
+            "control": [_control_dict(c, self.at) for c in self.control],
+            "thresholds_of_step_tokens": self.step_tokens,
         }
+
+
+def _control_dict(c: SlotSnapshot, now: float) -> dict:
+    return {
+        "role": c.role_name,
+        "pid": c.pid,
+        "in_step": c.in_step,
+        "steps": c.step,
+        "phase": c.phase,
+        "step_tokens": c.step_tokens,
+        "in_step_seconds": round(max(0.0, now - c.ts_step_begin), 3) if c.in_step else None,
+    }
 
 
 # (slot, pid, step, coll_seq) per live slot: what "progress" compares.
@@ -234,7 +254,7 @@ class WatchdogState:
         """State for the ranks' next attempt (a restart): progress history and claims forgotten; what was learned
         of the engine's rhythm (the window) kept, its warm-up counted again: new processes pay their first steps
         again (a compile, a cold allocator, the first prefill), which the window does not know."""
-        return WatchdogState(started_at=now, learned=adaptive.Learned(self.learned.window))
+        return WatchdogState(started_at=now, learned=adaptive.Learned(self.learned.window, shapes=self.learned.shapes))
 
 
 def is_pending(snap: SlotSnapshot) -> bool:
@@ -256,6 +276,16 @@ def effective_thresholds(config: WatchdogConfig, learned: adaptive.Thresholds) -
     soft_src = SOURCE_EXPLICIT if config.soft_timeout is not None else auto
     hard_src = SOURCE_EXPLICIT if config.hard_timeout is not None else auto
     return soft, hard, soft_src, hard_src
+
+
+def step_at_hand(slots: Sequence[SlotSnapshot]) -> int:
+    """The size (tokens) of the step the group is in: the largest a slot inside a step was given; between
+    steps, the largest of the last completed ones (the next step is judged like the last); 0 when no slot
+    reports sizes."""
+    inside = [s.step_tokens for s in slots if s.in_step and s.step_tokens > 0]
+    if inside:
+        return max(inside)
+    return max((s.last_step_tokens for s in slots), default=0)
 
 
 def _marks(live: Sequence[SlotSnapshot], before: dict[int, adaptive.Mark]) -> tuple[tuple[int, adaptive.Mark], ...]:
@@ -294,15 +324,18 @@ def observe(
     config: WatchdogConfig,
     external: ExternalProgress | None = None,
     exited: Set[int] = frozenset(),
+    control: Sequence[SlotSnapshot] = (),
 ) -> tuple[WatchdogState, Verdict]:
     """Fold one reading of the heartbeat slots into the state and decide.
 
     ``now`` is ``time.monotonic()``; ``exited`` holds slot indices whose
-    process is known dead (their stale flags must not make the group busy).
+    process is known dead (their stale flags must not make the group busy);
+    ``control``: the live control-plane slots (numbered apart from the ranks').
     """
     live = [s for s in snapshots if s.claimed and not s.finished and s.slot not in exited]
+    plane = [c for c in control if c.claimed and not c.finished]
     previous = {slot: (pid, step, coll) for slot, pid, step, coll in state.counters}
-    counters: Counters = tuple(sorted((s.slot, s.pid, s.step, s.coll_seq) for s in live))
+    counters: Counters = tuple(sorted((s.slot, s.pid, s.step, s.coll_seq) for s in (*live, *plane)))
     hb_progress = any(previous.get(slot) != (pid, step, coll) for slot, pid, step, coll in counters)
 
     ext_tokens, ext_running, ext_progress = state.external_tokens, state.external_running, False
@@ -313,11 +346,11 @@ def observe(
     progress = hb_progress or ext_progress
 
     busy_ranks = tuple(sorted(s.rank for s in live if s.busy or s.torn))
-    busy = bool(busy_ranks) or ext_running
+    busy = bool(busy_ranks) or ext_running or any(c.in_step or c.torn for c in plane)
     pending = tuple(sorted(s.rank for s in live if is_pending(s)))
 
     before = dict(state.marks)
-    marks = _marks(live, before)
+    marks = _marks([*live, *plane], before)
     learned = state.learned
     quiet_at = state.quiet_at
     stall_start: float | None
@@ -357,6 +390,15 @@ def observe(
     soft, hard, soft_src, hard_src = effective_thresholds(config, derived)
     changed = adaptive.changed_materially(state.reported, (soft, hard), config.adaptive.change_ratio)
     reported = (soft, hard) if changed else state.reported
+    tokens = 0
+    if derived.learned and not pending:
+        # The step at hand judged by its own size (module docstring: "Steps judged by their shape").
+        tokens = step_at_hand([*live, *plane])
+        bars = adaptive.shape_thresholds(learned, config.adaptive, tokens)
+        if bars is None:
+            tokens = 0
+        else:
+            soft, hard, _src, _src = effective_thresholds(config, replace(derived, soft=bars[0], hard=bars[1]))
 
     stalled = 0.0
     if not pending:
@@ -395,6 +437,8 @@ def observe(
         recovered_by_progress=progress,
         startup_elapsed=now - state.started_at,
         config=config,
+        control=tuple(plane),
+        step_tokens=tokens,
     )
     return new_state, verdict
 
@@ -414,6 +458,8 @@ def _verdict(
     recovered_by_progress: bool,
     startup_elapsed: float,
     config: WatchdogConfig,
+    control: tuple[SlotSnapshot, ...] = (),
+    step_tokens: int = 0,
 ) -> Verdict:
     soft, hard, soft_src, hard_src = limits
     ordered = sorted(live, key=lambda s: (s.rank, s.slot))
@@ -428,6 +474,10 @@ def _verdict(
     message = _message(
         kind, stalled, soft, hard, colls, ordered, pending, external, recovered_by_progress, startup_elapsed, config
     )
+    if kind in STALLED_KINDS and step_tokens:
+        message += f"; thresholds of a step of {step_tokens} tokens"
+    if kind in STALLED_KINDS and control:
+        message += "; " + _control_where(control, now)
     return Verdict(
         kind=kind,
         at=now,
@@ -449,6 +499,8 @@ def _verdict(
         min_coll_seq=min(seqs),
         max_coll_seq=max(seqs),
         external=external,
+        control=control,
+        step_tokens=step_tokens,
     )
 
 
@@ -463,6 +515,21 @@ def _where(colls: tuple[CollectiveView, ...], live: Sequence[SlotSnapshot]) -> s
             where = "in a step" if s.in_step else "outside steps"
             phase = f", phase {s.phase}" if s.phase else ""
             parts.append(f"rank {s.rank} outside collectives, {where} at step {s.step}{phase}")
+    return "; ".join(parts)
+
+
+def _control_where(control: Sequence[SlotSnapshot], now: float) -> str:
+    """'scheduler (pid 12) in its step for 9.8 s, phase schedule; frontend (pid 10) waiting for output for 9.9 s'."""
+    parts = []
+    for c in control:
+        who = f"{c.role_name} (pid {c.pid})"
+        if not c.in_step:
+            parts.append(f"{who} between steps" + (f", phase {c.phase}" if c.phase else ""))
+        elif c.role_name == "frontend":
+            parts.append(f"{who} has requests in flight, no output for {max(0.0, now - c.ts_step_begin):.1f} s")
+        else:
+            phase = f", phase {c.phase}" if c.phase else ""
+            parts.append(f"{who} in its step for {max(0.0, now - c.ts_step_begin):.1f} s{phase}")
     return "; ".join(parts)
 
 

@@ -28,6 +28,19 @@ wrapped at its class (before any instance exists):
   for the engine core's next call; SGLang: the scheduler's
   ``recv_requests``): outside a step it sets the phase ``idle`` (a group
   between steps is idle, and an idle group is never a hang).
+* **the control plane** (vLLM's engine core and front end, which are not
+  ranks): each writes a slot of the run's control segment
+  (``runtime.claim_control``), claimed the first time its seam runs.  The
+  engine core (role ``scheduler``): a step is ``EngineCoreProc.
+  _process_engine_step`` (schedule, wait for the workers, update), its
+  phase ``schedule`` inside ``Scheduler.schedule`` and ``execute`` after it,
+  with the step's scheduled tokens as its shape; ``idle`` in
+  ``_process_input_queue``, its wait for requests.  The front end (role
+  ``frontend``, vLLM's API server): ``OutputProcessor.add_request``,
+  ``process_outputs`` and ``abort_requests``; while requests are in flight
+  it is inside a "step" that ends at each batch of outputs from the engine
+  core, so requests waiting with no output make the group busy without
+  progress, whoever holds them.
 
 Before wrapping, every seam is checked against the installed version (the
 class and method exist, the leading parameters are named as expected).  A
@@ -54,6 +67,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import heartbeat as hb
 from . import runtime
 
 UNAVAILABLE = "engine_adapter_unavailable"
@@ -79,6 +93,7 @@ class Seam:
     params: tuple[str, ...] = ()
     required: bool = True
     label: str = ""
+    role: int = hb.ROLE_RANK  # whose slot the seam writes: the rank's, or a control-plane role's
 
 
 def _collectives(engine: str, extra_optional: tuple[str, ...] = ()) -> tuple[Seam, ...]:
@@ -172,12 +187,60 @@ SEAMS: dict[str, tuple[str, tuple[Seam, ...]]] = {
             Seam("Scheduler", "recv_requests", "idle", (), required=False),  # before 0.5.2x
         ),
     ),
+    # vLLM's engine core (the scheduler of its single-controller design) and its front end: control slots.
+    "vllm.v1.engine.core": (
+        "vllm",
+        (
+            Seam("EngineCoreProc", "_process_engine_step", "control_step", (), role=hb.ROLE_SCHEDULER),
+            Seam("EngineCoreProc", "_process_input_queue", "control_idle", (), role=hb.ROLE_SCHEDULER),
+        ),
+    ),
+    "vllm.v1.core.sched.scheduler": (
+        "vllm",
+        (Seam("Scheduler", "schedule", "control_schedule", (), role=hb.ROLE_SCHEDULER),),
+    ),
+    "vllm.v1.engine.output_processor": (
+        "vllm",
+        (
+            Seam("OutputProcessor", "add_request", "frontend", ("request", "prompt"), role=hb.ROLE_FRONTEND),
+            Seam(
+                "OutputProcessor",
+                "process_outputs",
+                "frontend_output",
+                ("engine_core_outputs",),
+                role=hb.ROLE_FRONTEND,
+            ),
+            Seam("OutputProcessor", "abort_requests", "frontend", ("request_ids",), role=hb.ROLE_FRONTEND),
+        ),
+    ),
     # SGLang 0.5.2x moved the wait for requests to a component of the scheduler.
     "sglang.srt.managers.scheduler_components.request_receiver": (
         "sglang",
         (Seam("SchedulerRequestReceiver", "recv_requests", "idle", ()),),
     ),
 }
+
+# What an engine calls its processes (``setproctitle``), first match wins: the title is the second signal of a
+# process's role, after the adapter's claim of a control slot (``supervisor.processes.attempt.role_of``).
+# vLLM 0.32: VLLM::EngineCore[_DP<n>], VLLM::Worker[_TP<n>...]; SGLang 0.5: sglang::scheduler[_TP<n>...],
+# sglang::detokenizer.
+TITLE_ROLES: tuple[tuple[str, str], ...] = (
+    ("VLLM::EngineCore", "scheduler"),
+    ("VLLM::Worker", "rank"),
+    ("VLLM::APIServer", "frontend"),
+    ("sglang::scheduler", "scheduler"),
+    ("sglang::detokenizer", "helper"),
+    ("sglang::", "helper"),
+)
+
+
+def role_from_title(title: str) -> str:
+    """The role an engine's own process title names ("" when it names none)."""
+    for prefix, role in TITLE_ROLES:
+        if title.startswith(prefix):
+            return role
+    return ""
+
 
 _originals: list[tuple[type, str, Any]] = []  # (class, name, what its __dict__ held): uninstrument() restores
 _reported: set[str] = set()
@@ -260,12 +323,9 @@ def patcher(collective_wrapper: Callable[[str, Any], Any]) -> Callable[[Any], No
             for seam, owner, fn in found:
                 if getattr(fn, "__tp_supervise_wrapped__", False):
                     continue
-                if seam.kind == "collective":
-                    new = collective_wrapper(seam.label, fn)
-                elif seam.kind == "step":
-                    new = _wrap_step(seam.label, fn)
-                else:
-                    new = _wrap_idle(fn)
+                new = (
+                    _WRAPPERS[seam.kind](seam, fn) if seam.kind != "collective" else collective_wrapper(seam.label, fn)
+                )
                 _originals.append((owner, seam.method, owner.__dict__.get(seam.method)))
                 setattr(owner, seam.method, new)
 
@@ -291,17 +351,19 @@ _step = _StepDepth()
 _idle_shown: list[Any] = [None]  # the writer whose phase says idle now (a step's phase replaces it)
 
 
-def _scheduled_tokens(args: tuple, kwargs: dict) -> int | None:
-    """vLLM's ``SchedulerOutput.total_num_scheduled_tokens``; SGLang's batch ``extend_num_tokens`` or size."""
+def _scheduled_tokens(args: tuple, kwargs: dict) -> int:
+    """vLLM's ``SchedulerOutput.total_num_scheduled_tokens``; SGLang's batch ``extend_num_tokens``; 0 unknown."""
     first = args[0] if args else next(iter(kwargs.values()), None)
     for name in ("total_num_scheduled_tokens", "extend_num_tokens"):
         value = getattr(first, name, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and value > 0:
             return value
-    return None
+    return 0
 
 
-def _wrap_step(label: str, fn: Any) -> Any:
+def _wrap_step(seam: Seam, fn: Any) -> Any:
+    label = seam.label
+
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         w = _rt.writer
@@ -309,25 +371,36 @@ def _wrap_step(label: str, fn: Any) -> Any:
             return fn(self, *args, **kwargs)
         _step.depth = 1
         try:
-            tokens = _scheduled_tokens(args, kwargs)
             now = _monotonic()
-            w.set_phase(label if tokens is None else f"{label} {tokens} tokens", now)
+            w.set_phase(label, now)
             _idle_shown[0] = None
-            w.step_begin(now)
+            w.step_begin(now, _scheduled_tokens(args, kwargs))
         except Exception:
             _step.depth = 0
             return fn(self, *args, **kwargs)
         try:
-            return fn(self, *args, **kwargs)
-        finally:
+            result = fn(self, *args, **kwargs)
+        except BaseException:
             _step.depth = 0
-            w.step_end(_monotonic())
+            _end_step(w)
+            raise
+        _step.depth = 0
+        _end_step(w)
+        return result
 
     wrapper.__tp_supervise_wrapped__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
-def _wrap_idle(fn: Any) -> Any:
+def _end_step(w: Any) -> None:
+    """End the step in the slot; never raises (the engine's own result or exception goes on unchanged)."""
+    try:
+        w.step_end(_monotonic())
+    except Exception:
+        pass
+
+
+def _wrap_idle(seam: Seam, fn: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         w = _rt.writer
@@ -341,3 +414,135 @@ def _wrap_idle(fn: Any) -> Any:
 
     wrapper.__tp_supervise_wrapped__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+# -- the control plane: vLLM's engine core (scheduler) and front end, each in its control slot -------------
+SCHEDULE_PHASE = "schedule"
+EXECUTE_PHASE = "execute"
+_MISSING = object()
+
+
+def _control(role: int) -> Any:
+    """This process's writer of ``role``'s control slot (claimed on first use), or None."""
+    w = _rt.control.get(role, _MISSING)
+    if w is _MISSING or _rt.pid != os.getpid():
+        try:
+            return _rt.claim_control(role)
+        except Exception:
+            return None
+    return w
+
+
+def _wrap_control_step(seam: Seam, fn: Any) -> Any:
+    role = seam.role
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        w = _control(role)
+        if w is None:
+            return fn(self, *args, **kwargs)
+        try:
+            w.step_begin(_monotonic())
+        except Exception:
+            return fn(self, *args, **kwargs)
+        try:
+            result = fn(self, *args, **kwargs)
+        except BaseException:
+            _end_step(w)
+            raise
+        _end_step(w)
+        return result
+
+    wrapper.__tp_supervise_wrapped__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_control_idle(seam: Seam, fn: Any) -> Any:
+    role = seam.role
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        w = _control(role)
+        if w is not None:
+            try:
+                w.set_phase(IDLE_PHASE, _monotonic())
+            except Exception:
+                pass
+        return fn(self, *args, **kwargs)
+
+    wrapper.__tp_supervise_wrapped__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_control_schedule(seam: Seam, fn: Any) -> Any:
+    """The scheduling call inside a step: phase ``schedule``, then the step's shape and ``execute``."""
+    role = seam.role
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        w = _control(role)
+        if w is None:
+            return fn(self, *args, **kwargs)
+        try:
+            w.set_phase(SCHEDULE_PHASE, _monotonic())
+        except Exception:
+            return fn(self, *args, **kwargs)
+        result = fn(self, *args, **kwargs)
+        try:
+            tokens = getattr(result, "total_num_scheduled_tokens", 0)
+            w.step_shape(tokens if isinstance(tokens, int) and tokens > 0 else 0, EXECUTE_PHASE, _monotonic())
+        except Exception:
+            pass
+        return result
+
+    wrapper.__tp_supervise_wrapped__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _frontend_in_flight(w: Any, processor: Any, output: bool) -> None:
+    """The front end's slot after a change of its requests: inside a "step" while any is in flight, a step
+    that ends with each batch of outputs (its progress).  Requests that all went away without output (the
+    clients gave up) end it without progress: a client's timeout never hides a scheduler that stopped."""
+    try:
+        n = len(processor.request_states)
+    except Exception:
+        return
+    now = _monotonic()
+    inside = w.flags & hb.IN_STEP
+    if inside and output:
+        w.step_end(now)
+        inside = 0
+    elif inside and not n:
+        w.step_cancel(now)
+        inside = 0
+    if n and not inside:
+        w.step_begin(now, 0)
+
+
+def _wrap_frontend(seam: Seam, fn: Any, output: bool = False) -> Any:
+    role = seam.role
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        result = fn(self, *args, **kwargs)
+        w = _control(role)
+        if w is not None:
+            try:
+                _frontend_in_flight(w, self, output)
+            except Exception:
+                pass
+        return result
+
+    wrapper.__tp_supervise_wrapped__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+_WRAPPERS: dict[str, Callable[[Seam, Any], Any]] = {
+    "step": _wrap_step,
+    "idle": _wrap_idle,
+    "control_step": _wrap_control_step,
+    "control_idle": _wrap_control_idle,
+    "control_schedule": _wrap_control_schedule,
+    "frontend": _wrap_frontend,
+    "frontend_output": lambda seam, fn: _wrap_frontend(seam, fn, output=True),
+}

@@ -43,7 +43,10 @@ Layout (version 3, little endian)::
     208  lanes       4 x u64 one per thread of the rank that enters collectives:
                              (collectives entered << 1) | inside
     240  local_slot     i32  (echo of the slot index, sanity check)
-    244  reserved       12 bytes
+    244  step_tokens    u32  tokens the step in progress was given (0: not reported)
+    248  last_tokens    u32  tokens of the last completed step (the shape of ``last_step_s``)
+    252  role           u32  what the writing process is: 0 a rank, 1 the scheduler, 2 the
+                             front end (the control slots, ``ROLES``)
 
     arrival ring of lane L of slot S, at HEADER_SIZE + nslots * SLOT_SIZE
     + (S * LANES + L) * RING_SIZE: ARRIVAL_DEPTH (256) entries of 16 bytes,
@@ -134,7 +137,7 @@ RING_SIZE = ARRIVAL_DEPTH * ARRIVAL_ENTRY  # one lane's ring, bytes
 ARRIVAL_INDEX = 2 * ARRIVAL_DEPTH - 1  # lane value (odd: inside collective n) & this = f64 index of n's arrival
 
 _HEADER = struct.Struct("<4sIIIId36s")
-_SLOT = struct.Struct("<QiiIiQQddddd32s32s64s4Qi12x")
+_SLOT = struct.Struct("<QiiIiQQddddd32s32s64s4QiIII")
 assert _HEADER.size <= HEADER_SIZE
 assert _SLOT.size == SLOT_SIZE
 assert ARRIVAL_DEPTH & (ARRIVAL_DEPTH - 1) == 0
@@ -156,6 +159,7 @@ OFF_LANES = 208
 LANES = 4
 DESC_SIZE = 64
 OFF_LOCAL = 240
+OFF_STEP_TOKENS = 244
 # The same offsets as indexes of the writer's typed views of a slot (u64, u32, f64).
 _Q_SEQ = 0
 _Q_STEP = 24 // 8
@@ -167,6 +171,9 @@ _D_TS_COLL_BEGIN = 56 // 8
 _D_LAST_STEP = 64 // 8
 _D_TS_READY = OFF_TS_READY // 8
 _Q_LANE0 = OFF_LANES // 8
+_I_STEP_TOKENS = OFF_STEP_TOKENS // 4
+_I_LAST_TOKENS = _I_STEP_TOKENS + 1
+_I_ROLE = _I_STEP_TOKENS + 2
 _LANE_VALUES = struct.Struct(f"<{LANES}Q")
 _PID_RANK = struct.Struct("<ii")
 _F64 = struct.Struct("<d")
@@ -193,6 +200,22 @@ IN_STEP = 1 << 2
 IN_COLLECTIVE = 1 << 3
 FINISHED = 1 << 4
 INSTRUMENTED = 1 << 5  # the rank reports steps itself (not only collectives)
+
+# What the process writing a slot is (``role`` field).  Rank slots are in the heartbeat segment; the
+# control segment has one slot per control-plane role, at the index the role names (``control_slot``).
+ROLE_RANK = 0
+ROLE_SCHEDULER = 1
+ROLE_FRONTEND = 2
+ROLES = {ROLE_RANK: "rank", ROLE_SCHEDULER: "scheduler", ROLE_FRONTEND: "frontend"}
+CONTROL_ROLES = (ROLE_SCHEDULER, ROLE_FRONTEND)
+CONTROL_SLOTS = len(CONTROL_ROLES)
+CONTROL_SLOT_BASE = 1 << 20  # a control slot's number where it stands beside rank slots (the watchdog's view)
+
+
+def control_slot(role: int) -> int:
+    """The control segment's slot of ``role`` (scheduler 0, front end 1)."""
+    return CONTROL_ROLES.index(role)
+
 
 # The phase text with a meaning to the watchdog: a rank inside init_process_group (the zero-code
 # hook, the built-in engine) has started and must report ready within --startup-timeout.
@@ -223,6 +246,13 @@ class SlotSnapshot:
     coll_op: str
     coll_desc: str
     torn: bool = False
+    step_tokens: int = 0  # tokens the step in progress was given (0: not reported)
+    last_step_tokens: int = 0  # tokens of the last completed step
+    role: int = ROLE_RANK
+
+    @property
+    def role_name(self) -> str:
+        return ROLES.get(self.role, "rank")
 
     @property
     def claimed(self) -> bool:
@@ -267,6 +297,9 @@ class SlotSnapshot:
             "collective_op": self.coll_op if self.in_collective else "",
             "collective_desc": self.coll_desc if self.in_collective else "",
             "last_step_seconds": self.last_step_s,
+            "step_tokens": self.step_tokens,
+            "last_step_tokens": self.last_step_tokens,
+            "role": self.role_name,
             "ts_heartbeat": self.ts_heartbeat,
             "torn": self.torn,
         }
@@ -452,6 +485,9 @@ def _decode(slot: int, raw: bytes, torn: bool, latest_arrival: float = 0.0) -> S
         coll_desc,
         *lanes,
         _local,
+        step_tokens,
+        last_tokens,
+        role,
     ) = _SLOT.unpack(raw)
     for lane in lanes:
         coll_seq += lane >> 1
@@ -476,4 +512,7 @@ def _decode(slot: int, raw: bytes, torn: bool, latest_arrival: float = 0.0) -> S
         coll_op=_text(coll_op),
         coll_desc=_text(coll_desc),
         torn=torn,
+        step_tokens=step_tokens,
+        last_step_tokens=last_tokens,
+        role=role,
     )

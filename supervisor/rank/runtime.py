@@ -15,6 +15,8 @@ Environment it reads (set by ``supervise serve``; see docs/supervisor.md):
 
     SUPERVISE_RUN_ID          run id (also marks every process of the run)
     SUPERVISE_HEARTBEAT       path of the heartbeat segment
+    SUPERVISE_CONTROL         path of the control segment: one slot per control-plane role (an
+                              engine's scheduler, its front end), claimed by the engine adapter
     SUPERVISE_SLOT            slot index of this rank (spawn mode)
     SUPERVISE_SLOT_BASE       first global rank of this node (tree mode: slot = rank - base)
     SUPERVISE_DEATH_FD        <fd>:<inode> of the death pipe's read end (EOF = supervisor gone)
@@ -53,6 +55,7 @@ _monotonic = time.monotonic
 
 ENV_RUN_ID = "SUPERVISE_RUN_ID"
 ENV_HEARTBEAT = "SUPERVISE_HEARTBEAT"
+ENV_CONTROL = "SUPERVISE_CONTROL"
 ENV_SLOT = "SUPERVISE_SLOT"
 ENV_SLOT_BASE = "SUPERVISE_SLOT_BASE"
 ENV_DEATH_FD = "SUPERVISE_DEATH_FD"
@@ -79,6 +82,8 @@ class _Runtime:
         self.stack_file: TextIO | None = None
         self.death_watch_started = False
         self.forked = False
+        # Control-plane slots this process writes (role -> writer; None: asked once, not to be had).
+        self.control: dict[int, SlotWriter | None] = {}
 
     def claim(self, slot: int, rank: int, instrumented: bool) -> bool:
         path = os.environ.get(ENV_HEARTBEAT)
@@ -107,6 +112,34 @@ class _Runtime:
         _allow_supervisor_to_trace()
         self.start_death_watch()
         return True
+
+    def claim_control(self, role: int) -> SlotWriter | None:
+        """This process's slot of control-plane ``role`` (``heartbeat.CONTROL_ROLES``), claimed on the first
+        call; None when the run has no control segment or another live process holds that role's slot (a
+        second engine core of a data-parallel engine: the first keeps it).  Only the first call per role
+        does any work; it never raises."""
+        with self.lock:
+            if self.pid != os.getpid():
+                self.control = {}
+            if role in self.control:
+                return self.control[role]
+            self.control[role] = None
+            path = os.environ.get(ENV_CONTROL)
+            if not path:
+                return None
+            try:
+                writer = SlotWriter(path, hb.control_slot(role))
+                holder = writer.holder()
+                if holder and holder != os.getpid() and _alive(holder):
+                    return None
+                writer.claim(os.getpid(), -1, 0, hb.READY | hb.INSTRUMENTED, time.monotonic(), role=role)
+            except (OSError, ValueError, hb.HeartbeatLayoutError) as exc:
+                print(f"supervise: control-plane heartbeat disabled: {exc}", file=sys.stderr)
+                return None
+            self.control[role] = writer
+        _allow_supervisor_to_trace()
+        self.start_death_watch()
+        return writer
 
     def _register_stack_signal(self, slot: int) -> int:
         signum = int(os.environ.get(ENV_STACK_SIGNAL, "0") or 0)
@@ -161,6 +194,16 @@ def _allow_supervisor_to_trace() -> None:
         from .ptrace import allow_tracer  # ctypes: imported by the rank that claims a slot only
 
         allow_tracer(int(sup))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _held_by_a_live_ancestor() -> bool:
@@ -239,6 +282,7 @@ def _after_fork_in_child() -> None:
     the current writer) without checking it on every call.
     """
     _rt.writer = None
+    _rt.control = {}
     _rt.pid = os.getpid()
     _rt.death_watch_started = False
     _rt.forked = True  # SUPERVISE_SLOT names the parent's slot, not ours

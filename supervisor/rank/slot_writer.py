@@ -36,8 +36,12 @@ from .heartbeat import (
     _HEADER,
     _HOT,
     _I_FLAGS,
+    _I_LAST_TOKENS,
+    _I_ROLE,
+    _I_STEP_TOKENS,
     _IDENT,
     _LOCAL,
+    _PID_RANK,
     _Q_COLL_SEQ,
     _Q_LANE0,
     _Q_SEQ,
@@ -100,6 +104,8 @@ class SlotWriter:
         "coll_seq",
         "ts_step_begin",
         "last_step_s",
+        "step_tokens",
+        "phase",
         "holders",
         "lanes",
         "several",
@@ -153,6 +159,8 @@ class SlotWriter:
         self.coll_seq = 0
         self.ts_step_begin = 0.0
         self.last_step_s = 0.0
+        self.step_tokens = 0
+        self.phase = ""  # what the slot's phase field holds
         self.holders = 0  # holders of IN_COLLECTIVE: threads without a lane in a collective, works in flight
         self.lanes: list[Lane] = []  # lanes handed out (their threads may have ended)
         self.several = False  # more than one lane handed out: leaving may have to show another lane's collective
@@ -176,7 +184,7 @@ class SlotWriter:
         self._u64[_Q_SEQ] = self._seq = seq + 1
 
     # -- identity and flags (rare) --------------------------------------------
-    def claim(self, pid: int, rank: int, stack_signal: int, flags: int, now: float) -> None:
+    def claim(self, pid: int, rank: int, stack_signal: int, flags: int, now: float, role: int = 0) -> None:
         with self._lock:
             self.flags = flags | CLAIMED
             self.stack_signal = stack_signal
@@ -186,6 +194,9 @@ class SlotWriter:
                 _IDENT.pack_into(self._map, self._base + OFF_IDENT, pid, rank, self.flags, stack_signal)
                 _HOT.pack_into(self._map, self._base + OFF_FLAGS, self.flags, stack_signal, 0, 0, now, 0.0, 0.0, 0.0)
                 _LOCAL.pack_into(self._map, self._base + OFF_LOCAL, self.slot)
+                u32 = self._u32
+                u32[_I_STEP_TOKENS] = u32[_I_LAST_TOKENS] = 0
+                u32[_I_ROLE] = role
                 for lane in self.lanes:
                     lane.value = 0
                 for i in range(LANES):
@@ -194,7 +205,12 @@ class SlotWriter:
                 self._map[self._rings_at : self._rings_at + LANES * RING_SIZE] = bytes(LANES * RING_SIZE)
             finally:
                 self._close(seq)
-            self.step = self.coll_seq = 0
+            self.step = self.coll_seq = self.step_tokens = 0
+
+    def holder(self) -> int:
+        """The pid the slot names now (0: never claimed); a read, for a claim that must not take a live
+        process's slot."""
+        return int(_PID_RANK.unpack_from(self._map, self._base + OFF_IDENT)[0])
 
     def change_flags(self, now: float, add: int = 0, clear: int = 0) -> None:
         """Set the ``add`` bits and clear the ``clear`` bits (no concurrent bit is lost).
@@ -221,22 +237,44 @@ class SlotWriter:
             self._close(seq)
 
     def set_phase(self, name: str, now: float) -> None:
+        """The phase text (encoded only when it changes: a per-step label costs one comparison)."""
         with self._lock:
             seq = self._open()
             try:
-                _TEXT32.pack_into(self._map, self._base + OFF_PHASE, _encode(name, 32))
+                if name != self.phase:
+                    _TEXT32.pack_into(self._map, self._base + OFF_PHASE, _encode(name, 32))
+                    self.phase = name
+                self._f64[_D_TS_HEARTBEAT] = now
+            finally:
+                self._close(seq)
+
+    def step_shape(self, tokens: int, phase: str, now: float) -> None:
+        """The step in progress learned its shape (``tokens`` scheduled; the scheduler knows it only once it
+        has scheduled) and is now in ``phase``."""
+        with self._lock:
+            self.step_tokens = tokens
+            seq = self._open()
+            try:
+                self._u32[_I_STEP_TOKENS] = tokens
+                if phase != self.phase:
+                    _TEXT32.pack_into(self._map, self._base + OFF_PHASE, _encode(phase, 32))
+                    self.phase = phase
                 self._f64[_D_TS_HEARTBEAT] = now
             finally:
                 self._close(seq)
 
     # -- steps ----------------------------------------------------------------
-    def step_begin(self, now: float) -> None:
+    def step_begin(self, now: float, tokens: int = 0) -> None:
+        """A step begins; ``tokens``: what it was given to compute (its shape; 0 when unknown)."""
         with self._lock:
             self.flags = flags = self.flags | IN_STEP | INSTRUMENTED
             self.ts_step_begin = now
+            self.step_tokens = tokens
             seq = self._open()
             try:
-                self._u32[_I_FLAGS] = flags
+                u32 = self._u32
+                u32[_I_FLAGS] = flags
+                u32[_I_STEP_TOKENS] = tokens
                 f64 = self._f64
                 f64[_D_TS_HEARTBEAT] = now
                 f64[_D_TS_STEP_BEGIN] = now
@@ -250,11 +288,25 @@ class SlotWriter:
             self.last_step_s = last = now - self.ts_step_begin
             seq = self._open()
             try:
-                self._u32[_I_FLAGS] = flags
+                u32 = self._u32
+                u32[_I_FLAGS] = flags
+                u32[_I_LAST_TOKENS] = self.step_tokens
                 self._u64[_Q_STEP] = step
                 f64 = self._f64
                 f64[_D_TS_HEARTBEAT] = now
                 f64[_D_LAST_STEP] = last
+            finally:
+                self._close(seq)
+
+    def step_cancel(self, now: float) -> None:
+        """Leave the step without completing it: nothing came of it (a front end whose requests were all
+        aborted), so it is not progress."""
+        with self._lock:
+            self.flags = flags = self.flags & ~IN_STEP
+            seq = self._open()
+            try:
+                self._u32[_I_FLAGS] = flags
+                self._f64[_D_TS_HEARTBEAT] = now
             finally:
                 self._close(seq)
 

@@ -286,3 +286,69 @@ def test_verdict_is_one_sentence(n):
     ranks = peers(*range(n - 1)) + [rank_ev(n - 1, state="T")]
     d = diagnose(evidence(*ranks), reason="hang")
     assert "\n" not in d.verdict and d.verdict.count(". ") == 0
+
+
+# -- the control plane: a process that is not a rank holds the group ---------------------------------------
+
+
+def idle_rank(rank) -> RankEvidence:
+    """A TP worker waiting for the scheduler's next step: outside steps and collectives."""
+    return rank_ev(rank, heartbeat=snap(rank, in_step=False), threads=thread("acquire_read", "dequeue", "busy_loop"))
+
+
+def scheduler_ev(*, state="S", in_step=True, threads=None, cpu=0.0, pid=77) -> RankEvidence:
+    flags = hb.CLAIMED | hb.READY | hb.INSTRUMENTED | (hb.IN_STEP if in_step else 0)
+    control = hb.SlotSnapshot(0, pid, -1, flags, 0, 400, 0, NOW - 9, NOW - 9.8, 0.0, 0.1, 1.0, "schedule", "", "")
+    return RankEvidence(
+        rank=-1,
+        slot=-2,
+        pid=pid,
+        alive=True,
+        exit=None,
+        heartbeat=control,
+        proc=ProcInfo(pid, state, "", 1.0, 4, {state: 4}),
+        cpu_used_s=cpu * 2.0,
+        cpu_window_s=2.0,
+        threads=threads if threads is not None else thread("schedule", "step", "run_busy_loop", file="/v/core.py"),
+        method="py-spy",
+        title="VLLM::EngineCore",
+        role="scheduler",
+    )
+
+
+def test_stopped_scheduler_is_named_and_the_idle_ranks_wait_for_it():
+    ev = Evidence({0: idle_rank(0), 1: idle_rank(1), -1: scheduler_ev(state="T")}, NOW, 0.1, "py-spy", None)
+    d = diagnose(ev, reason="hang")
+    assert d.klass == "control_plane" and d.culprit_ranks == []
+    assert d.culprit == {"role": "scheduler", "pid": 77, "title": "VLLM::EngineCore", "rank": None}
+    assert d.verdict.startswith("the scheduler (pid 77, VLLM::EngineCore) is stopped (state T"), d.verdict
+    assert d.verdict.endswith("ranks 0,1 are idle, waiting for its next step"), d.verdict
+    fields = d.summary_fields()
+    assert set(fields["ranks"]) == {"0", "1"}
+    assert fields["processes"]["77"]["state"] == "T" and fields["processes"]["77"]["culprit"]
+
+
+def test_scheduler_stuck_inside_its_step_is_named_with_its_function():
+    stuck = thread("_plan_stuck", "schedule", "step", file="/v/plugin.py")
+    ev = Evidence({0: idle_rank(0), 1: idle_rank(1), -1: scheduler_ev(threads=stuck, cpu=0.02)}, NOW, 0.1, "py-spy", None)
+    d = diagnose(ev, reason="hang")
+    assert d.klass == "control_plane" and d.culprit["role"] == "scheduler"
+    assert "is stuck inside its step for 9.8 s in _plan_stuck (plugin.py)" in d.verdict, d.verdict
+    assert "phase schedule" in d.verdict
+
+
+def test_a_rank_stopped_or_in_a_step_comes_before_the_control_plane():
+    """The scheduler waits inside its step for the workers: a rank that is somewhere else is the culprit."""
+    stopped = rank_ev(1, state="T", heartbeat=snap(1, in_step=True))
+    ev = Evidence({0: rank_ev(0), 1: stopped, -1: scheduler_ev()}, NOW, 0.1, "py-spy", None)
+    d = diagnose(ev, reason="hang")
+    assert d.culprit_ranks == [1] and d.culprit["role"] == "rank" and d.culprit["rank"] == 1
+    assert d.summary_fields()["processes"]["77"]["culprit"] is False
+    busy = Evidence({0: rank_ev(0), 1: rank_ev(1, heartbeat=snap(1)), -1: scheduler_ev()}, NOW, 0.1, "py-spy", None)
+    assert diagnose(busy, reason="hang").klass != "control_plane"
+
+
+def test_a_scheduler_between_steps_and_running_names_nobody_of_the_control_plane():
+    ev = Evidence({0: idle_rank(0), 1: idle_rank(1), -1: scheduler_ev(in_step=False)}, NOW, 0.1, "py-spy", None)
+    d = diagnose(ev, reason="hang")
+    assert d.klass != "control_plane" and d.culprit is None

@@ -1,0 +1,130 @@
+"""The control plane's slots, written by the engine adapter's wrappers in the process that runs vLLM's scheduler
+or front end: a real control segment, read back as the supervisor reads it.  The classes wrapped here have the
+names and signatures of vLLM 0.32's (``OutputProcessor``, ``EngineCoreProc``, ``Scheduler``); real vLLM runs
+these seams in tests/engines (make test-engines)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from tp_supervise.supervisor.rank import engines, runtime
+from tp_supervise.supervisor.rank import heartbeat as hb
+
+
+@pytest.fixture
+def control(tmp_path, monkeypatch):
+    segment = hb.HeartbeatSegment(tmp_path / "control", hb.CONTROL_SLOTS, "run-1", 0.0)
+    monkeypatch.setenv(runtime.ENV_CONTROL, str(segment.path))
+    for name in (runtime.ENV_SUPERVISOR_PID, runtime.ENV_DEATH_FD):
+        monkeypatch.delenv(name, raising=False)
+    runtime.state.control = {}
+    yield segment
+    runtime.state.control = {}
+    segment.close()
+
+
+def patched(module_name: str, **classes) -> types.ModuleType:
+    module = types.ModuleType(module_name)
+    for name, cls in classes.items():
+        setattr(module, name, cls)
+    engines.patcher(lambda _label, fn: fn)(module)
+    return module
+
+
+class OutputProcessor:
+    def __init__(self):
+        self.request_states: dict[str, int] = {}
+
+    def add_request(self, request, prompt, parent_req=None, request_index=0, queue=None):
+        self.request_states[request] = 0
+
+    def process_outputs(self, engine_core_outputs, engine_core_timestamp=None, iteration_stats=None):
+        for request, finished in engine_core_outputs:
+            if finished:
+                self.request_states.pop(request)
+
+    def abort_requests(self, request_ids, internal):
+        for request in request_ids:
+            self.request_states.pop(request, None)
+        return list(request_ids)
+
+
+def front(segment) -> hb.SlotSnapshot:
+    return segment.read(hb.control_slot(hb.ROLE_FRONTEND))
+
+
+def test_front_end_is_inside_a_step_while_requests_wait_and_each_output_batch_is_progress(control):
+    patched("vllm.v1.engine.output_processor", OutputProcessor=OutputProcessor)
+    proc = OutputProcessor()
+    assert not front(control).claimed  # claimed at its first request, not at import
+    proc.add_request("a", "hello")
+    slot = front(control)
+    assert slot.claimed and slot.role_name == "frontend" and slot.in_step and slot.step == 0 and slot.rank == -1
+    proc.add_request("b", "hi")
+    proc.process_outputs([("a", False)])  # a batch of outputs: progress, still in flight
+    assert (front(control).step, front(control).in_step) == (1, True)
+    proc.process_outputs([("a", True), ("b", True)])  # all finished
+    assert (front(control).step, front(control).in_step) == (2, False)
+
+
+def test_front_end_whose_requests_are_all_aborted_shows_no_progress(control):
+    """Clients that time out are not the engine making progress: a stopped scheduler stays a stall."""
+    patched("vllm.v1.engine.output_processor", OutputProcessor=OutputProcessor)
+    proc = OutputProcessor()
+    proc.add_request("a", "hello")
+    proc.abort_requests(["a"], internal=False)
+    slot = front(control)
+    assert (slot.step, slot.in_step) == (0, False)
+
+
+class Scheduler:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def schedule(self, throttle_prefills=False):
+        return types.SimpleNamespace(total_num_scheduled_tokens=self.tokens)
+
+
+class EngineCoreProc:
+    def __init__(self, scheduler, seen):
+        self.scheduler, self.seen = scheduler, seen
+
+    def _process_input_queue(self):
+        return None
+
+    def _process_engine_step(self):
+        self.scheduler.schedule()
+        slot = self.seen.read(hb.control_slot(hb.ROLE_SCHEDULER))
+        self.inside = (slot.in_step, slot.phase, slot.step_tokens)
+        return True
+
+
+def test_scheduler_step_carries_its_phase_and_shape(control):
+    patched("vllm.v1.core.sched.scheduler", Scheduler=Scheduler)
+    patched("vllm.v1.engine.core", EngineCoreProc=EngineCoreProc)
+    core = EngineCoreProc(Scheduler(tokens=512), control)
+    core._process_input_queue()
+    slot = control.read(hb.control_slot(hb.ROLE_SCHEDULER))
+    assert slot.role_name == "scheduler" and slot.phase == "idle" and not slot.in_step
+    assert core._process_engine_step() is True
+    assert core.inside == (True, "execute", 512)
+    slot = control.read(hb.control_slot(hb.ROLE_SCHEDULER))
+    assert (slot.step, slot.in_step, slot.last_step_tokens) == (1, False, 512)
+
+
+def test_a_second_process_does_not_take_a_live_holders_slot(control, tmp_path):
+    """A data-parallel engine runs several engine cores: the first keeps the scheduler's slot."""
+    writer = runtime.SlotWriter(str(control.path), hb.control_slot(hb.ROLE_SCHEDULER))
+    writer.claim(1, -1, 0, hb.READY, 0.0, role=hb.ROLE_SCHEDULER)  # pid 1 (init) lives
+    assert runtime.state.claim_control(hb.ROLE_SCHEDULER) is None
+    assert control.read(0).pid == 1
+
+
+def test_without_a_control_segment_nothing_is_claimed_and_the_engine_runs(control, monkeypatch):
+    monkeypatch.delenv(runtime.ENV_CONTROL)
+    patched("vllm.v1.engine.output_processor", OutputProcessor=OutputProcessor)
+    proc = OutputProcessor()
+    proc.add_request("a", "hello")
+    assert proc.request_states == {"a": 0} and not front(control).claimed
