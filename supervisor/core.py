@@ -101,7 +101,7 @@ from .processes.listen_socket import ListenSocket
 from .processes.relay_process import RELAY_URL_ENV, RelayProcess
 from .processes.spawn import RankHandle, RankSpec, RunContext
 from .processes.teardown import KillPolicy, TeardownResult, teardown
-from .rank.heartbeat import HeartbeatSegment
+from .rank.heartbeat import CONTROL_SLOTS, HeartbeatSegment
 from .rank.net import free_port
 from .restart import RESTART_STABLE_S, RestartPolicy
 from .signals import Hurry
@@ -180,6 +180,7 @@ class Supervisor:
         self.oom = exits.OomCounter()
         self._run_dir: Path | None = None
         self._heartbeat: HeartbeatSegment | None = None
+        self._control: HeartbeatSegment | None = None  # the control plane's slots (an engine's scheduler, front end)
         self.death_r = self.death_w = -1
         self._ctx: RunContext | None = None
         self.monitor = ExitMonitor(self.post)
@@ -200,6 +201,7 @@ class Supervisor:
             events.StragglerCleared: self._on_straggler_cleared,
             events.StragglerAcrossNodes: self._on_straggler_across_nodes,
             RankClaimed: self._on_claimed,
+            events.ControlClaimed: self._on_control_claimed,
             DivergenceFound: self._on_divergence,
             ConsensusAgreed: self._on_agreed,
             ControlRequest: self._on_control,
@@ -257,6 +259,7 @@ class Supervisor:
         self._run_dir = run_dir_for(self.run_key)
         nslots = self.spec.nproc_per_node
         self._heartbeat = HeartbeatSegment(self.run_dir / "heartbeat", nslots, self.run_id, time.monotonic())
+        self._control = HeartbeatSegment(self.run_dir / "control", CONTROL_SLOTS, self.run_id, time.monotonic())
         self.death_r, self.death_w = os.pipe()
         os.set_inheritable(self.death_r, False)
         os.set_inheritable(self.death_w, False)
@@ -270,6 +273,7 @@ class Supervisor:
             run_id=self.run_id,
             run_dir=self.run_dir,
             heartbeat_path=self.heartbeat.path,
+            control_path=self._control.path,
             death_fd=self.death_r,
             supervisor_pid=os.getpid(),
             world_size=self.spec.world_size,
@@ -293,6 +297,7 @@ class Supervisor:
             on_dump=self.services.on_dump,
             gpu=self.services.gpu,
             hurry=self.hurry,
+            read_control=self._control.read_all,
         )
         self._quarantine = RequestQuarantine(
             self.run_dir,
@@ -305,6 +310,7 @@ class Supervisor:
         self._watchdog = WatchdogThread(
             self.spec,
             read_heartbeats=self.heartbeat.read_all,
+            read_control=self._control.read_all,
             attempt=self.attempt_view,
             post=self.post,
             on_tick=self.services.on_tick,
@@ -368,7 +374,7 @@ class Supervisor:
     def _cleanup(self) -> None:
         closers = [self.relay.stop] if self.relay is not None else []
         closers += [source.stop for source in reversed(self.sources)]
-        closers += [part.close for part in (self._desk, self._heartbeat) if part is not None]
+        closers += [part.close for part in (self._desk, self._heartbeat, self._control) if part is not None]
         for closer in closers:
             try:
                 closer()
@@ -686,7 +692,7 @@ class Supervisor:
     def _rule_rank_failure(self, handle: RankHandle, info: ExitInfo) -> None:
         first, first_info = arbitration.root_cause(self.attempt, handle, info)
         self.attempt.first_failure = (first, first_info)
-        who = RankView.of(first).role
+        who = RankView.of(first).who
         log.error(
             f"{RankView.of(first).describe(who)} {first_info.description}",
             event_name="rank_exited",
@@ -728,24 +734,45 @@ class Supervisor:
         self.monitor.watch(("tree-rank", ev.slot), handle.proc, self.attempt.number, parent=parent)
         self._hold_engine_processes(ev.pid, lineage, identity)
 
+    def _on_control_claimed(self, ev: events.ControlClaimed) -> None:
+        """Tree mode: a process of the engine said what it is (it claimed the control slot of its role): the
+        launcher or an engine process already held gets that role; one not yet held (an engine core whose
+        workers have not joined) is held from now on, as the processes above a rank are."""
+        if ev.attempt != self.attempt.number or self.attempt.outcome is not None:
+            return
+        if not self.attempt.set_role(ev.pid, ev.role):
+            identity = procs.RunIdentity(self.run_key, in_cgroup=self.cgroup.holds if self.cgroup is not None else None)
+            self._hold_engine_process(ev.pid, None, identity, role=ev.role)
+        log.info("control plane claimed", event_name="control_plane_claimed", role=ev.role, pid=ev.pid)
+
     def _hold_engine_processes(self, rank_pid: int, lineage: list[int], identity: procs.RunIdentity) -> None:
         """The processes between the launcher and a rank that joined (vLLM's ``VLLM::EngineCore``; ``lineage``:
         those, nearest the rank first, then the launcher) are held and watched too: the death of one is the
         first failure, not the ranks that die of it."""
         for pid, parent in itertools.pairwise(lineage):
-            if self.attempt.holds_process(pid):
-                continue
-            slot = -2 - len(self.attempt.engine_processes)
-            handle = RankHandle(
-                spec=RankSpec(slot=slot, rank=-1, argv=(), env={}), pid=pid, started_at=time.monotonic()
-            )
-            handle.proc = procs.open_verified(pid, identity.owns)
-            if handle.proc is None:
-                continue
-            handle.read_title()
-            key = self.attempt.add_engine_process(handle)
-            log.info("engine process held", pid=pid, title=handle.title, above_rank_pid=rank_pid)
-            self.monitor.watch(key, handle.proc, self.attempt.number, parent=parent)
+            if not self.attempt.holds_process(pid):
+                self._hold_engine_process(pid, parent, identity, above_rank_pid=rank_pid)
+
+    def _hold_engine_process(
+        self, pid: int, parent: int | None, identity: procs.RunIdentity, role: str = "", above_rank_pid: int = 0
+    ) -> None:
+        """Hold and watch one process of the run's tree that is not a rank (only if it is the run's)."""
+        slot = -2 - len(self.attempt.engine_processes)
+        handle = RankHandle(spec=RankSpec(slot=slot, rank=-1, argv=(), env={}), pid=pid, started_at=time.monotonic())
+        handle.role = role
+        handle.proc = procs.open_verified(pid, identity.owns)
+        if handle.proc is None:
+            return
+        handle.read_title()
+        key = self.attempt.add_engine_process(handle)
+        log.info(
+            "engine process held",
+            pid=pid,
+            title=handle.title,
+            role=RankView.of(handle).role,
+            above_rank_pid=above_rank_pid or None,
+        )
+        self.monitor.watch(key, handle.proc, self.attempt.number, parent=parent)
 
     def _on_loop_tick(self, ev: LoopTick) -> None:
         self.services.liveness.beat()

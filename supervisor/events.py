@@ -106,6 +106,16 @@ class RankClaimed:
 
 
 @dataclass(frozen=True)
+class ControlClaimed:
+    """Event (tree mode): an engine's control-plane process (its scheduler, its front end) claimed the control
+    slot of its role (docs/supervisor.md, "Roles")."""
+
+    role: str
+    pid: int
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
 class DivergenceFound:
     """Event: the ranks disagreed (a consensus verdict)."""
 

@@ -168,14 +168,17 @@ class IncidentDesk:
         on_dump: Callable[[str, bool, float], None],
         gpu: GpuSampler,
         hurry: Hurry,
+        read_control: Callable[[], list[SlotSnapshot]] | None = None,
     ):
         """``on_dump(reason, ok, duration_s)``: called once per bundle, on the thread that
         wrote it (or on the main thread, ok=False, when it could not finish in time).
-        ``hurry``: set by a second stop signal; no wait here outlives it."""
+        ``hurry``: set by a second stop signal; no wait here outlives it.  ``read_control``: the control
+        plane's slots (an engine's scheduler and front end)."""
         self.spec = spec
         self.run_id = run_id
         self.run_dir = run_dir
         self.read_heartbeats = read_heartbeats
+        self.read_control = read_control
         self.on_dump = on_dump
         self.gpu = gpu
         self.hurry = hurry
@@ -244,6 +247,28 @@ class IncidentDesk:
             for slot, snap in snaps.items():
                 if snap.claimed:
                     out.append(RankTarget(snap.rank, slot, snap.pid, True, None, snap))
+        return out + self.process_targets(attempt)
+
+    def process_targets(self, attempt: AttemptView) -> list[RankTarget]:
+        """Tree mode: every process of the run that is not a rank (the launcher, the engine's scheduler and
+        front end), each under a negative key of the capture, with its control slot when it claimed one."""
+        control = {}
+        if self.read_control is not None:
+            control = {s.pid: s for s in self.read_control() if s.claimed}
+        out = []
+        for i, view in enumerate(attempt.control_plane()):
+            out.append(
+                RankTarget(
+                    rank=-1 - i,
+                    slot=view.slot,
+                    pid=view.pid,
+                    alive=view.alive,
+                    exit=None if view.exit is None else dict(view.exit.to_dict(), at=view.exited_at),
+                    heartbeat=control.get(view.pid),
+                    title=view.title,
+                    role=view.role,
+                )
+            )
         return out
 
     def _with_incident_id(self, extra: dict, incident_id: str | None) -> dict:
@@ -276,6 +301,7 @@ class IncidentDesk:
             reason=job.reason,
             bundle=str(result.path) if result.path else None,
             culprit_ranks=extra_summary.get("culprit_ranks", getattr(diag, "culprit_ranks", None)),
+            culprit=extra_summary.get("culprit", getattr(diag, "culprit", None)),
             verdict=extra_summary.get("verdict", getattr(diag, "verdict", None)),
             duration_s=round(result.duration_s, 3),
             error=result.error,
@@ -361,7 +387,7 @@ class IncidentDesk:
             return
         origin = extra.get("culprit_node") if job.reason == "peer_failed" else self.spec.node_rank
         if isinstance(origin, int):
-            self.exchange.share(bundle, job.deadline, origin, targets)
+            self.exchange.share(bundle, job.deadline, origin, [t for t in targets if t.is_rank])
 
     def _fatal(
         self,
@@ -458,7 +484,7 @@ class IncidentDesk:
     def rank_exit(self, first: RankView, info: ExitInfo, attempt: AttemptView, incident_id: str | None = None) -> None:
         """``first``: the root cause (``attempt.launcher`` or one of ``attempt.ranks``); ``incident_id``, here and
         in every fatal incident below: the id the main thread announced (none given: a fresh one)."""
-        who = first.role if first.slot >= 0 else f"the {first.role}"
+        who = first.who if first.slot >= 0 else f"the {first.who}"
         others = [r.rank for r in attempt.live_ranks() if r.slot != first.slot]
         verdict = f"{first.describe(who)} {info.description}"
         if others:
@@ -469,7 +495,7 @@ class IncidentDesk:
             "verdict": verdict,
             "first_failure": {
                 "rank": first.rank,
-                "role": "rank" if first.slot >= 0 else first.role,
+                "role": first.role,
                 "pid": first.pid,
                 "title": first.title,
                 **info.to_dict(),

@@ -235,6 +235,22 @@ class SupervisorMetrics:
         self.rank_collective_seq = Gauge(
             name("rank_collective_seq"), "Collectives the rank entered.", ["rank"], registry=reg
         )
+        # -- per process of the engine's control plane (docs/supervisor.md, "Roles") ----------------------
+        self.control_up = Gauge(
+            name("control_plane_up"),
+            "1 while the engine's process of this role (scheduler: vLLM's engine core; frontend: its API server) "
+            "is alive and reports through its control slot.",
+            ["role"],
+            registry=reg,
+        )
+        self.control_step = Gauge(
+            name("control_plane_step_seconds"),
+            "Seconds the process of this role has been inside its current step (scheduler) or holding requests "
+            "with no output (frontend); 0 between steps.",
+            ["role"],
+            registry=reg,
+        )
+        self._control_roles: set[str] = set()
         self.rank_busy = Gauge(
             name("rank_busy"), "1 while the rank is inside a step or a collective.", ["rank"], registry=reg
         )
@@ -399,6 +415,20 @@ class SupervisorMetrics:
                 series.collective_wait.set(max(0.0, now - snap.ts_coll_begin) if snap.in_collective else 0.0)
                 if not snap.torn:
                     self._observe_durations(series, snap, now)
+
+    def observe_control(self, control: Iterable[SlotSnapshot], now: float) -> None:
+        """The control plane's live slots as one watchdog tick read them (a role absent now reads 0)."""
+        with self._lock:
+            seen = set()
+            for snap in control:
+                role = snap.role_name
+                seen.add(role)
+                self.control_up.labels(role=role).set(1)
+                self.control_step.labels(role=role).set(max(0.0, now - snap.ts_step_begin) if snap.in_step else 0.0)
+            for role in self._control_roles - seen:
+                self.control_up.labels(role=role).set(0)
+                self.control_step.labels(role=role).set(0.0)
+            self._control_roles |= seen
 
     def _rank_series(self, label: str) -> _RankSeries:
         """The children of one rank, resolved once (``labels()`` costs a lock and a lookup)."""

@@ -111,7 +111,9 @@ class Services:
             self._init_consensus()
         self.control: ControlServer | None = None
         # `supervise status`: answered on the control socket's thread from what the other threads publish
-        self.status = StatusBoard(self.run_id, spec.node_rank, run_dir / "heartbeat", attempt, self.gpu)
+        self.status = StatusBoard(
+            self.run_id, spec.node_rank, run_dir / "heartbeat", attempt, self.gpu, control_path=run_dir / "control"
+        )
         self.metrics.set_engine_state(engine_state.EngineState.STARTING)
 
     def _init_consensus(self) -> None:
@@ -276,6 +278,7 @@ class Services:
     def on_tick(self, snaps: Sequence[SlotSnapshot], verdict, now: float, alive: Mapping[int, bool]) -> None:
         """Runs on the watchdog thread; ``alive``: slot → whether its process is alive."""
         self.metrics.observe_ranks(snaps, now, alive)
+        self.metrics.observe_control(verdict.control, now)
         self.metrics.set_watchdog(
             soft=verdict.soft_timeout,
             hard=verdict.hard_timeout,

@@ -50,6 +50,15 @@ CPU_FIRST_SAMPLE_S = 0.1
 GPU_STALE_S = 10.0
 
 
+def _attach(path: Path) -> HeartbeatSegment | None:
+    from ..rank.heartbeat import HeartbeatLayoutError, HeartbeatSegment
+
+    try:
+        return HeartbeatSegment.attach(path)
+    except (OSError, HeartbeatLayoutError, ValueError):
+        return None
+
+
 class StatusBoard:
     """Builds the status snapshot; any thread may call ``snapshot`` (requests are serialised by a lock)."""
 
@@ -60,10 +69,12 @@ class StatusBoard:
         heartbeat_path: Path,
         attempt: Callable[[], AttemptView],
         gpu: GpuSampler | None = None,
+        control_path: Path | None = None,
     ):
         self.run_id = run_id
         self.node = node
         self.heartbeat_path = heartbeat_path
+        self.control_path = control_path  # the control plane's slots (an engine's scheduler, front end)
         self.attempt = attempt
         self.gpu = gpu
         # Written by one thread each, read here: single reference assignments.
@@ -72,6 +83,7 @@ class StatusBoard:
         self.straggler: StragglerReport | None = None
         self._lock = threading.Lock()
         self._heartbeat: HeartbeatSegment | None = None
+        self._control: HeartbeatSegment | None = None
         self._procs: dict[int, psutil.Process] = {}  # pid → the Process whose cpu_percent has a reading
 
     # ------------------------------------------------------------ writers (other threads)
@@ -93,25 +105,29 @@ class StatusBoard:
 
     def close(self) -> None:
         with self._lock:
-            if self._heartbeat is not None:
-                self._heartbeat.close(unlink=False)
-                self._heartbeat = None
+            for segment in (self._heartbeat, self._control):
+                if segment is not None:
+                    segment.close(unlink=False)
+            self._heartbeat = self._control = None
 
     def _slots(self) -> dict[int, SlotSnapshot]:
         if self._heartbeat is None:
-            from ..rank.heartbeat import HeartbeatLayoutError, HeartbeatSegment
+            self._heartbeat = _attach(self.heartbeat_path)
+        return {s.slot: s for s in self._heartbeat.read_all()} if self._heartbeat is not None else {}
 
-            try:
-                self._heartbeat = HeartbeatSegment.attach(self.heartbeat_path)
-            except (OSError, HeartbeatLayoutError, ValueError):
-                return {}
-        return {s.slot: s for s in self._heartbeat.read_all()}
+    def _control_slots(self) -> dict[int, SlotSnapshot]:
+        """pid -> the control slot it claimed."""
+        if self._control is None and self.control_path is not None:
+            self._control = _attach(self.control_path)
+        return {s.pid: s for s in self._control.read_all() if s.claimed} if self._control is not None else {}
 
     def _build(self) -> dict:
         attempt = self.attempt()  # one read: one consistent attempt
         ranks = sorted((r for r in attempt.ranks.values() if not r.is_launcher), key=lambda r: (r.rank, r.slot))
-        procs = self._processes([r for r in ranks if r.alive])  # first: it may wait for a CPU reading
+        plane = attempt.control_plane()
+        procs = self._processes([r for r in (*ranks, *plane) if r.alive])  # first: it may wait for a CPU reading
         slots = self._slots()  # then the slots
+        control = self._control_slots()
         now = time.monotonic()  # after them: no age comes out negative
         report = self.straggler
         named = set(report.named) if report is not None else set()
@@ -138,7 +154,27 @@ class StatusBoard:
             },
             "gpu": None if self.gpu is None else {"available": self.gpu.available, "reason": self.gpu.reason},
             "ranks": out_ranks,
+            "processes": [self._process(v, control.get(v.pid), procs.get(v.pid), now) for v in plane],
         }
+
+    def _process(self, v: RankView, snap: SlotSnapshot | None, proc: dict | None, now: float) -> dict:
+        """A process of the run that is not a rank: its role and, from its control slot, where it is."""
+        out: dict = {"role": v.role, "pid": v.pid, "alive": v.alive, "title": (proc or {}).get("title") or v.title}
+        out["state"] = (proc or {}).get("state", "unknown") if v.alive else "exited"
+        out["cpu_percent"] = proc["cpu_percent"] if proc else None
+        out["rss_bytes"] = proc["rss_bytes"] if proc else None
+        out.update(steps=None, in_step=None, phase=None, step_tokens=None, in_step_seconds=None)
+        out["heartbeat_age_seconds"] = None
+        if snap is None:  # no control slot claimed: the role is known from its title, or not at all
+            return out
+        inside = snap.in_step
+        out.update(steps=snap.step, in_step=inside, phase=snap.phase)
+        if inside:
+            out["step_tokens"] = snap.step_tokens
+            out["in_step_seconds"] = round(max(0.0, now - snap.ts_step_begin), 6)
+        if snap.ts_heartbeat > 0:
+            out["heartbeat_age_seconds"] = round(max(0.0, now - snap.ts_heartbeat), 6)
+        return out
 
     def _processes(self, ranks: list[RankView]) -> dict[int, dict]:
         """pid → state, CPU % (since the previous request; a short wait the first time) and RSS."""

@@ -144,6 +144,30 @@ def render(status: dict, width: int | None = None) -> Group:
             _gpu(rank),
         )
         rows.append((cells, style))
+    for proc in status.get("processes", []):
+        in_step = proc.get("in_step")
+        where = "-"
+        if in_step:
+            tokens = f", {proc['step_tokens']} tokens" if proc.get("step_tokens") else ""
+            where = f"in step {_fmt_s(proc.get('in_step_seconds'))} {proc.get('phase') or ''}{tokens}".rstrip()
+        elif in_step is not None:
+            where = f"between steps ({proc.get('phase') or '-'})"
+        cpu = proc.get("cpu_percent")
+        cells = (
+            str(proc.get("role")),
+            str(proc.get("pid")),
+            _title(proc.get("title")),
+            str(proc.get("state")),
+            "-" if proc.get("steps") is None else str(proc["steps"]),
+            where,
+            "-",
+            _fmt_s(proc.get("heartbeat_age_seconds")),
+            "-" if cpu is None else f"{cpu:.0f}%",
+            _fmt_bytes(proc.get("rss_bytes")),
+            "-",
+        )
+        bad = not proc.get("alive", True) or proc.get("state") in ("stopped", "zombie", "gone", "exited")
+        rows.append((cells, "bold red" if bad else "dim"))
     # On a narrow terminal the least telling columns go first; who (rank, pid) and what state stay whole.
     shown = list(range(len(_COLUMNS)))
     natural = [max([len(name), *(len(cells[i]) for cells, _ in rows)]) for i, name in enumerate(_COLUMNS)]

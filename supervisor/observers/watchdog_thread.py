@@ -23,9 +23,9 @@ import structlog
 from tp_supervise.dumps.procinfo import proc_state
 from tp_supervise.watchdogs import policy
 
-from ..events import AllRanksReady, RankClaimed, WatchdogVerdict
+from ..events import AllRanksReady, ControlClaimed, RankClaimed, WatchdogVerdict
 from ..processes.pidfds import named_thread
-from ..rank.heartbeat import SlotSnapshot, empty_slot
+from ..rank.heartbeat import CONTROL_SLOT_BASE, ROLE_FRONTEND, SlotSnapshot, empty_slot
 
 if TYPE_CHECKING:
     from tp_supervise.watchdogs.progress import ExternalProgress
@@ -62,9 +62,11 @@ class WatchdogThread:
         attempt: Callable[[], AttemptView],
         post: Callable[[object], None],
         on_tick: Callable[[list[SlotSnapshot], object, float, Mapping[int, bool]], None],
+        read_control: Callable[[], list[SlotSnapshot]] | None = None,
     ):
         self.spec = spec
         self.read_heartbeats = read_heartbeats
+        self.read_control = read_control
         self.attempt = attempt
         self.post = post
         self.on_tick = on_tick
@@ -79,6 +81,7 @@ class WatchdogThread:
         self.watching = 0.0  # started_at of the attempt being watched
         self.all_ready_posted = False
         self.known_pids: dict[int, int] = {}
+        self.known_control: dict[int, int] = {}  # control slot -> the pid whose claim was posted
         self.retired: set[int] = set()  # pids that claimed a slot in an earlier attempt
         # (slot pid, rank pid) -> whether the slot's writer descends from the rank
         # (a wrapper script's python); the process tree of a pid never changes that.
@@ -116,8 +119,9 @@ class WatchdogThread:
         self.state = self.state.next_attempt(started_at)
         self.watching = started_at
         self.all_ready_posted = False
-        self.retired |= set(self.known_pids.values())
+        self.retired |= set(self.known_pids.values()) | set(self.known_control.values())
         self.known_pids = {}
+        self.known_control = {}
         self.descends = {}
 
     def _run(self) -> None:
@@ -164,9 +168,10 @@ class WatchdogThread:
         if self.spec.tree:
             self._discover(raw, attempt.number)
         snaps = self.live_slots(raw, attempt)
-        external = self.adapter.latest if self.adapter is not None else None
+        control = self.control_slots(attempt)
+        external = self._external(control)
         exited = {slot for slot, r in attempt.ranks.items() if not r.alive}
-        self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited)
+        self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited, control)
         query, self._hang_query = self._hang_query, None
         if query is not None and not self.state.hard_fired:
             states = {s.pid: proc_state(s.pid) for s in snaps if s.claimed and not s.finished}
@@ -185,6 +190,43 @@ class WatchdogThread:
             self.on_tick(snaps, verdict, now, {slot: r.alive for slot, r in attempt.ranks.items()})
         except Exception as exc:  # metrics must never cost a verdict
             log.error("metrics update failed", error=repr(exc))
+
+    def control_slots(self, attempt: AttemptView) -> list[SlotSnapshot]:
+        """The control plane's claimed slots (the engine's scheduler and front end) whose process is alive and
+        belongs to this attempt, numbered ``CONTROL_SLOT_BASE + i`` (never a rank's slot).  A new claim is
+        posted (``ControlClaimed``): the main thread holds that process and knows its role."""
+        if self.read_control is None:
+            return []
+        out = []
+        for snap in self.read_control():
+            if not snap.claimed or not snap.pid or snap.pid in self.retired:
+                continue
+            if self.known_control.get(snap.slot) != snap.pid and not _gone(snap.pid):
+                self.known_control[snap.slot] = snap.pid
+                self.post(ControlClaimed(snap.role_name, snap.pid, attempt.number))
+            view = attempt.process(snap.pid)
+            if view is None or not view.alive or snap.finished:
+                continue
+            out.append(replace(snap, slot=CONTROL_SLOT_BASE + snap.slot))
+        return out
+
+    def _external(self, control: list[SlotSnapshot]) -> ExternalProgress | None:
+        """The engine's metrics as progress, while they are needed: a live front end's control slot says what
+        they say (requests in flight, outputs coming) without costing the engine a /metrics render twice a
+        second in its API server's event loop, so the scrape pauses while one reports (docs/watchdogs.md)."""
+        if self.adapter is None:
+            return None
+        paused = any(c.role == ROLE_FRONTEND for c in control)
+        if paused != self.adapter.paused:
+            self.adapter.paused = paused
+            if paused:
+                log.info(
+                    "engine metrics scrape paused: the engine's front end reports progress itself",
+                    event_name="engine_metrics_paused",
+                )
+            else:
+                log.info("engine metrics scrape resumed", event_name="engine_metrics_resumed")
+        return None if paused else self.adapter.latest
 
     def answer_hang_query(self, seq: int, node: int) -> None:
         """Multi-node: every rank of ``node`` waits in collective #``seq``.  On the next tick, rule a hard
@@ -276,6 +318,8 @@ class AdapterThread:
 
         self.scraper = PrometheusProgress(url, engine=engine, timeout=ADAPTER_TIMEOUT_S)
         self.latest: ExternalProgress | None = None  # None until the first scrape
+        # Set by the watchdog thread while the engine's front end reports through its control slot: no scrape.
+        self.paused = False
         self._stop = threading.Event()
         self._thread = named_thread(self._run, "engine-adapter")
 
@@ -288,6 +332,10 @@ class AdapterThread:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self.paused:
+                self.latest = None  # a scrape from before the pause is no reading of now
+                self._stop.wait(ADAPTER_INTERVAL_S)
+                continue
             try:
                 self.latest = self.scraper.scrape()
             except Exception as exc:

@@ -16,11 +16,12 @@ worker read that reference and never see a half-made state::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Generic, TypeVar
 
 from ..outcome import LAUNCHER_KEY, Outcome
+from ..rank.engines import role_from_title
 from . import shm
 from .exits import ExitInfo
 from .spawn import RankHandle
@@ -29,6 +30,25 @@ T = TypeVar("T")
 
 LAUNCHER_SLOT = -1
 ENGINE_PROCESS = "engine-process"  # exit-monitor key kind: (ENGINE_PROCESS, pid)
+
+# Roles of the processes of a run (docs/supervisor.md, "Roles"): a TP/PP rank; an engine's front end (vLLM's
+# API server, SGLang's tokenizer manager) and scheduler (vLLM's engine core), known from the engine adapter's
+# claim of a control slot or, second, from the process's title; a helper (SGLang's detokenizer).  A process
+# of the tree whose role is not known is the ``launcher`` (the process the supervisor started) or an
+# ``engine process`` (one between it and the ranks).
+ROLE_RANK = "rank"
+ROLE_FRONTEND = "frontend"
+ROLE_SCHEDULER = "scheduler"
+ROLE_HELPER = "helper"
+ROLE_LAUNCHER = "launcher"
+ROLE_ENGINE_PROCESS = "engine process"
+ROLE_WORDS = {
+    ROLE_FRONTEND: "front end",
+    ROLE_SCHEDULER: "scheduler",
+    ROLE_HELPER: "helper process",
+    ROLE_LAUNCHER: "launcher",
+    ROLE_ENGINE_PROCESS: "engine process",
+}
 
 
 class Published(Generic[T]):
@@ -59,10 +79,20 @@ class RankView:
     exit: ExitInfo | None = None
     exited_at: float | None = None
     title: str = ""
+    role: str = ROLE_RANK  # ROLE_*: what the process is
 
     @classmethod
     def of(cls, handle: RankHandle) -> RankView:
-        return cls(handle.slot, handle.rank, handle.pid, handle.started_at, handle.exit, handle.exited_at, handle.title)
+        return cls(
+            handle.slot,
+            handle.rank,
+            handle.pid,
+            handle.started_at,
+            handle.exit,
+            handle.exited_at,
+            handle.title,
+            role_of(handle),
+        )
 
     def describe(self, who: str) -> str:
         """``rank 1 (pid 123, VLLM::Worker_TP1)``: who, by pid and by the name the process gave itself (a title
@@ -80,11 +110,24 @@ class RankView:
         return self.slot < 0
 
     @property
-    def role(self) -> str:
-        """``rank 1``, ``launcher`` or ``engine process`` (e.g. vLLM's ``VLLM::EngineCore``)."""
+    def who(self) -> str:
+        """``rank 1``, or the role in words: ``scheduler``, ``front end``, ``launcher``, ``engine process``."""
         if self.slot >= 0:
             return f"rank {self.rank}"
-        return "launcher" if self.slot == LAUNCHER_SLOT else "engine process"
+        return ROLE_WORDS.get(self.role, self.role)
+
+
+def role_of(handle: RankHandle) -> str:
+    """A process's role: a rank by its slot; else what the engine adapter said (``handle.role``), else what
+    its title says (the engine's own name for it), else launcher or engine process by its place."""
+    if handle.slot >= 0:
+        return ROLE_RANK
+    if handle.role:
+        return handle.role
+    by_title = role_from_title(handle.title)
+    if by_title and by_title != ROLE_RANK:
+        return by_title
+    return ROLE_LAUNCHER if handle.slot == LAUNCHER_SLOT else ROLE_ENGINE_PROCESS
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,6 +140,20 @@ class AttemptView:
     restarts: int  # restarts before this attempt (what its bundles report)
     finished: bool  # the attempt's outcome is decided: no more verdicts wanted
     number: int = 0  # 1, 2, … one per launch of the group (0: none yet); events carry it
+    # Tree mode: the processes between the launcher and the ranks (vLLM's engine core), by pid.
+    engine_processes: Mapping[int, RankView] = field(default_factory=lambda: MappingProxyType({}))
+
+    def control_plane(self) -> list[RankView]:
+        """Every process of the attempt that is not a rank: the launcher first, then the engine processes."""
+        launcher = [self.launcher] if self.launcher is not None else []
+        return [*launcher, *self.engine_processes.values()]
+
+    def process(self, pid: int) -> RankView | None:
+        """The process of this attempt with ``pid`` (a rank, the launcher or an engine process)."""
+        for view in (*self.ranks.values(), *self.control_plane()):
+            if view.pid == pid:
+                return view
+        return None
 
     @property
     def launched(self) -> bool:
@@ -181,7 +238,18 @@ class Attempt:
     def add_engine_process(self, handle: RankHandle) -> tuple[str, int]:
         """Hold a tree process that is not a rank; returns the exit-monitor key to watch it under."""
         self._engine_processes[handle.pid] = handle
+        self._changed()
         return (ENGINE_PROCESS, handle.pid)
+
+    def set_role(self, pid: int, role: str) -> bool:
+        """The engine adapter said what process ``pid`` is (its claim of a control slot); False: not held."""
+        for handle in self.processes():
+            if handle.pid == pid and handle.slot < 0:
+                if handle.role != role:
+                    handle.role = role
+                    self._changed()
+                return True
+        return False
 
     def record_exit(self, handle: RankHandle, info: ExitInfo, at: float) -> None:
         handle.exit, handle.exited_at = info, at
@@ -205,4 +273,5 @@ class Attempt:
             restarts=self.restarts,
             finished=self.outcome is not None,
             number=self.number,
+            engine_processes=MappingProxyType({pid: RankView.of(h) for pid, h in self._engine_processes.items()}),
         )

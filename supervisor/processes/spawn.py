@@ -62,6 +62,7 @@ class RunContext:
     zero_code_hook: bool
     max_restarts: int = 0
     run_key: str = ""  # what marks this node's processes of the run (run id, plus the node rank on several nodes)
+    control_path: Path | None = None  # the control segment (docs/supervisor.md, "Roles")
     cgroup_procs: str | None = (
         None  # the run's cgroup.procs: ranks join it before exec (supervisor/processes/cgroup.py)
     )
@@ -97,6 +98,7 @@ class RankHandle:
     title: str = ""  # its process title as last read (an engine renames its workers: VLLM::Worker_TP0)
 
     comm: str = ""  # its kernel name when the title was read (setproctitle changes both)
+    role: str = ""  # not a rank: what the engine adapter said it is (attempt.ROLE_*); "" not said
 
     def read_title(self) -> None:
         """Read the title again while the process is alive (kept once it is gone)."""
@@ -187,6 +189,8 @@ def rank_env(
             runtime.ENV_SLOT_BASE: str(ctx.node_rank * ctx.nproc_per_node),
         }
     )
+    if ctx.control_path is not None:
+        env[runtime.ENV_CONTROL] = str(ctx.control_path)
     env.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER_DEFAULT)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if ctx.zero_code_hook:

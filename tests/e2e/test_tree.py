@@ -100,8 +100,8 @@ def test_engine_process_killed_is_the_first_failure(supervise, tmp_path):
     summary = run.summary("rank_exit")
     assert summary["culprit_ranks"] == [], summary["verdict"]
     first = summary["first_failure"]
-    assert (first["role"], first["pid"], first["title"]) == ("engine process", core, "VLLM::EngineCore"), first
-    assert "engine process" in summary["verdict"] and "VLLM::EngineCore" in summary["verdict"], summary["verdict"]
+    assert (first["role"], first["pid"], first["title"]) == ("scheduler", core, "VLLM::EngineCore"), first
+    assert "scheduler" in summary["verdict"] and "VLLM::EngineCore" in summary["verdict"], summary["verdict"]
     # Its parent (the launcher, in Python) reaps it later than the exit monitor wakes: the signal is known.
     assert first["signal"] == "SIGKILL" or first["reason"] == "lost", first
 
@@ -142,7 +142,7 @@ def test_engine_process_slow_to_exit_is_still_the_first_failure(supervise, tmp_p
         thaw(freezer)
     assert run.wait(timeout=60) == 80, run.stderr[-4000:]
     first = run.summary("rank_exit")["first_failure"]
-    assert (first["role"], first["pid"], first["title"]) == ("engine process", core, "VLLM::EngineCore"), first
+    assert (first["role"], first["pid"], first["title"]) == ("scheduler", core, "VLLM::EngineCore"), first
 
 
 def test_supervisor_sigkill_takes_the_whole_launcher_tree(supervise, tmp_path):

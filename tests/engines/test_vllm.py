@@ -248,7 +248,7 @@ def test_killed_engine_core_is_named(supervise, tiny_model):
     assert code == 80, run.stderr[-4000:]
     summary = run.summary("rank_exit")
     first = summary["first_failure"]
-    assert (first["role"], first["pid"]) == ("engine process", core[0].pid), summary["verdict"]
+    assert (first["role"], first["pid"]) == ("scheduler", core[0].pid), summary["verdict"]
     assert first["title"].startswith("VLLM::EngineCore") and summary["culprit_ranks"] == [], first
     assert "VLLM::EngineCore" in summary["verdict"], summary["verdict"]
     ruled = run.events("rank exited")
@@ -257,7 +257,66 @@ def test_killed_engine_core_is_named(supervise, tiny_model):
     assert_nothing_left(run, before)
 
 
+def engine_core(run) -> psutil.Process:
+    core = [
+        p
+        for p in psutil.Process(run.proc.pid).children(recursive=True)
+        if "VLLM::EngineCore" in p.name() or any("VLLM::EngineCore" in part for part in p.cmdline())
+    ]
+    assert len(core) == 1, core
+    return core[0]
+
+
+def assert_scheduler_named(hang: dict, core: psutil.Process) -> dict:
+    """The hang bundle names vLLM's engine core (role, pid, title), not a rank, and holds it."""
+    culprit = hang["culprit"]
+    assert culprit and (culprit["role"], culprit["pid"], culprit["rank"]) == ("scheduler", core.pid, None), hang
+    assert culprit["title"].startswith("VLLM::EngineCore"), culprit
+    assert hang["culprit_ranks"] == [], hang["verdict"]
+    assert "VLLM::EngineCore" in hang["verdict"] and "idle" in hang["verdict"], hang["verdict"]
+    proc = hang["processes"][str(core.pid)]
+    assert proc["role"] == "scheduler" and proc["culprit"] and proc["stack_signature"], proc
+    return proc
+
+
+def test_stopped_engine_core_is_named(supervise, tiny_model):
+    """vLLM's engine core SIGSTOPped under load: a hang (81) whose culprit is the engine core (role scheduler,
+    its pid and title), stopped, with its stack in the bundle; the workers are described as idle."""
+    run, port, before, load = serving_under_load(supervise, tiny_model, learn_s=15)
+    core = engine_core(run)
+    core.send_signal(signal.SIGSTOP)
+    code = run.wait(timeout=240)
+    load.close()
+    assert code == 81, run.stderr[-4000:]
+    hang = run.summary("-hang")
+    proc = assert_scheduler_named(hang, core)
+    assert proc["state"] == "T", proc
+    assert "stopped" in hang["verdict"], hang["verdict"]
+    bundle = [b for b in run.bundles() if "-hang" in b.name][-1]
+    assert (bundle / f"stacks/scheduler-{core.pid}.txt").read_text().count("Thread") >= 1
+    assert run.events("control_plane_claimed"), run.stderr[-3000:]
+    assert_nothing_left(run, before)
+
+
 PLUGIN = str(Path(__file__).parent / "plugin")
+
+
+def test_engine_core_stuck_in_its_scheduler_is_named(supervise, tiny_model, tmp_path):
+    """The engine core sleeps in Python inside its scheduling call (a test plugin): a hang of the engine core,
+    named with the function it is in, not of a rank."""
+    trigger = tmp_path / "stick"
+    env = dict(ENV, PYTHONPATH=PLUGIN, TPS_TEST_FAULT="sched_stuck", TPS_TEST_TRIGGER=str(trigger))
+    run, port, before, load = serving_under_load(supervise, tiny_model, env, learn_s=15)
+    core = engine_core(run)
+    trigger.touch()
+    code = run.wait(timeout=240)
+    load.close()
+    assert code == 81, run.stderr[-4000:]
+    hang = run.summary("-hang")
+    proc = assert_scheduler_named(hang, core)
+    assert proc["state"] != "T" and "_plan_stuck" in proc["where"], proc
+    assert "stuck inside its step" in hang["verdict"] and "_plan_stuck" in hang["verdict"], hang["verdict"]
+    assert_nothing_left(run, before)
 
 
 def test_worker_stuck_outside_collectives_is_a_hang(supervise, tiny_model, tmp_path):

@@ -6,6 +6,9 @@ TPS_TEST_FAULT=stuck: TP worker ``TPS_TEST_RANK`` (default 1) sleeps in Python i
 TPS_TEST_FAULT=poison: TP worker ``TPS_TEST_RANK`` (default 1) dies (SIGKILL, as a segfault would end it) in the
     step that first schedules a request whose prompt token ids contain ``TPS_TEST_POISON_IDS`` (comma-separated, in
     that order): a request that kills the group every time it runs.
+TPS_TEST_FAULT=sched_stuck: vLLM's engine core sleeps in Python inside ``Scheduler.schedule`` (in
+    ``_plan_stuck``, a function of this file) once the file ``TPS_TEST_TRIGGER`` exists: the scheduler stuck in
+    its scheduling call while the workers wait, idle, for its next step.
 TPS_TEST_FAULT=rename: vLLM's ``GroupCoordinator._all_reduce_out_place`` is renamed, as a newer version might,
     before anything else sees the module (a version whose seams differ).
 
@@ -21,6 +24,7 @@ import time
 FAULT = os.environ.get("TPS_TEST_FAULT", "")
 TARGETS = {
     "stuck": "vllm.v1.worker.gpu_worker",
+    "sched_stuck": "vllm.v1.core.sched.scheduler",
     "poison": "vllm.v1.worker.gpu_worker",
     "rename": "vllm.distributed.parallel_state",
 }
@@ -38,6 +42,23 @@ def _stuck(module):
         return original(self, scheduler_output, *args, **kwargs)
 
     module.Worker.execute_model = execute_model
+
+
+def _plan_stuck(trigger):
+    while os.path.exists(trigger):
+        time.sleep(0.05)
+
+
+def _sched_stuck(module):
+    trigger = os.environ["TPS_TEST_TRIGGER"]
+    original = module.Scheduler.schedule
+
+    def schedule(self, *args, **kwargs):
+        if os.path.exists(trigger):
+            _plan_stuck(trigger)
+        return original(self, *args, **kwargs)
+
+    module.Scheduler.schedule = schedule
 
 
 def _contains(ids, marker):
@@ -91,7 +112,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader, {"stuck": _stuck, "poison": _poison, "rename": _rename}[FAULT])
+                spec.loader = _Loader(spec.loader, {"stuck": _stuck, "sched_stuck": _sched_stuck, "poison": _poison, "rename": _rename}[FAULT])
                 return spec
         return None
 
