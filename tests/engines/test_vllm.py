@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -90,15 +92,27 @@ def workers(run) -> dict[int, psutil.Process]:
 
 
 class Load:
-    """Clients sending completions and chat until stopped (errors after a fault are expected and ignored)."""
+    """Clients sending completions and chat until stopped (errors after a fault are expected and ignored);
+    with ``long_every_s``, one more client sends a prompt of nearly --max-model-len tokens that often."""
 
-    def __init__(self, port: int, clients: int = 2):
+    def __init__(self, port: int, clients: int = 2, long_every_s: float | None = None):
         self.port = port
         self.done = 0
+        self.long_done = 0
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+        if long_every_s is not None:
+            self.threads.append(threading.Thread(target=self._long, args=(long_every_s,), daemon=True))
         for t in self.threads:
             t.start()
+
+    def _long(self, every_s: float) -> None:
+        while not self.stop.wait(every_s):
+            try:
+                post(self.port, "/v1/completions", {"model": "tiny", "prompt": [7] * 500, "max_tokens": 4}, timeout=60)
+                self.long_done += 1
+            except Exception:
+                pass
 
     def _run(self, i: int) -> None:
         while not self.stop.is_set():
@@ -155,7 +169,7 @@ def assert_nothing_left(run, before_shm: set[str]) -> None:
             assert not [d for d in dirnames if run.run_id() and d.endswith(run.run_id())], dirpath
 
 
-def serving_under_load(supervise, model, env=None, learn_s: float = 0.0):
+def serving_under_load(supervise, model, env=None, learn_s: float = 0.0, long_every_s: float | None = None):
     """vLLM under ``supervise serve --tree``, serving, with clients sending requests for ``learn_s`` seconds
     already: (run, port, /dev/shm names before it, the load)."""
     port, before = free_port(), set(os.listdir("/dev/shm"))
@@ -163,12 +177,12 @@ def serving_under_load(supervise, model, env=None, learn_s: float = 0.0):
     # logging waits on the full pipe, as it would without us)
     run = supervise(["--tree", "--kill-grace", "3"], launcher(model, port), env=env or ENV, drain=True)
     wait_serving(run, port)
-    load = Load(port)
+    load = Load(port, long_every_s=long_every_s)
     time.sleep(learn_s)
     return run, port, before, load
 
 
-def test_serves_then_ctrl_c_leaves_nothing(supervise, tiny_model):
+def test_serves_then_ctrl_c_leaves_nothing(supervise, tiny_model, tmp_path):
     port, before = free_port(), set(os.listdir("/dev/shm"))
     run = supervise(["--tree"], launcher(tiny_model, port), env=ENV, drain=True)
     wait_serving(run, port)
@@ -183,6 +197,18 @@ def test_serves_then_ctrl_c_leaves_nothing(supervise, tiny_model):
     assert chat["choices"][0]["message"]["role"] == "assistant"
     load = Load(port)
     time.sleep(20)
+    # `supervise status` shows the control plane: vLLM's engine core and its API server, by role
+    status = subprocess.run(
+        [str(Path(sys.executable).parent / "supervise"), "status", "--json"],
+        env=dict(os.environ, SUPERVISE_REGISTRY_DIR=str(tmp_path / "registry")),  # the fixture's registry
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert status.returncode == 0, status.stderr
+    roles = {p["role"]: p for p in json.loads(status.stdout)["processes"]}
+    assert roles["scheduler"]["title"].startswith("VLLM::EngineCore") and roles["scheduler"]["steps"] > 0, roles
+    assert roles["frontend"]["steps"] > 0 and "vllm.entrypoints.openai.api_server" in roles["frontend"]["title"], roles
     # A long prefill (a max-model-len prompt, as token ids) after a run of short decode steps is not a hang.
     started = time.monotonic()
     long = post(port, "/v1/completions", {"model": "tiny", "prompt": [7] * 500, "max_tokens": 8}, timeout=120)
@@ -202,7 +228,12 @@ def test_serves_then_ctrl_c_leaves_nothing(supervise, tiny_model):
 
 
 def test_stopped_worker_is_a_hang_named_in_seconds(supervise, tiny_model):
-    run, port, before, load = serving_under_load(supervise, tiny_model, learn_s=25)  # steps learned under load
+    """Worker 1 SIGSTOPped after load that included prompts of nearly --max-model-len (long prefills): ruled a
+    hang of rank 1; a long prefill does not make the decode steps wait for its bar (the time goal is
+    bench_vllm's)."""
+    # steps learned under load, a long prompt every 4 s among them
+    run, port, before, load = serving_under_load(supervise, tiny_model, learn_s=30, long_every_s=4)
+    assert load.long_done >= 2, "no long prompt was served before the fault"
     stopped_at = time.monotonic()
     workers(run)[1].send_signal(signal.SIGSTOP)
     code = run.wait(timeout=240)
