@@ -104,6 +104,7 @@ class RankTarget:
     # A process of the run that is not a rank (``rank`` is then a negative key of the capture): its role,
     # ``frontend``, ``scheduler``, ``helper``, ``launcher`` or ``engine process`` ("" for a rank).
     role: str = ""
+    words: str = ""  # what the role is called in its engine ("vLLM's engine core"); "" for a rank
 
     @property
     def is_rank(self) -> bool:
@@ -113,6 +114,7 @@ class RankTarget:
         """Its evidence: what the supervisor knew of it, plus what the capture found (``captured``)."""
         captured.setdefault("title", self.title)
         captured.setdefault("role", self.role)
+        captured.setdefault("words", self.words)
         return RankEvidence(
             rank=self.rank,
             slot=self.slot,

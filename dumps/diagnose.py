@@ -406,10 +406,12 @@ class _Process:
         return self.ev.alive and self.ev.state not in ("Z", "X")
 
     def who(self) -> str:
+        """``vLLM's engine core (pid 12, VLLM::EngineCore)``; ``the scheduler (pid 12)`` when the engine is not
+        known (its words) and the title is a command line, not a name."""
         title = self.ev.title
         named = title and not any(c.isspace() or c == "/" for c in title)
-        words = {"frontend": "front end", "scheduler": "scheduler"}.get(self.role, self.role)
-        return f"the {words} (pid {self.ev.pid}, {title})" if named else f"the {words} (pid {self.ev.pid})"
+        words = self.ev.words or "the " + {"frontend": "front end"}.get(self.role, self.role)
+        return f"{words} (pid {self.ev.pid}, {title})" if named else f"{words} (pid {self.ev.pid})"
 
     def culprit(self) -> dict:
         return {"role": self.role, "pid": self.ev.pid, "title": self.ev.title, "rank": None}

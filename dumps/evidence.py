@@ -95,6 +95,7 @@ class RankEvidence:
     capture_s: float = 0.0
     title: str = ""  # the process title the supervisor last saw (a dead rank's too)
     role: str = ""  # not a rank (a negative key): its role, e.g. "scheduler" (``capture.RankTarget.role``)
+    words: str = ""  # ... and what its engine calls it ("vLLM's engine core"; "" when not known)
 
     @property
     def has_stacks(self) -> bool:

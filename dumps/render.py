@@ -26,6 +26,7 @@ from rich.text import Text
 TEXT_WIDTH = 110
 CULPRIT_STYLE = "bold red"
 MAX_STACK_LINES = 60
+TITLE_CELL = 40  # a title longer than this (a launcher's command line) is cut in the processes table
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
@@ -92,6 +93,40 @@ def rank_table(summary: Mapping) -> Table:
             _cell(r.get("stack_group")),
             _cell(r.get("where") or (r.get("stack_error") or "")),
             style=style,
+        )
+    return table
+
+
+def process_table(summary: Mapping) -> Table | None:
+    """The processes of the run that are not ranks (an engine's scheduler, front end, launcher), by role."""
+    procs = summary.get("processes") or {}
+    if not isinstance(procs, Mapping) or not procs:
+        return None
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col, justify in (("role", "left"), ("pid", "right"), ("title", "left"), ("state", "left"),
+                         ("step", "left"), ("cpu%", "right"), ("where", "left")):  # fmt: skip
+        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for pid in sorted(procs, key=_rank_key):
+        p = procs[pid] or {}
+        state = "" if p.get("state") is None else str(p.get("state"))
+        if p.get("state_name"):
+            state = f"{state} ({p['state_name']})"
+        if not p.get("alive", True):
+            state = _exit_cell(p.get("exit")) or "exited"
+        step = ""
+        if p.get("in_step") is not None:
+            step = "in step" if p.get("in_step") else "between steps"
+            step += f", {p['phase']}" if p.get("phase") else ""
+        title = str(p.get("title") or "")
+        table.add_row(
+            _cell(f"{'*' if p.get('culprit') else ''}{p.get('role', '?')}"),
+            _cell(pid),
+            _cell(title if len(title) <= TITLE_CELL else title[: TITLE_CELL - 1] + "…"),
+            _cell(state),
+            _cell(step),
+            _cell(p.get("cpu_percent")),
+            _cell(p.get("where") or (p.get("stack_error") or "")),
+            style=CULPRIT_STYLE if p.get("culprit") else None,
         )
     return table
 
@@ -188,7 +223,11 @@ def _header(summary: Mapping) -> Text:
     if summary.get("class"):
         text.append(plain(f"  class {summary['class']}"), style="bold")
     culprits = summary.get("culprit_ranks") or []
-    text.append(plain(f"  culprit ranks {culprits if culprits else 'none named'}"))
+    culprit = summary.get("culprit")
+    if isinstance(culprit, Mapping) and culprit.get("role") not in (None, "rank"):
+        text.append(plain(f"  culprit {culprit.get('role')} (pid {culprit.get('pid')}, {culprit.get('title')})"))
+    else:
+        text.append(plain(f"  culprit ranks {culprits if culprits else 'none named'}"))
     return text
 
 
@@ -258,6 +297,9 @@ def render(summary: Mapping, console: Console, stacks: Mapping[int, str] | None 
     for err in summary.get("errors") or []:
         console.print(data(f"! {err}", style="yellow"))
     console.print(rank_table(summary))
+    procs = process_table(summary)
+    if procs is not None:
+        console.print(procs)
     groups = _groups(summary, stacks)
     if groups:
         console.print(Group(*groups))

@@ -275,7 +275,6 @@ class VllmAdapter(Adapter):
 
 
 ADAPTERS = {a.name: a for a in (Adapter(), BuiltinAdapter(), VllmAdapter())}
-ADAPTER_FOR_ENGINE = {"vllm": "vllm", "sglang": "openai"}  # supervisor/spec.py launcher_engine() -> adapter
 
 
 def adapter(name: str) -> Adapter:

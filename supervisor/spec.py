@@ -20,6 +20,7 @@ from pathlib import Path
 from tp_supervise.watchdogs.straggler import StragglerConfig
 
 from .outcome import valid_run_id
+from .rank.engines import BY_NAME, ENGINES
 
 CONSENSUS_MODES = ("off", "observe", "enforce")
 STACK_METHODS = ("auto", "py-spy", "faulthandler", "none")
@@ -429,7 +430,7 @@ def relay_upstream(given: str | None, command: Sequence[str]) -> tuple[str | Non
     """(URL of the engine's own listener, the relay's adapter) for ``--relay``: ``--relay-upstream`` as given,
     else what a vLLM or SGLang launcher's --host/--port say (the engine's defaults when absent)."""
     engine = launcher_engine(command)
-    kind = {"vllm": "vllm"}.get(engine or "", "openai")
+    kind = BY_NAME[engine].RELAY_ADAPTER if engine is not None else "openai"
     if given is not None:
         if not given.startswith(("http://", "https://")):
             given = f"http://{given}"
@@ -554,18 +555,11 @@ class LaunchSpec:
         return list(self.command)
 
 
-# A launcher's own flags for its processes per node, for --tree (torchrun, vLLM, SGLang spellings).
-_LAUNCHER_NPROC_FLAGS = (
-    "--nproc-per-node",
-    "--nproc_per_node",
-    "--tensor-parallel-size",
-    "--tensor_parallel_size",
-    "-tp",
-    "--tp",
-    "--tp-size",
-    "--tp_size",
+# A launcher's own flags for its processes per node, for --tree: torchrun's, then each engine's (its module).
+_LAUNCHER_NPROC_FLAGS = tuple(
+    dict.fromkeys(("--nproc-per-node", "--nproc_per_node", *(f for e in ENGINES for f in e.TP_FLAGS)))
 )
-_LAUNCHER_PP_FLAGS = ("--pipeline-parallel-size", "--pipeline_parallel_size", "-pp", "--pp", "--pp-size", "--pp_size")
+_LAUNCHER_PP_FLAGS = tuple(dict.fromkeys(f for e in ENGINES for f in e.PP_FLAGS))
 
 
 def _flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
@@ -592,27 +586,21 @@ def launcher_nproc(command: Sequence[str]) -> str | None:
         return nproc
 
 
-# Launchers recognised from the command (tree mode), as (engine, words that name it).  ``vllm serve``, ``python -m
-# vllm.entrypoints.openai.api_server``, ``python -m sglang.launch_server``; a wrapper before them (env, numactl,
-# taskset) changes nothing: the words are looked for anywhere in the command.
-_LAUNCHERS = (
-    ("vllm", ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server", "vllm.entrypoints.cli.main")),
-    ("sglang", ("sglang.launch_server", "sglang.srt.server", "sglang.launch_server.py")),
-)
-# Each engine's own defaults for its listener (vLLM: 0.0.0.0:8000; SGLang: 127.0.0.1:30000).
-_ENGINE_DEFAULT_PORTS = {"vllm": 8000, "sglang": 30000}
 ENGINE_METRICS_OFF = "none"
 
 
 def launcher_engine(command: Sequence[str]) -> str | None:
-    """ "vllm" or "sglang" when the tree-mode command is that engine's launcher, else None."""
+    """The engine (its module's ``NAME``: "vllm", "sglang") whose launcher the tree-mode command is, else None:
+    one of its ``LAUNCHER_WORDS`` anywhere in the command (a wrapper before it, env, numactl, taskset, changes
+    nothing), or its ``CLI`` (``vllm serve``)."""
     for i, arg in enumerate(command):
         name = os.path.basename(arg)
-        if name == "vllm" and i + 1 < len(command) and command[i + 1] == "serve":
-            return "vllm"
-        for engine, words in _LAUNCHERS:
-            if arg in words or name in words:
-                return engine
+        for engine in ENGINES:
+            cli = engine.CLI
+            if cli and name == cli[0] and tuple(command[i + 1 : i + len(cli)]) == cli[1:]:
+                return engine.NAME
+            if arg in engine.LAUNCHER_WORDS or name in engine.LAUNCHER_WORDS:
+                return engine.NAME
     return None
 
 
@@ -626,7 +614,7 @@ def launcher_metrics_url(command: Sequence[str]) -> str | None:
         return None
     port_text = _flag_value(command, ("--port",))
     try:
-        port = int(port_text) if port_text is not None else _ENGINE_DEFAULT_PORTS[engine]
+        port = int(port_text) if port_text is not None else BY_NAME[engine].DEFAULT_PORT
     except ValueError:
         return None
     host = _flag_value(command, ("--host",)) or ""

@@ -6,7 +6,8 @@ how many requests run and how many tokens were generated; requests running
 with a flat token counter is the same "busy without progress" signal the
 heartbeat gives.
 
-Metric names (from the engines' documentation):
+Metric names (from the engines' documentation; each engine's module,
+``supervisor/rank/engines/<engine>.py``, holds them):
 
 =========  ===============================  ===========================
 engine     generated tokens (counter)       running requests (gauge)
@@ -34,8 +35,11 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from types import ModuleType
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tp_supervise.supervisor.rank import engines
 
 from .progress import ExternalProgress
 
@@ -54,14 +58,14 @@ class EngineMetrics:
     running: tuple[str, ...]
 
 
-VLLM = EngineMetrics("vllm", tokens=("vllm:generation_tokens_total",), running=("vllm:num_requests_running",))
-SGLANG = EngineMetrics(
-    "sglang",
-    tokens=("sglang:generation_tokens_total",),
-    # Older SGLang releases and some dashboards spell the gauge this way.
-    running=("sglang:num_running_reqs", "sglang:num_requests_running"),
-)
-ENGINES = {m.engine: m for m in (VLLM, SGLANG)}
+def _of(engine: ModuleType) -> EngineMetrics:
+    """An engine's metric names, as its module (``supervisor/rank/engines/<engine>.py``) declares them."""
+    return EngineMetrics(engine.NAME, tokens=engine.METRIC_TOKENS, running=engine.METRIC_RUNNING)
+
+
+VLLM = _of(engines.vllm)
+SGLANG = _of(engines.sglang)
+ENGINES = {m.engine: m for m in map(_of, engines.ENGINES)}
 
 
 def failed(error: str) -> ExternalProgress:

@@ -53,13 +53,15 @@ import structlog
 from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget
 from tp_supervise.dumps.incident import IncidentResult, capture_incident, write_captured, write_incident
+from tp_supervise.dumps.procinfo import process_title
 from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
 
 from ..outcome import new_incident_id
 from ..processes import output_pump as output
 from ..processes.exits import ExitInfo
-from ..processes.pidfds import named_thread
+from ..processes.pidfds import helpers_below, named_thread
 from ..processes.spawn import error_file
+from ..rank.engines import role_from_title, role_words
 from .error_file import last_traceback, read_error_file
 from .exchange import IncidentExchange
 
@@ -88,6 +90,8 @@ WAIT_SLICE_S = 0.02
 SOFT_WORKER_JOIN_S = 0.5
 # A dead rank's last stderr: the dump thread waits at most this long for the pump to reach its EOF.
 STDERR_DRAIN_S = 0.5
+# The processes of a launcher's tree nobody holds that a bundle captures beside the ranks and the control plane.
+MAX_HELPERS = 8
 
 
 def _wall_clock(monotonic_at: float | None) -> datetime:
@@ -256,7 +260,8 @@ class IncidentDesk:
         if self.read_control is not None:
             control = {s.pid: s for s in self.read_control() if s.claimed}
         out = []
-        for i, view in enumerate(attempt.control_plane()):
+        plane = attempt.control_plane()
+        for i, view in enumerate(plane):
             out.append(
                 RankTarget(
                     rank=-1 - i,
@@ -267,8 +272,19 @@ class IncidentDesk:
                     heartbeat=control.get(view.pid),
                     title=view.title,
                     role=view.role,
+                    words=role_words(view.role, view.title),
                 )
             )
+        launcher = attempt.launcher
+        if self.spec.tree and launcher is not None and launcher.alive:
+            # The rest of the launcher's tree (vLLM's resource tracker, SGLang's detokenizer), not what runs
+            # under a rank: role helper, or what the title says.
+            held = {v.pid for v in (*attempt.ranks.values(), *plane)}
+            for pid in helpers_below(launcher.pid, held, MAX_HELPERS):
+                title = process_title(pid)
+                role = role_from_title(title)
+                role = role if role not in ("", "rank") else "helper"
+                out.append(RankTarget(-1 - len(out), -1, pid, True, None, None, title, role, role_words(role, title)))
         return out
 
     def _with_incident_id(self, extra: dict, incident_id: str | None) -> dict:
@@ -484,7 +500,7 @@ class IncidentDesk:
     def rank_exit(self, first: RankView, info: ExitInfo, attempt: AttemptView, incident_id: str | None = None) -> None:
         """``first``: the root cause (``attempt.launcher`` or one of ``attempt.ranks``); ``incident_id``, here and
         in every fatal incident below: the id the main thread announced (none given: a fresh one)."""
-        who = first.who if first.slot >= 0 else f"the {first.who}"
+        who = first.who
         others = [r.rank for r in attempt.live_ranks() if r.slot != first.slot]
         verdict = f"{first.describe(who)} {info.description}"
         if others:

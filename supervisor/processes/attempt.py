@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Generic, TypeVar
 
 from ..outcome import LAUNCHER_KEY, Outcome
-from ..rank.engines import role_from_title
+from ..rank.engines import role_from_title, role_words
 from . import shm
 from .exits import ExitInfo
 from .spawn import RankHandle
@@ -111,10 +111,11 @@ class RankView:
 
     @property
     def who(self) -> str:
-        """``rank 1``, or the role in words: ``scheduler``, ``front end``, ``launcher``, ``engine process``."""
+        """``rank 1``, or the process in its engine's words (``vLLM's engine core``), else its role's
+        (``the scheduler``, ``the front end``, ``the launcher``, ``the engine process``)."""
         if self.slot >= 0:
             return f"rank {self.rank}"
-        return ROLE_WORDS.get(self.role, self.role)
+        return role_words(self.role, self.title) or f"the {ROLE_WORDS.get(self.role, self.role)}"
 
 
 def role_of(handle: RankHandle) -> str:

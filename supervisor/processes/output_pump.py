@@ -70,7 +70,7 @@ JOIN_S = 0.5  # close(): the pump's final drain and join, at most
 FINAL_DRAIN_S = 0.2  # of JOIN_S: reading what the ranks left in their pipes
 ERROR_PAUSE_S = 0.05  # after a failed pass, so a persistent failure cannot spin
 STREAMS = ("stdout", "stderr")
-# The line a rank-side engine adapter prints when the installed engine's seams do not match (rank/engines.py).
+# The line a rank-side engine adapter prints when the installed engine's seams do not match (rank/engines/).
 ADAPTER_UNAVAILABLE = "supervise: engine_adapter_unavailable"
 
 
@@ -404,7 +404,7 @@ class RankOutput:
         source = stream.source
         for line in lines:
             if line.startswith(ADAPTER_UNAVAILABLE) and line not in self._adapter_lines:
-                # A rank-side engine adapter met a version it does not know (rank/engines.py): once per run.
+                # A rank-side engine adapter met a version it does not know (rank/engines/): once per run.
                 self._adapter_lines.add(line)
                 log.warning(
                     "engine adapter not installed: " + line[len(ADAPTER_UNAVAILABLE) :].strip(),

@@ -451,6 +451,27 @@ def descendants(pid: int | None = None) -> list[int]:
         return []
 
 
+def helpers_below(root: int, skip: set[int], limit: int) -> list[int]:
+    """The descendants of ``root`` that are neither in ``skip`` nor below one of them (a rank's own children:
+    a compile worker), oldest first, at most ``limit``: the processes of a launcher's tree that nobody holds
+    (vLLM's resource tracker, SGLang's detokenizer).  One read of the process table."""
+    try:
+        parent = {p.info["pid"]: p.info["ppid"] for p in psutil.process_iter(["pid", "ppid"])}
+    except psutil.Error:
+        return []
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    out, stack = [], list(children.get(root, ()))
+    while stack:
+        pid = stack.pop()
+        if pid in skip:
+            continue
+        out.append(pid)
+        stack.extend(children.get(pid, ()))
+    return sorted(out)[:limit]
+
+
 def child_pids() -> list[int]:
     """Our direct children (every thread's: each thread is a parent of what it forked)."""
     me = os.getpid()

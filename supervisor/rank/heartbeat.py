@@ -9,7 +9,7 @@ hung, stopped or dead.
 The segment is a plain file (``/dev/shm`` when present) mapped with ``mmap``
 by both sides; no resource tracker, no lock shared between processes.
 
-Layout (version 3, little endian)::
+Layout (version 4, little endian)::
 
     +--------------------------- header (64 bytes) ---------------------------+
     | magic "TPSV" | version u32 | nslots u32 | slot_size u32 | hdr_size u32  |
@@ -128,7 +128,7 @@ from pathlib import Path
 from .seqlock import read_consistent
 
 MAGIC = b"TPSV"
-VERSION = 3
+VERSION = 4  # 4: step_tokens, last_tokens and role in what were reserved bytes
 HEADER_SIZE = 64
 SLOT_SIZE = 256
 ARRIVAL_DEPTH = 256  # collectives per lane whose arrival a reader can see (a power of two)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tp_supervise.dumps import stacks as st
@@ -335,6 +337,9 @@ def test_scheduler_stuck_inside_its_step_is_named_with_its_function():
     assert d.klass == "control_plane" and d.culprit["role"] == "scheduler"
     assert "is stuck inside its step for 9.8 s in _plan_stuck (plugin.py)" in d.verdict, d.verdict
     assert "phase schedule" in d.verdict
+    named = Evidence({0: idle_rank(0), -1: dataclasses.replace(scheduler_ev(), words="vLLM's engine core")}, NOW, 0.1,
+                     "py-spy", None)  # fmt: skip
+    assert diagnose(named, reason="hang").verdict.startswith("vLLM's engine core (pid 77, VLLM::EngineCore) is stuck")
 
 
 def test_a_rank_stopped_or_in_a_step_comes_before_the_control_plane():

