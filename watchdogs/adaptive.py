@@ -84,6 +84,9 @@ class AdaptiveParams:
     change_ratio: float = 0.2
     shape_samples: int = 64  # completed steps kept per size class
     shape_min_samples: int = 8  # a size class judges its steps once it has this many
+    # A rank missing from the collective its peers wait in (policy.missing_ranks) is ruled at
+    # max(soft, arrival_floor) rather than at hard: the peers' wait is the rank's lateness itself.
+    arrival_floor: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("warmup_events", "warmup_steps", "window_samples", "shape_samples", "shape_min_samples"):
@@ -99,7 +102,15 @@ class AdaptiveParams:
             raise ValueError("hard_multiplier must be >= soft_multiplier")
         if self.hard_max_multiplier < self.soft_max_multiplier:
             raise ValueError("hard_max_multiplier must be >= soft_max_multiplier")
-        for name in ("soft_floor", "hard_floor", "soft_ceiling", "hard_ceiling", "warmup_soft", "warmup_hard"):
+        for name in (
+            "soft_floor",
+            "hard_floor",
+            "soft_ceiling",
+            "hard_ceiling",
+            "warmup_soft",
+            "warmup_hard",
+            "arrival_floor",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0.0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")

@@ -278,6 +278,17 @@ def effective_thresholds(config: WatchdogConfig, learned: adaptive.Thresholds) -
     return soft, hard, soft_src, hard_src
 
 
+def missing_ranks(live: Sequence[SlotSnapshot]) -> tuple[int, ...]:
+    """Ranks that have not arrived at the collective every other waiting rank is in: live ranks outside
+    collectives, behind the sequence number at which all the ranks inside one wait (one number: ranks whose
+    sequences differ, pipeline stages, are not compared).  Empty when nobody waits, or nobody is missing."""
+    waiting = {s.coll_seq for s in live if s.in_collective and not s.torn}
+    if len(waiting) != 1:
+        return ()
+    seq = waiting.pop()
+    return tuple(sorted(s.rank for s in live if not s.in_collective and not s.torn and s.coll_seq < seq))
+
+
 def step_at_hand(slots: Sequence[SlotSnapshot]) -> int:
     """The size (tokens) of the step the group is in: the largest a slot inside a step was given; between
     steps, the largest of the last completed ones (the next step is judged like the last); 0 when no slot
@@ -399,6 +410,11 @@ def observe(
             tokens = 0
         else:
             soft, hard, _src, _src = effective_thresholds(config, replace(derived, soft=bars[0], hard=bars[1]))
+    missing: tuple[int, ...] = ()
+    if derived.learned and not pending and config.hard_timeout is None:
+        missing = missing_ranks(live)
+        if missing:  # the peers wait for it in a collective: its lateness is the stall itself
+            hard = max(soft, min(hard, config.adaptive.arrival_floor))
 
     stalled = 0.0
     if not pending:
@@ -439,6 +455,7 @@ def observe(
         config=config,
         control=tuple(plane),
         step_tokens=tokens,
+        missing=missing,
     )
     return new_state, verdict
 
@@ -460,6 +477,7 @@ def _verdict(
     config: WatchdogConfig,
     control: tuple[SlotSnapshot, ...] = (),
     step_tokens: int = 0,
+    missing: tuple[int, ...] = (),
 ) -> Verdict:
     soft, hard, soft_src, hard_src = limits
     ordered = sorted(live, key=lambda s: (s.rank, s.slot))
@@ -476,6 +494,9 @@ def _verdict(
     )
     if kind in STALLED_KINDS and step_tokens:
         message += f"; thresholds of a step of {step_tokens} tokens"
+    if kind in STALLED_KINDS and missing:
+        ranks = ",".join(map(str, missing))
+        message += f"; rank {ranks} has not arrived at the collective its peers wait in (hard {hard:.2f} s)"
     if kind in STALLED_KINDS and control:
         message += "; " + _control_where(control, now)
     return Verdict(

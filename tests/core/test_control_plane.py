@@ -128,3 +128,47 @@ def test_without_a_control_segment_nothing_is_claimed_and_the_engine_runs(contro
     proc = OutputProcessor()
     proc.add_request("a", "hello")
     assert proc.request_states == {"a": 0} and not front(control).claimed
+
+
+class _Breaking:
+    """A slot writer whose step could begin but cannot end (the slot went bad in between): the engine must not
+    notice."""
+
+    flags = hb.IN_STEP
+
+    def set_phase(self, *_args):
+        pass
+
+    step_begin = set_phase
+
+    def step_end(self, *_args):
+        raise OSError("slot gone")
+
+    step_shape = step_cancel = step_end
+
+
+class Worker:
+    def execute_model(self, scheduler_output):
+        if scheduler_output == "boom":
+            raise ValueError("the engine's own error")
+        return "output"
+
+    def sample_tokens(self, grammar_output):
+        return None
+
+
+def test_the_guest_never_raises_into_the_engine_nor_hides_its_exception(monkeypatch):
+    """A failing slot writer inside vLLM's step: the step's result and the engine's own exception pass through
+    unchanged (a ``finally`` that raised would have replaced it)."""
+    patched("vllm.v1.worker.gpu_worker", Worker=Worker)
+    monkeypatch.setattr(runtime.state, "writer", _Breaking())
+    monkeypatch.setattr(runtime.state, "pid", __import__("os").getpid())
+    assert Worker().execute_model("ok") == "output"
+    with pytest.raises(ValueError, match="the engine's own error"):
+        Worker().execute_model("boom")
+    monkeypatch.setattr(runtime.state, "control", {hb.ROLE_SCHEDULER: _Breaking(), hb.ROLE_FRONTEND: _Breaking()})
+    patched("vllm.v1.engine.output_processor", OutputProcessor=OutputProcessor)
+    proc = OutputProcessor()
+    proc.add_request("a", "hello")
+    proc.process_outputs([("a", True)])
+    assert proc.request_states == {}

@@ -163,3 +163,41 @@ def test_a_front_end_holding_requests_with_no_output_is_a_stall():
     hard = clock.first(K.HARD)
     assert hard is not None, [v.message for v in clock.verdicts[-3:]]
     assert "frontend (pid 55) has requests in flight, no output" in hard.message, hard.message
+
+
+def learned_decode(clock: Clock) -> None:
+    group = ShapedGroup()
+    decode_for(clock, group, 30)
+
+
+def test_a_rank_missing_from_the_collective_its_peers_wait_in_is_ruled_at_the_arrival_floor():
+    """Rank 0 waits in all_reduce #k, rank 1 never arrives (stopped outside collectives): the peers' wait is
+    rank 1's lateness, ruled at max(soft, 2 s), not at the 3 s floor of any stall."""
+    clock = Clock()
+    learned_decode(clock)
+    seq = 10_000
+    waiting = snap(0, step=900, coll=seq, in_step=True, in_coll=True, op="vllm.all_reduce")
+    behind = snap(1, step=900, coll=seq - 1, in_step=True)
+    start = clock.now
+    for _ in range(40):
+        clock.tick([waiting, behind])
+    hard = clock.first(K.HARD)
+    assert hard is not None and hard.hard_timeout == pytest.approx(2.0), [v.message for v in clock.verdicts[-2:]]
+    assert hard.at - start <= 2.0 + 2 * TICK
+    assert "rank 1 has not arrived at the collective its peers wait in" in hard.message
+
+
+def test_ranks_waiting_in_the_same_collective_or_an_explicit_hard_timeout_keep_their_bar():
+    clock = Clock()
+    learned_decode(clock)
+    both = [snap(r, step=900, coll=10_000, in_step=True, in_coll=True) for r in range(2)]
+    for _ in range(40):
+        clock.tick(both)
+    assert clock.first(K.HARD).hard_timeout == pytest.approx(3.0)
+    explicit = Clock(WatchdogConfig(hard_timeout=5.0))
+    learned_decode(explicit)
+    waiting = snap(0, step=900, coll=10_000, in_step=True, in_coll=True)
+    behind = snap(1, step=900, coll=9_999, in_step=True)
+    for _ in range(60):
+        explicit.tick([waiting, behind])
+    assert explicit.first(K.HARD).hard_timeout == pytest.approx(5.0)
