@@ -80,6 +80,7 @@ class Bench:
 BENCHES = [
     Bench("bench.bench_core"),
     Bench("bench.bench_heartbeat"),
+    Bench("bench.bench_control_plane"),
     Bench("bench.bench_dumps"),
     Bench("bench.bench_dump_deadline"),
     Bench("bench.bench_consensus"),

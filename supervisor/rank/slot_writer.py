@@ -73,6 +73,8 @@ from .heartbeat import (
     segment_size,
 )
 
+PHASE_CACHE = 32  # phase texts kept encoded per writer (an engine's labels; a program naming every step: the rest)
+
 
 class SlotWriter:
     """Rank side: the writer of one slot, shared by every thread of the rank.
@@ -106,6 +108,7 @@ class SlotWriter:
         "last_step_s",
         "step_tokens",
         "phase",
+        "_phases",
         "holders",
         "lanes",
         "several",
@@ -161,6 +164,7 @@ class SlotWriter:
         self.last_step_s = 0.0
         self.step_tokens = 0
         self.phase = ""  # what the slot's phase field holds
+        self._phases: dict[str, bytes] = {}  # phase text -> its 32 bytes, as written
         self.holders = 0  # holders of IN_COLLECTIVE: threads without a lane in a collective, works in flight
         self.lanes: list[Lane] = []  # lanes handed out (their threads may have ended)
         self.several = False  # more than one lane handed out: leaving may have to show another lane's collective
@@ -242,11 +246,21 @@ class SlotWriter:
             seq = self._open()
             try:
                 if name != self.phase:
-                    _TEXT32.pack_into(self._map, self._base + OFF_PHASE, _encode(name, 32))
-                    self.phase = name
+                    self._write_phase(name)
                 self._f64[_D_TS_HEARTBEAT] = now
             finally:
                 self._close(seq)
+
+    def _write_phase(self, name: str) -> None:
+        """The phase field (caller holds the lock, inside an update).  An engine's phases are a few labels
+        that come back every step: each is encoded once (up to ``PHASE_CACHE`` of them), not per write."""
+        data = self._phases.get(name)
+        if data is None:
+            data = _TEXT32.pack(_encode(name, 32))
+            if len(self._phases) < PHASE_CACHE:
+                self._phases[name] = data
+        self._map[self._base + OFF_PHASE : self._base + OFF_PHASE + 32] = data
+        self.phase = name
 
     def step_shape(self, tokens: int, phase: str, now: float) -> None:
         """The step in progress learned its shape (``tokens`` scheduled; the scheduler knows it only once it
@@ -257,8 +271,7 @@ class SlotWriter:
             try:
                 self._u32[_I_STEP_TOKENS] = tokens
                 if phase != self.phase:
-                    _TEXT32.pack_into(self._map, self._base + OFF_PHASE, _encode(phase, 32))
-                    self.phase = phase
+                    self._write_phase(phase)
                 self._f64[_D_TS_HEARTBEAT] = now
             finally:
                 self._close(seq)
