@@ -32,6 +32,8 @@ from pathlib import Path, PurePosixPath
 
 import structlog
 
+from tp_supervise.supervisor.rank.runtime import pid_alive
+
 from .render import summary_text
 
 log = structlog.get_logger()
@@ -320,15 +322,5 @@ class BundleWriter:
                 if not entry.name.startswith(prefix):
                     continue
                 pid_text = entry.name[len(prefix) :].split("-", 1)[0]
-                if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+                if pid_text.isdigit() and not pid_alive(int(pid_text)):
                     shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -130,7 +130,7 @@ class _Runtime:
             try:
                 writer = SlotWriter(path, hb.control_slot(role))
                 holder = writer.holder()
-                if holder and holder != os.getpid() and _alive(holder):
+                if holder and holder != os.getpid() and pid_alive(holder):
                     return None
                 writer.claim(os.getpid(), -1, 0, hb.READY | hb.INSTRUMENTED, time.monotonic(), role=role)
             except (OSError, ValueError, hb.HeartbeatLayoutError) as exc:
@@ -196,7 +196,8 @@ def _allow_supervisor_to_trace() -> None:
         allow_tracer(int(sup))
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """A process ``pid`` exists (one we may not signal counts: it is somebody's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -211,13 +212,7 @@ def _held_by_a_live_ancestor() -> bool:
     owner = os.environ.get(ENV_SLOT_OWNER, "")
     if not owner.isdigit() or int(owner) == os.getpid():
         return False
-    try:
-        os.kill(int(owner), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(int(owner))
 
 
 def _death_pipe_fd(value: str) -> int | None:

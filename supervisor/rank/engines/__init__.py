@@ -313,7 +313,9 @@ def _control(role: int) -> Any:
     return w
 
 
-def _wrap_control_step(seam: Seam, fn: Any) -> Any:
+def _control_around(seam: Seam, fn: Any, before: Callable[[Any], None], after: Callable[[Any, Any], None]) -> Any:
+    """``fn`` wrapped in ``before(writer)`` and ``after(writer, its result or None)`` on the control slot of the
+    seam's role.  Neither raises into the engine nor replaces its exception; without a slot, ``fn`` alone."""
     role = seam.role
 
     @functools.wraps(fn)
@@ -322,19 +324,41 @@ def _wrap_control_step(seam: Seam, fn: Any) -> Any:
         if w is None:
             return fn(self, *args, **kwargs)
         try:
-            w.step_begin(_monotonic())
+            before(w)
         except Exception:
             return fn(self, *args, **kwargs)
         try:
             result = fn(self, *args, **kwargs)
         except BaseException:
-            _end_step(w)
+            _quietly(after, w, None)
             raise
-        _end_step(w)
+        _quietly(after, w, result)
         return result
 
     wrapper.__tp_supervise_wrapped__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _quietly(after: Callable[[Any, Any], None], w: Any, result: Any) -> None:
+    try:
+        after(w, result)
+    except Exception:
+        pass
+
+
+def _wrap_control_step(seam: Seam, fn: Any) -> Any:
+    """The engine core's step: begin, and end however it ends."""
+    return _control_around(seam, fn, lambda w: w.step_begin(_monotonic()), lambda w, _r: w.step_end(_monotonic()))
+
+
+def _shape_of(w: Any, scheduled: Any) -> None:
+    tokens = getattr(scheduled, "total_num_scheduled_tokens", 0)
+    w.step_shape(tokens if isinstance(tokens, int) and tokens > 0 else 0, EXECUTE_PHASE, _monotonic())
+
+
+def _wrap_control_schedule(seam: Seam, fn: Any) -> Any:
+    """The scheduling call inside a step: phase ``schedule``, then the step's shape and ``execute``."""
+    return _control_around(seam, fn, lambda w: w.set_phase(SCHEDULE_PHASE, _monotonic()), _shape_of)
 
 
 def _wrap_control_idle(seam: Seam, fn: Any) -> Any:
@@ -349,31 +373,6 @@ def _wrap_control_idle(seam: Seam, fn: Any) -> Any:
             except Exception:
                 pass
         return fn(self, *args, **kwargs)
-
-    wrapper.__tp_supervise_wrapped__ = True  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _wrap_control_schedule(seam: Seam, fn: Any) -> Any:
-    """The scheduling call inside a step: phase ``schedule``, then the step's shape and ``execute``."""
-    role = seam.role
-
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
-        w = _control(role)
-        if w is None:
-            return fn(self, *args, **kwargs)
-        try:
-            w.set_phase(SCHEDULE_PHASE, _monotonic())
-        except Exception:
-            return fn(self, *args, **kwargs)
-        result = fn(self, *args, **kwargs)
-        try:
-            tokens = getattr(result, "total_num_scheduled_tokens", 0)
-            w.step_shape(tokens if isinstance(tokens, int) and tokens > 0 else 0, EXECUTE_PHASE, _monotonic())
-        except Exception:
-            pass
-        return result
 
     wrapper.__tp_supervise_wrapped__ = True  # type: ignore[attr-defined]
     return wrapper
