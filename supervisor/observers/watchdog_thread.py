@@ -220,6 +220,10 @@ class WatchdogThread:
         if paused != self.adapter.paused:
             self.adapter.paused = paused
             if paused:
+                # What the last scrape said no longer stands for now: a "requests running" kept from it would
+                # make an engine that went idle look busy for ever (the policy keeps the last reading through a
+                # failed scrape, on purpose, but a pause is no failure).
+                self.state = replace(self.state, external_running=False, external_tokens=None)
                 log.info(
                     "engine metrics scrape paused: the engine's front end reports progress itself",
                     event_name="engine_metrics_paused",

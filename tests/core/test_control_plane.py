@@ -172,3 +172,50 @@ def test_the_guest_never_raises_into_the_engine_nor_hides_its_exception(monkeypa
     proc.add_request("a", "hello")
     proc.process_outputs([("a", True)])
     assert proc.request_states == {}
+
+
+def test_a_scrape_paused_by_the_front_end_leaves_no_stale_running_reading(tmp_path):
+    """The engine's /metrics said one request was running when the front end's slot took over (the scrape
+    pauses): once the engine has gone idle, nothing still says "running", so no hang is ruled on an idle engine
+    (the last reading used to stay in force for ever)."""
+    import dataclasses
+
+    from tp_supervise.supervisor.observers.watchdog_thread import WatchdogThread
+    from tp_supervise.supervisor.processes.attempt import NOT_STARTED, Attempt, Published
+    from tp_supervise.supervisor.processes.spawn import RankHandle, RankSpec
+    from tp_supervise.supervisor.spec import LaunchSpec, MetricsOptions, WatchdogOptions
+    from tp_supervise.watchdogs.progress import ExternalProgress
+
+    spec = LaunchSpec(
+        command=("python", "-m", "vllm.entrypoints.openai.api_server"),
+        nproc_per_node=1,
+        tree=True,
+        zero_code_hook=False,
+        metrics=MetricsOptions(addr=None),
+        watchdog=WatchdogOptions(hard_timeout=2.0, soft_timeout=1.0, engine_metrics_url="http://127.0.0.1:9/metrics"),
+    )
+    cell = Published(NOT_STARTED)
+    front_pid = 4242
+    rank = hb.empty_slot(0)
+    rank = dataclasses.replace(rank, pid=4343, rank=0, flags=hb.CLAIMED | hb.READY)
+    front = dataclasses.replace(hb.empty_slot(1), pid=front_pid, rank=-1, flags=hb.CLAIMED | hb.READY, role=2)
+    control: list[hb.SlotSnapshot] = []
+    posted: list = []
+    wd = WatchdogThread(spec, lambda: [rank], cell, posted.append, lambda *a: None, read_control=lambda: control)
+    attempt = Attempt(cell.set, started_at=1.0, number=1)
+    attempt.set_launcher(RankHandle(RankSpec(slot=-1, rank=-1, argv=(), env={}), pid=front_pid, started_at=1.0))
+    attempt.add_rank(RankHandle(RankSpec(slot=0, rank=0, argv=(), env={}), pid=4343, started_at=1.0))
+    assert wd.adapter is not None
+    wd.adapter.latest = ExternalProgress(tokens_total=10.0, running=1.0, ok=True)  # what a scrape said
+    now = 10.0
+    for _ in range(5):
+        now += 0.1
+        wd.tick(now)
+    control.append(dataclasses.replace(front, flags=front.flags | hb.IN_STEP))  # a request: the front end claims
+    wd.tick(now + 0.1)
+    assert wd.adapter.paused
+    control[0] = dataclasses.replace(front, step=1)  # its output came, nothing in flight: the engine is idle
+    for i in range(60):  # 6 s of an idle engine
+        wd.tick(now + 0.2 + 0.1 * i)
+    kinds = [getattr(p, "kind", None) for p in posted]
+    assert not [k for k in kinds if k is not None and k.value in ("soft", "hard")], kinds
