@@ -36,7 +36,9 @@ import statistics
 import sys
 import tempfile
 import textwrap
+import threading
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -320,36 +322,74 @@ class Soak:
     outlived: int
     shm_left: int
     note: str = ""
+    cancelled_streams: int = 0  # streams whose client hung up after the first chunk
 
     @property
     def valid(self) -> bool:
         return not self.note and self.exit_code == 0 and not self.incidents and not self.bundles and self.requests > 0
 
 
-LONG_PROMPT = {"model": "tiny", "prompt": [7] * 500, "max_tokens": 8}  # max-model-len 512, as token ids
-LONG_EVERY_S = 30.0
+LONG_PROMPT = vr.LONG_PROMPT  # max-model-len 512, as token ids
+SOAK_LONG_EVERY_S = 5.0
+
+
+SOAK_LOAD_S = 120.0  # each cycle of the soak: mixed load this long, ...
+SOAK_BURST = 16  # ... then this many requests at once, and a stream its client closes after its first chunk ...
+SOAK_IDLE_S = 60.0  # ... then nothing for this long (an idle engine is never a hang)
+
+
+def _burst(port: int, n: int) -> tuple[int, int]:
+    """``n`` requests sent at once (a burst): (answered, failed)."""
+    results: list[bool] = []
+
+    def one() -> None:
+        try:
+            vr.post(port, "/v1/completions", dict(vr.COMPLETION, max_tokens=16), timeout=120)
+            results.append(True)
+        except (OSError, ValueError):
+            results.append(False)
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(130)
+    return sum(results), len(results) - sum(results)
+
+
+def _cancelled_stream(port: int) -> bool:
+    """A streamed completion whose client reads its first chunk and hangs up (vLLM aborts the request)."""
+    body = json.dumps(dict(vr.COMPLETION, max_tokens=200, stream=True)).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return bool(response.readline())
+    except (OSError, ValueError):
+        return False
 
 
 def soak_run(model: Path, work: Path, minutes: float) -> Soak:
+    """Cycles of: mixed load with a max-model-len prompt every few seconds (``SOAK_LOAD_S``), a burst of
+    ``SOAK_BURST`` requests at once, a stream its client cancels, then ``SOAK_IDLE_S`` of nothing; until
+    ``minutes`` are over, then Ctrl-C."""
     srv = vr.start(model, work, supervised=True)
-    requests = errors = longs = 0
+    requests = errors = longs = cancelled = 0
     code, serve_s, note = None, None, ""
     try:
         serve_s, note = _serve(srv)
-        if not note:
-            load = vr.MixedLoad(srv.port, clients=3)
-            deadline = time.monotonic() + minutes * 60
-            while time.monotonic() < deadline and srv.proc.poll() is None:
-                try:
-                    vr.post(srv.port, "/v1/completions", LONG_PROMPT)
-                    longs += 1
-                except (OSError, ValueError) as exc:
-                    note = f"a long prompt failed: {exc!r}"
-                time.sleep(max(0.0, min(LONG_EVERY_S, deadline - time.monotonic())))
+        deadline = time.monotonic() + minutes * 60
+        while not note and time.monotonic() < deadline and srv.proc.poll() is None:
+            load = vr.MixedLoad(srv.port, clients=3, long_every_s=SOAK_LONG_EVERY_S)
+            time.sleep(max(0.0, min(SOAK_LOAD_S, deadline - time.monotonic())))
             load.close()
-            requests, errors = load.done + longs, load.errors
-            if srv.proc.poll() is not None:
-                note = f"the supervisor exited during the load ({srv.proc.returncode})"
+            requests, errors, longs = requests + load.done + load.long_done, errors + load.errors, longs + load.long_done
+            answered, failed = _burst(srv.port, SOAK_BURST)
+            requests, errors = requests + answered, errors + failed
+            cancelled += _cancelled_stream(srv.port)
+            time.sleep(max(0.0, min(SOAK_IDLE_S, deadline - time.monotonic())))
+        if srv.proc.poll() is not None:
+            note = note or f"the supervisor exited during the load ({srv.proc.returncode})"
+        elif not note:
             code = srv.stop()
     finally:
         left = srv.cleanup()
@@ -359,7 +399,9 @@ def soak_run(model: Path, work: Path, minutes: float) -> Soak:
     )
     bundles = sorted(p.name for p in srv.dump_dir.glob("*") if p.is_dir()) if srv.dump_dir.is_dir() else []
     outlived = len(left.outlived) + len(left.survivors)
-    return Soak(minutes, serve_s, requests, errors, longs, incidents, bundles, code, outlived, len(left.shm), note)
+    return Soak(
+        minutes, serve_s, requests, errors, longs, incidents, bundles, code, outlived, len(left.shm), note, cancelled
+    )
 
 
 def soak_text(soak: Soak | None) -> str:
@@ -367,12 +409,14 @@ def soak_text(soak: Soak | None) -> str:
         return "Soak: not run (`--soak 0`)."
     verdict = "no incident" if soak.valid else f"NOT clean: {soak.note or soak.incidents or soak.bundles}"
     return (
-        f"### Soak\n\n{soak.minutes:g} minutes of mixed load on one supervised start (3 clients: completions and "
-        f"chat, 24 tokens; and a {len(LONG_PROMPT['prompt'])}-token prompt every {LONG_EVERY_S:.0f} s, a long "
-        f"prefill between short decode steps), then Ctrl-C: {verdict}. {soak.requests} requests answered "
-        f"({soak.long_prompts} long prompts), {soak.errors} client errors; the supervisor's warnings/errors: "
-        f"{', '.join(soak.incidents) or 'none'}; bundles: {len(soak.bundles)}; exit on Ctrl-C {soak.exit_code}; "
-        f"processes left {soak.outlived}; /dev/shm files left {soak.shm_left}."
+        f"### Soak\n\n{soak.minutes:g} minutes on one supervised start, in cycles of {SOAK_LOAD_S:.0f} s of mixed "
+        f"load (3 clients: completions and chat, 24 tokens; a {len(LONG_PROMPT['prompt'])}-token prompt every "
+        f"{SOAK_LONG_EVERY_S:.0f} s, a long prefill between short decode steps), a burst of {SOAK_BURST} requests at "
+        f"once, a stream its client closes after the first chunk, then {SOAK_IDLE_S:.0f} s idle; then Ctrl-C: "
+        f"{verdict}. {soak.requests} requests answered ({soak.long_prompts} long prompts, "
+        f"{soak.cancelled_streams} streams cancelled by their client), {soak.errors} client errors; the "
+        f"supervisor's warnings/errors: {', '.join(soak.incidents) or 'none'}; bundles: {len(soak.bundles)}; exit "
+        f"on Ctrl-C {soak.exit_code}; processes left {soak.outlived}; /dev/shm files left {soak.shm_left}."
     )
 
 
