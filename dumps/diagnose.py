@@ -62,6 +62,9 @@ KLASSES = (
 WAIT_FUNCTIONS = frozenset({"wait", "sleep", "select", "poll", "acquire", "_wait_for_tstate_lock", "join"})
 _COLLECTIVE_NAMES = frozenset(COLLECTIVES)
 ON_DEMAND = "on_demand"
+# The reasons whose group stopped making progress: only there may the control plane be what holds it (a
+# scheduler inside its step is the normal state of a healthy engine at any other instant).
+HANG_REASONS = frozenset({"hang", "hang_suspected"})
 _DIST_PATH = ("torch/distributed/", "torch\\distributed\\")
 
 
@@ -568,7 +571,7 @@ def diagnose(
         places.append(_place(ev, hb, ex, fr_findings))
     groups = _groups([p for p in places if not p.dead])
     held = None
-    if not any(p.dead or p.state in ("T", "t", "D") for p in places):
+    if reason in HANG_REASONS and not any(p.dead or p.state in ("T", "t", "D") for p in places):
         held = _control_plane(places, procs, policy, evidence.started_at)
     culprit_proc: _Process | None = None
     if held is not None:

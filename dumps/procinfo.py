@@ -57,6 +57,17 @@ def _task_cpu_ns(pid: int, tid: str) -> int:
 TITLE_LIMIT = 80
 
 
+def process_comm(pid: int) -> str:
+    """The process's kernel name (``/proc/<pid>/comm``: an engine's setproctitle sets it too); empty when it is
+    gone.  No lock of the process is taken, unlike its command line (its mmap lock), so a process stuck in the
+    kernel cannot block the reader."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def process_title(pid: int, limit: int = TITLE_LIMIT) -> str:
     """What the process calls itself now: its command line as ``ps`` shows it (``VLLM::Worker_TP1`` once the
     engine called setproctitle), else its kernel name; empty when it is gone."""

@@ -735,9 +735,9 @@ class Supervisor:
         self._hold_engine_processes(ev.pid, lineage, identity)
 
     def _on_control_claimed(self, ev: events.ControlClaimed) -> None:
-        """Tree mode: a process of the engine said what it is (it claimed the control slot of its role): the
-        launcher or an engine process already held gets that role; one not yet held (an engine core whose
-        workers have not joined) is held from now on, as the processes above a rank are."""
+        """A process of the engine said what it is (it claimed the control slot of its role): a process already
+        held gets that role (a rank that is also the scheduler, TP=1, stays a rank); one not yet held (an engine
+        core whose workers have not joined) is held from now on, as the processes above a rank are."""
         if ev.attempt != self.attempt.number or self.attempt.outcome is not None:
             return
         if not self.attempt.set_role(ev.pid, ev.role):

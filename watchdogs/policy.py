@@ -54,7 +54,7 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from tp_supervise.supervisor.rank.heartbeat import RENDEZVOUS_PHASE, SlotSnapshot
+from tp_supervise.supervisor.rank.heartbeat import RENDEZVOUS_PHASE, ROLE_FRONTEND, SlotSnapshot
 
 from . import adaptive
 from .progress import ExternalProgress
@@ -290,13 +290,10 @@ def missing_ranks(live: Sequence[SlotSnapshot]) -> tuple[int, ...]:
 
 
 def step_at_hand(slots: Sequence[SlotSnapshot]) -> int:
-    """The size (tokens) of the step the group is in: the largest a slot inside a step was given; between
-    steps, the largest of the last completed ones (the next step is judged like the last); 0 when no slot
-    reports sizes."""
-    inside = [s.step_tokens for s in slots if s.in_step and s.step_tokens > 0]
-    if inside:
-        return max(inside)
-    return max((s.last_step_tokens for s in slots), default=0)
+    """The size (tokens) of the step the group is in: the largest a slot inside a step was given; 0 when no
+    slot inside a step reports one (between steps nothing says what should come next: the window's
+    thresholds judge a stall there, e.g. an engine core busy with a utility call while requests wait)."""
+    return max((s.step_tokens for s in slots if s.in_step and s.step_tokens > 0), default=0)
 
 
 def _marks(live: Sequence[SlotSnapshot], before: dict[int, adaptive.Mark]) -> tuple[tuple[int, adaptive.Mark], ...]:
@@ -361,7 +358,9 @@ def observe(
     pending = tuple(sorted(s.rank for s in live if is_pending(s)))
 
     before = dict(state.marks)
-    marks = _marks([*live, *plane], before)
+    # The learner's samples come from steps: the ranks' and the scheduler's, not the front end's waits
+    # (a request's queueing before its first token is no step time).
+    marks = _marks([*live, *(c for c in plane if c.role != ROLE_FRONTEND)], before)
     learned = state.learned
     quiet_at = state.quiet_at
     stall_start: float | None
@@ -411,7 +410,9 @@ def observe(
         else:
             soft, hard, _src, _src = effective_thresholds(config, replace(derived, soft=bars[0], hard=bars[1]))
     missing: tuple[int, ...] = ()
-    if derived.learned and not pending and config.hard_timeout is None:
+    # Only where the step at hand's size class is learned, and the thresholds are both adaptive (a soft timeout
+    # given keeps its own stage: a dump before any kill).
+    if tokens and config.hard_timeout is None and config.soft_timeout is None:
         missing = missing_ranks(live)
         if missing:  # the peers wait for it in a collective: its lateness is the stall itself
             hard = max(soft, min(hard, config.adaptive.arrival_floor))

@@ -53,7 +53,7 @@ import structlog
 from tp_supervise.dumps.bundle import BundleWriter
 from tp_supervise.dumps.capture import RankTarget
 from tp_supervise.dumps.incident import IncidentResult, capture_incident, write_captured, write_incident
-from tp_supervise.dumps.procinfo import process_title
+from tp_supervise.dumps.procinfo import process_comm
 from tp_supervise.watchdogs.gpu import gpus_busy_without_progress
 
 from ..outcome import new_incident_id
@@ -281,7 +281,7 @@ class IncidentDesk:
             # under a rank: role helper, or what the title says.
             held = {v.pid for v in (*attempt.ranks.values(), *plane)}
             for pid in helpers_below(launcher.pid, held, MAX_HELPERS):
-                title = process_title(pid)
+                title = process_comm(pid)  # not the command line: reading it takes the process's mmap lock
                 role = role_from_title(title)
                 role = role if role not in ("", "rank") else "helper"
                 out.append(RankTarget(-1 - len(out), -1, pid, True, None, None, title, role, role_words(role, title)))

@@ -25,6 +25,7 @@ from tp_supervise.watchdogs import policy
 
 from ..events import AllRanksReady, ControlClaimed, RankClaimed, WatchdogVerdict
 from ..processes.pidfds import named_thread
+from ..rank.engines import several_control
 from ..rank.heartbeat import CONTROL_SLOT_BASE, ROLE_FRONTEND, SlotSnapshot, empty_slot
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ class WatchdogThread:
         )
         argv0 = os.path.basename(spec.rank_argv()[0])
         self.expect_claim = spec.zero_code_hook and "python" in argv0
+        # The front end's control slot speaks for the engine's requests only where it is the one front end.
+        self.may_pause_scrape = not several_control(tuple(spec.rank_argv()))
 
     def start(self) -> None:
         self._thread.start()
@@ -216,9 +219,9 @@ class WatchdogThread:
         second in its API server's event loop, so the scrape pauses while one reports (docs/watchdogs.md)."""
         if self.adapter is None:
             return None
-        paused = any(c.role == ROLE_FRONTEND for c in control)
+        paused = self.may_pause_scrape and any(c.role == ROLE_FRONTEND for c in control)
         if paused != self.adapter.paused:
-            self.adapter.paused = paused
+            self.adapter.pause(paused)
             if paused:
                 # What the last scrape said no longer stands for now: a "requests running" kept from it would
                 # make an engine that went idle look busy for ever (the policy keeps the last reading through a
@@ -322,13 +325,20 @@ class AdapterThread:
 
         self.scraper = PrometheusProgress(url, engine=engine, timeout=ADAPTER_TIMEOUT_S)
         self.latest: ExternalProgress | None = None  # None until the first scrape
-        # Set by the watchdog thread while the engine's front end reports through its control slot: no scrape.
+        # Set by the watchdog thread (``pause``) while the engine's front end reports through its control slot.
         self.paused = False
+        self._generation = 0  # a scrape begun before the latest pause or resume is not stored
         self._stop = threading.Event()
         self._thread = named_thread(self._run, "engine-adapter")
 
     def start(self) -> None:
         self._thread.start()
+
+    def pause(self, paused: bool) -> None:
+        """No scrape while ``paused``; either way, no reading taken before this call is handed on after it."""
+        self._generation += 1
+        self.paused = paused
+        self.latest = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -337,11 +347,13 @@ class AdapterThread:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self.paused:
-                self.latest = None  # a scrape from before the pause is no reading of now
                 self._stop.wait(ADAPTER_INTERVAL_S)
                 continue
+            generation = self._generation
             try:
-                self.latest = self.scraper.scrape()
+                reading = self.scraper.scrape()
+                if generation == self._generation:  # no pause or resume while it ran
+                    self.latest = reading
             except Exception as exc:
                 log.error("engine metrics scrape failed", error=repr(exc))
             self._stop.wait(ADAPTER_INTERVAL_S)

@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Generic, TypeVar
 
 from ..outcome import LAUNCHER_KEY, Outcome
-from ..rank.engines import role_from_title, role_words
+from ..rank.engines import role_from_title, role_words, serves_api
 from . import shm
 from .exits import ExitInfo
 from .spawn import RankHandle
@@ -128,7 +128,9 @@ def role_of(handle: RankHandle) -> str:
     by_title = role_from_title(handle.title)
     if by_title and by_title != ROLE_RANK:
         return by_title
-    return ROLE_LAUNCHER if handle.slot == LAUNCHER_SLOT else ROLE_ENGINE_PROCESS
+    if handle.slot == LAUNCHER_SLOT:
+        return ROLE_FRONTEND if serves_api(handle.title) else ROLE_LAUNCHER
+    return ROLE_ENGINE_PROCESS
 
 
 @dataclass(frozen=True, eq=False)
@@ -243,13 +245,16 @@ class Attempt:
         return (ENGINE_PROCESS, handle.pid)
 
     def set_role(self, pid: int, role: str) -> bool:
-        """The engine adapter said what process ``pid`` is (its claim of a control slot); False: not held."""
+        """The engine adapter said what process ``pid`` is (its claim of a control slot); False: not held.  A
+        rank that is also the scheduler (TP=1: vLLM runs its worker inside the engine core) stays a rank, held
+        once."""
         for handle in self.processes():
-            if handle.pid == pid and handle.slot < 0:
-                if handle.role != role:
-                    handle.role = role
-                    self._changed()
-                return True
+            if handle.pid != pid:
+                continue
+            if handle.slot < 0 and handle.role != role:
+                handle.role = role
+                self._changed()
+            return True
         return False
 
     def record_exit(self, handle: RankHandle, info: ExitInfo, at: float) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tp_supervise.dumps.procinfo import process_title, send_to_group
+from tp_supervise.dumps.procinfo import process_comm, process_title, send_to_group
 
 from ..rank import runtime
 from ..rank.ptrace import allow_tracer
@@ -124,12 +124,7 @@ class RankHandle:
         return self.exit is None
 
 
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+_comm = process_comm
 
 
 def _join_path(first: str, rest: str | None) -> str:

@@ -219,3 +219,44 @@ def test_a_scrape_paused_by_the_front_end_leaves_no_stale_running_reading(tmp_pa
         wd.tick(now + 0.2 + 0.1 * i)
     kinds = [getattr(p, "kind", None) for p in posted]
     assert not [k for k in kinds if k is not None and k.value in ("soft", "hard")], kinds
+
+
+def test_which_launchers_serve_the_api_and_which_start_several_control_processes():
+    assert engines.serves_api(".venv/bin/python -m vllm.entrypoints.openai.api_server --model m --port 8001")
+    assert engines.serves_api("/usr/bin/vllm serve m --tensor-parallel-size 8")
+    assert not engines.serves_api("vllm serve m --nnodes 2 --node-rank 1 --headless")
+    assert engines.serves_api("python -m sglang.launch_server --model-path m --tp 8")
+    assert not engines.serves_api("torchrun --nproc-per-node 8 train.py")
+    assert engines.several_control(("vllm", "serve", "m", "--api-server-count", "2"))
+    assert engines.several_control(("vllm", "serve", "m", "--data-parallel-size=4"))
+    assert not engines.several_control(("vllm", "serve", "m", "--api-server-count", "1", "--tp", "2"))
+
+
+def test_a_rank_that_is_also_the_scheduler_is_held_once_and_stays_a_rank():
+    """TP=1: vLLM runs its worker inside the engine core, so the scheduler's claim names a rank's pid."""
+    from tp_supervise.supervisor.processes.attempt import NOT_STARTED, Attempt, Published, RankView
+    from tp_supervise.supervisor.processes.spawn import RankHandle, RankSpec
+
+    cell = Published(NOT_STARTED)
+    attempt = Attempt(cell.set, started_at=1.0, number=1)
+    rank = RankHandle(RankSpec(slot=0, rank=0, argv=(), env={}), pid=4343, started_at=1.0)
+    launcher = RankHandle(RankSpec(slot=-1, rank=-1, argv=(), env={}), pid=4242, started_at=1.0)
+    launcher.title = "python -m vllm.entrypoints.openai.api_server --model m"
+    attempt.add_rank(rank)
+    attempt.set_launcher(launcher)
+    assert RankView.of(launcher).role == "frontend"  # an engine's API server launcher, by its command line
+    assert attempt.set_role(4343, "scheduler") and RankView.of(rank).role == "rank"
+    assert len(attempt.processes()) == 2
+    assert not attempt.set_role(5555, "scheduler")  # not held: the caller holds it
+
+
+def test_the_scrape_pause_drops_any_reading_taken_before_it():
+    from tp_supervise.supervisor.observers.watchdog_thread import AdapterThread
+    from tp_supervise.watchdogs.progress import ExternalProgress
+
+    adapter = AdapterThread("http://127.0.0.1:9/metrics", "vllm")
+    adapter.latest = ExternalProgress(tokens_total=1.0, running=1.0, ok=True)
+    adapter.pause(True)
+    assert adapter.paused and adapter.latest is None
+    adapter.pause(False)
+    assert not adapter.paused and adapter.latest is None

@@ -357,3 +357,11 @@ def test_a_scheduler_between_steps_and_running_names_nobody_of_the_control_plane
     ev = Evidence({0: idle_rank(0), 1: idle_rank(1), -1: scheduler_ev(in_step=False)}, NOW, 0.1, "py-spy", None)
     d = diagnose(ev, reason="hang")
     assert d.klass != "control_plane" and d.culprit is None
+
+
+def test_an_on_demand_snapshot_of_a_healthy_engine_names_no_control_plane_culprit():
+    """Every step begins with the scheduler inside it and the workers idle: only a hang may blame it."""
+    ev = Evidence({0: idle_rank(0), 1: idle_rank(1), -1: scheduler_ev()}, NOW, 0.1, "py-spy", None)
+    d = diagnose(ev, reason="on_demand")
+    assert d.klass != "control_plane" and d.culprit is None
+    assert diagnose(ev, reason="hang").klass == "control_plane"

@@ -114,6 +114,33 @@ def role_words(role: str, title: str) -> str:
     return ""
 
 
+def serves_api(command: str) -> bool:
+    """The command line is an engine's server launcher that runs its API server in that process (vLLM's
+    ``api_server`` or ``vllm serve`` without ``--headless``; SGLang's ``launch_server``: its tokenizer manager)."""
+    words = command.split()
+    for engine in ENGINES:
+        cli = engine.CLI
+        named = any(word in command for word in engine.LAUNCHER_WORDS) or (
+            bool(cli)
+            and any(w.endswith(cli[0]) and words[i + 1 : i + len(cli)] == list(cli[1:]) for i, w in enumerate(words))
+        )
+        if named:
+            return not any(flag in words for flag in engine.NO_API_FLAGS)
+    return False
+
+
+def several_control(command: list[str] | tuple[str, ...]) -> bool:
+    """The launcher starts more than one API server or engine core (``--api-server-count 2``, data parallel):
+    only the first of each role claims its control slot."""
+    for i, word in enumerate(command):
+        flag, eq, value = word.partition("=")
+        if not eq and i + 1 < len(command):
+            value = command[i + 1]
+        if any(flag in engine.MULTI_CONTROL_FLAGS for engine in ENGINES) and value.isdigit() and int(value) > 1:
+            return True
+    return False
+
+
 def role_from_title(title: str) -> str:
     """The role an engine's own process title names ("" when it names none)."""
     for prefix, role in TITLE_ROLES:

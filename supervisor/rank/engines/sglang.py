@@ -73,6 +73,8 @@ ROLE_WORDS: dict[str, str] = {
 
 LAUNCHER_WORDS: tuple[str, ...] = ("sglang.launch_server", "sglang.srt.server", "sglang.launch_server.py")
 CLI: tuple[str, ...] = ()
+NO_API_FLAGS: tuple[str, ...] = ()
+MULTI_CONTROL_FLAGS: tuple[str, ...] = ("--dp-size", "--dp", "--data-parallel-size")
 DEFAULT_PORT = 30000  # its listener's default (127.0.0.1:30000)
 TP_FLAGS: tuple[str, ...] = ("--tp-size", "--tp_size", "--tp", "--tensor-parallel-size", "--tensor_parallel_size")
 PP_FLAGS: tuple[str, ...] = ("--pp-size", "--pp_size", "--pp", "--pipeline-parallel-size", "--pipeline_parallel_size")

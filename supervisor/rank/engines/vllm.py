@@ -58,6 +58,10 @@ LAUNCHER_WORDS: tuple[str, ...] = (
     "vllm.entrypoints.cli.main",
 )
 CLI = ("vllm", "serve")
+NO_API_FLAGS: tuple[str, ...] = ("--headless",)  # a launcher with one of these runs no API server (multi-node)
+# More than one API server or engine core (each claims a control slot of its own only where it is the first):
+# the front end's slot does not speak for all of them, so its /metrics are still read for progress.
+MULTI_CONTROL_FLAGS: tuple[str, ...] = ("--api-server-count", "-asc", "--data-parallel-size", "-dp")
 DEFAULT_PORT = 8000  # its listener's default (0.0.0.0:8000)
 # --tensor-parallel-size / --pipeline-parallel-size: the ranks it starts on this node
 TP_FLAGS: tuple[str, ...] = ("--tensor-parallel-size", "--tensor_parallel_size", "-tp")
