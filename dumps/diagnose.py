@@ -66,6 +66,7 @@ ON_DEMAND = "on_demand"
 # scheduler inside its step is the normal state of a healthy engine at any other instant).
 HANG_REASONS = frozenset({"hang", "hang_suspected"})
 _DIST_PATH = ("torch/distributed/", "torch\\distributed\\")
+REQUEST_PHASE = "request"  # the engine adapter's phase of a scheduler handling a client's request
 
 
 @dataclass(frozen=True)
@@ -454,7 +455,13 @@ def _control_plane(places: Sequence[_Place], procs: Sequence[_Process], policy: 
                 return q, f"{q.who()} {text.format(wchan=f', in {wchan}' if wchan else '')}{where}"
     for q in candidates:
         hb = q.ev.heartbeat
-        if hb is None or not (hb.in_step or hb.torn):
+        if hb is None:
+            continue
+        if q.role == "scheduler" and not hb.in_step and hb.phase == REQUEST_PHASE:
+            # between steps, not waiting for requests but handling one (a utility call) while the group waits
+            where = f" in {q.where}" if q.where else ""
+            return q, f"{q.who()} is stuck between steps handling a client's request{where}"
+        if not (hb.in_step or hb.torn):
             continue
         waited = max(0.0, now - hb.ts_step_begin) if hb.ts_step_begin else 0.0
         for_s = f" for {waited:.1f} s" if waited else ""

@@ -365,3 +365,14 @@ def test_an_on_demand_snapshot_of_a_healthy_engine_names_no_control_plane_culpri
     d = diagnose(ev, reason="on_demand")
     assert d.klass != "control_plane" and d.culprit is None
     assert diagnose(ev, reason="hang").klass == "control_plane"
+
+
+def test_a_scheduler_handling_a_request_between_steps_is_named_not_the_front_end():
+    """Requests wait at the front end while the engine core is busy with a client's utility call: the engine
+    core is what holds them."""
+    busy = dataclasses.replace(scheduler_ev(in_step=False), heartbeat=dataclasses.replace(
+        scheduler_ev(in_step=False).heartbeat, phase="request"), threads=thread("load_lora", "_handle_client_request"))  # fmt: skip
+    ev = Evidence({0: idle_rank(0), 1: idle_rank(1), -1: busy}, NOW, 0.1, "py-spy", None)
+    d = diagnose(ev, reason="hang")
+    assert d.klass == "control_plane" and d.culprit["role"] == "scheduler"
+    assert "stuck between steps handling a client's request in load_lora" in d.verdict, d.verdict

@@ -388,6 +388,14 @@ def _wrap_control_schedule(seam: Seam, fn: Any) -> Any:
     return _control_around(seam, fn, lambda w: w.set_phase(SCHEDULE_PHASE, _monotonic()), _shape_of)
 
 
+def _wrap_control_phase(seam: Seam, fn: Any) -> Any:
+    """Work the engine core does between steps (a client's request): its phase while it runs, idle after."""
+    label = seam.label
+    return _control_around(
+        seam, fn, lambda w: w.set_phase(label, _monotonic()), lambda w, _r: w.set_phase(IDLE_PHASE, _monotonic())
+    )
+
+
 def _wrap_control_idle(seam: Seam, fn: Any) -> Any:
     role = seam.role
 
@@ -449,6 +457,7 @@ _WRAPPERS: dict[str, Callable[[Seam, Any], Any]] = {
     "control_step": _wrap_control_step,
     "control_idle": _wrap_control_idle,
     "control_schedule": _wrap_control_schedule,
+    "control_phase": _wrap_control_phase,
     "frontend": _wrap_frontend,
     "frontend_output": lambda seam, fn: _wrap_frontend(seam, fn, output=True),
 }

@@ -17,7 +17,7 @@ class Seam:
     """One method to wrap: ``owner.method`` in its module, as ``kind``.
 
     ``kind``: ``collective``, ``step`` or ``idle`` (a rank's slot); ``control_step``, ``control_idle``,
-    ``control_schedule``, ``frontend``, ``frontend_output`` (the control slot of ``role``).  ``params``: the
+    ``control_schedule``, ``control_phase``, ``frontend``, ``frontend_output`` (the control slot of ``role``).  ``params``: the
     names its leading parameters must have (after ``self``); ``required``: a module whose required seam is
     missing is not wrapped at all (``optional`` ones are skipped alone: names that come and go between
     versions).  ``label``: the op (collectives) or phase (steps) shown.

@@ -31,6 +31,16 @@ SEAMS: dict[str, tuple[Seam, ...]] = {
     "vllm.v1.engine.core": (
         Seam("EngineCoreProc", "_process_engine_step", "control_step", (), role=hb.ROLE_SCHEDULER),
         Seam("EngineCoreProc", "_process_input_queue", "control_idle", (), role=hb.ROLE_SCHEDULER),
+        # a request from the API server (add, abort, a utility call such as a LoRA load): phase "request"
+        Seam(
+            "EngineCoreProc",
+            "_handle_client_request",
+            "control_phase",
+            ("request_type", "request"),
+            required=False,
+            label="request",
+            role=hb.ROLE_SCHEDULER,
+        ),
     ),
     "vllm.v1.core.sched.scheduler": (Seam("Scheduler", "schedule", "control_schedule", (), role=hb.ROLE_SCHEDULER),),
     # the API server's side of every request (role frontend)
