@@ -84,6 +84,7 @@ class AdaptiveParams:
     change_ratio: float = 0.2
     shape_samples: int = 64  # completed steps kept per size class
     shape_min_samples: int = 8  # a size class judges its steps once it has this many
+    shape_percentile: float = 90.0  # of a class's few samples (its p99 would be its maximum)
     # A rank missing from the collective its peers wait in (policy.missing_ranks) is ruled at
     # max(soft, arrival_floor) rather than at hard: the peers' wait is the rank's lateness itself.
     arrival_floor: float = 2.0
@@ -122,6 +123,8 @@ class AdaptiveParams:
             raise ValueError("soft floor/ceiling must not exceed the hard floor/ceiling")
         if self.warmup_soft > self.warmup_hard:
             raise ValueError("warmup_soft must be <= warmup_hard")
+        if not 0.0 < self.shape_percentile <= PERCENT:
+            raise ValueError(f"shape_percentile must be in (0, 100], got {self.shape_percentile}")
         if self.shape_min_samples > self.shape_samples:
             raise ValueError("shape_min_samples must be <= shape_samples")
         if not 0.0 < self.change_ratio < 1.0:
@@ -338,10 +341,12 @@ def thresholds(learned: Learned, params: AdaptiveParams, reports_steps: bool = F
     )
 
 
-def _bars(samples: Iterable[float], params: AdaptiveParams) -> tuple[float, float, float, float]:
-    """(soft, hard, pXX, max) of some samples, by the module's formula."""
+def _bars(
+    samples: Iterable[float], params: AdaptiveParams, q: float | None = None
+) -> tuple[float, float, float, float]:
+    """(soft, hard, pXX, max) of some samples, by the module's formula (``q``: the percentile, else params')."""
     ordered = sorted(samples)
-    basis = percentile(ordered, params.percentile)
+    basis = percentile(ordered, params.percentile if q is None else q)
     top = ordered[-1]
     soft = clamp(
         max(params.soft_multiplier * basis, params.soft_max_multiplier * top), params.soft_floor, params.soft_ceiling
@@ -360,7 +365,7 @@ def shape_thresholds(learned: Learned, params: AdaptiveParams, tokens: int) -> t
     wanted = bucket(tokens)
     for size_class, samples in learned.shapes:
         if size_class >= wanted and len(samples) >= params.shape_min_samples:
-            soft, hard, _basis, _top = _bars(samples, params)
+            soft, hard, _basis, _top = _bars(samples, params, params.shape_percentile)
             return soft, hard
     return None
 

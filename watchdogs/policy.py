@@ -383,6 +383,10 @@ def observe(
         if ext_progress and not hb_progress and state.progressed_at is not None:
             gap_s = now - state.progressed_at  # progress that no rank timestamped: tick resolution
         observed = adaptive.observation(before, marks, state.quiet_at, stall_s=stall_s, untimed_gap_s=gap_s)
+        if not (state.thresholds is not None and state.thresholds.learned):
+            # Steps of the warm-up (a cold start's first decode steps take seconds) would stay in their size
+            # class long after the window forgot them: the classes learn from the steady state only.
+            observed = replace(observed, shaped=())
         learned = adaptive.learn(learned, observed, config.adaptive)
         if progress:
             stall_start = now if busy else None

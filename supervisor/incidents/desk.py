@@ -90,6 +90,9 @@ WAIT_SLICE_S = 0.02
 SOFT_WORKER_JOIN_S = 0.5
 # A dead rank's last stderr: the dump thread waits at most this long for the pump to reach its EOF.
 STDERR_DRAIN_S = 0.5
+# A fatal capture waits for a soft dump's capture still running (its py-spy attached to the ranks) this share
+# of its own budget at most.
+EARLIER_CAPTURE_WAIT_SHARE = 0.4
 # The processes of a launcher's tree nobody holds that a bundle captures beside the ranks and the control plane.
 MAX_HELPERS = 8
 
@@ -334,11 +337,18 @@ class IncidentDesk:
         detected_at: float,
         freeze: bool,
         late: Callable[[], tuple[dict, dict]] | None = None,
+        earlier: list[threading.Event] | None = None,
     ) -> None:
         """Capture (then ``job.captured``), write (then ``job.done``); on a dump thread, never raises.
 
         ``late()``: evidence taken after the capture, during the teardown (a dead rank's last stderr),
-        as (summary fields, files)."""
+        as (summary fields, files).  ``earlier``: captures still running (a soft dump's) that this one waits
+        for, at most ``EARLIER_CAPTURE_WAIT_SHARE`` of its budget."""
+        if earlier:
+            until = time.monotonic() + capture_s * EARLIER_CAPTURE_WAIT_SHARE
+            for captured in earlier:
+                captured.wait(max(0.0, until - time.monotonic()))
+            capture_s = max(0.0, capture_s - (time.monotonic() - job.started))
         reason = job.reason
         summary = dict(self._base_summary(attempt), **extra_summary)
         try:
@@ -426,9 +436,12 @@ class IncidentDesk:
         job = DumpJob(reason, timeout)
         # The capture gets at most the dump timeout, its own share of which leaves room for the verdict.
         capture_s = min(capture_s, timeout)
+        # A soft dump still capturing has its py-spy attached to the ranks (state t): the fatal capture waits
+        # for it a little, or its freeze would read a rank traced by our own py-spy as held by a debugger.
+        earlier = [j.captured for j in self.jobs if not j.captured.is_set()]
         thread = threading.Thread(
             target=self._make,
-            args=(job, attempt, capture_s, extra, files, detected_at, freeze, late),
+            args=(job, attempt, capture_s, extra, files, detected_at, freeze, late, earlier),
             name=f"dump-{reason}",
             daemon=True,
         )
