@@ -346,8 +346,8 @@ class IncidentDesk:
         for, at most ``EARLIER_CAPTURE_WAIT_SHARE`` of its budget."""
         if earlier:
             until = time.monotonic() + capture_s * EARLIER_CAPTURE_WAIT_SHARE
-            for captured in earlier:
-                captured.wait(max(0.0, until - time.monotonic()))
+            for soft in earlier:
+                soft.wait(max(0.0, until - time.monotonic()))
             capture_s = max(0.0, capture_s - (time.monotonic() - job.started))
         reason = job.reason
         summary = dict(self._base_summary(attempt), **extra_summary)
