@@ -717,7 +717,7 @@ class Supervisor:
         handle = RankHandle(spec=spec, pid=ev.pid, started_at=time.monotonic())
         # Held by pidfd from the claim on: the process the pidfd names is the run's by its cgroup or its
         # ancestry (an engine's setproctitle wipes the environment marker: docs/supervisor.md).
-        identity = procs.RunIdentity(self.run_key, in_cgroup=self.cgroup.holds if self.cgroup is not None else None)
+        identity = self._run_identity()
         handle.proc = procs.open_verified(ev.pid, identity.owns)
         handle.read_title()
         self.attempt.add_rank(handle)
@@ -734,6 +734,10 @@ class Supervisor:
         self.monitor.watch(("tree-rank", ev.slot), handle.proc, self.attempt.number, parent=parent)
         self._hold_engine_processes(ev.pid, lineage, identity)
 
+    def _run_identity(self) -> procs.RunIdentity:
+        """What makes a process the run's: its cgroup, or its ancestry and marker (docs/supervisor.md)."""
+        return procs.RunIdentity(self.run_key, in_cgroup=self.cgroup.holds if self.cgroup is not None else None)
+
     def _on_control_claimed(self, ev: events.ControlClaimed) -> None:
         """A process of the engine said what it is (it claimed the control slot of its role): a process already
         held gets that role (a rank that is also the scheduler, TP=1, stays a rank); one not yet held (an engine
@@ -741,8 +745,7 @@ class Supervisor:
         if ev.attempt != self.attempt.number or self.attempt.outcome is not None:
             return
         if not self.attempt.set_role(ev.pid, ev.role):
-            identity = procs.RunIdentity(self.run_key, in_cgroup=self.cgroup.holds if self.cgroup is not None else None)
-            self._hold_engine_process(ev.pid, None, identity, role=ev.role)
+            self._hold_engine_process(ev.pid, None, self._run_identity(), role=ev.role)
         log.info("control plane claimed", event_name="control_plane_claimed", role=ev.role, pid=ev.pid)
 
     def _hold_engine_processes(self, rank_pid: int, lineage: list[int], identity: procs.RunIdentity) -> None:
