@@ -275,7 +275,7 @@ class IncidentDesk:
                     heartbeat=control.get(view.pid),
                     title=view.title,
                     role=view.role,
-                    words=role_words(view.role, view.title),
+                    words=view.who,  # "vLLM's engine core", else "the scheduler": the process's one phrase
                 )
             )
         launcher = attempt.launcher
