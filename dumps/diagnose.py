@@ -489,6 +489,7 @@ def _process_dict(q: _Process, culprit: _Process | None) -> dict:
     ev, hb = q.ev, q.ev.heartbeat
     return {
         "role": q.role,
+        "who": q.who(),
         "pid": ev.pid,
         "title": ev.title,
         "alive": q.alive,

@@ -11,7 +11,12 @@ store (``node_summary``): a compact, bounded JSON record (at most
      "ranks": {"0": {"state": "S", "alive": true, "exit": null, "in_collective": true,
                      "collective": "all_reduce #31 [64 float32]", "collective_seq": 31,
                      "step": 4, "phase": "decode", "heartbeat_age_s": 6.2,
-                     "where": "all_reduce (distributed_c10d.py)", "culprit": false}}}
+                     "where": "all_reduce (distributed_c10d.py)", "culprit": false}},
+     "processes": [{"role": "scheduler", "who": "vLLM's engine core (pid 12, VLLM::EngineCore)",
+                    "state": "S", "alive": true, "exit": null, "in_step": true, "phase": "execute",
+                    "where": "acquire_read (shm_broadcast.py)", "culprit": false}]}
+
+``processes``: the engine's control plane on that node (its scheduler and front end), when it has one.
 
 The originating node (the one whose fault the others followed) merges the
 summaries it heard (``merge``): the culprit named by global rank *and* node,
@@ -71,6 +76,11 @@ class NodeSummary(_NodeSummaryFields, total=False):
     """What ``node_summary`` publishes (the module doc shows one)."""
 
     ranks_omitted: int  # ranks left out to stay within the size bound
+    processes: list[dict[str, Any]]  # the node's control plane (scheduler, front end)
+
+
+CONTROL_ROLES = ("scheduler", "frontend")
+PROCESS_FIELDS = ("role", "who", "state", "alive", "exit", "in_step", "phase", "where", "culprit")
 
 
 def _text(value, limit: int) -> str:
@@ -147,6 +157,17 @@ def node_summary(
     entries = {str(k): v for k, v in raw.items() if isinstance(v, Mapping)} if isinstance(raw, Mapping) else {}
     waits = {str(rank): text for rank, text in (last_waits or {}).items()}
     out["ranks"] = {key: _rank_record(entries[key], FIELD_CHARS, waits.get(key)) for key in _rank_order(entries)}
+    procs = summary.get("processes")
+    control = [
+        {
+            f: _text(p.get(f), FIELD_CHARS) if f in ("who", "where", "phase", "exit") else p.get(f)
+            for f in PROCESS_FIELDS
+        }
+        for p in (procs.values() if isinstance(procs, Mapping) else [])
+        if isinstance(p, Mapping) and p.get("role") in CONTROL_ROLES
+    ][:4]
+    if control:
+        out["processes"] = control
     if _size(out) <= max_bytes:
         return out
     out["ranks"] = {
@@ -242,6 +263,38 @@ def _grouped(members: Iterable[tuple[int, int, Mapping | None]]) -> list[str]:
     return [f"{_who(who)} {one if len(who) == 1 else many}" for (one, many), who in ordered]
 
 
+def process_whereabouts(entry: Mapping) -> str:
+    """Where a control-plane process is, as a verb phrase."""
+    if entry.get("exit") or entry.get("alive") is False:
+        return str(entry.get("exit") or "is dead")
+    state = entry.get("state")
+    where = f" in {entry['where']}" if entry.get("where") else ""
+    if state in ("T", "t"):
+        return ("is stopped (state T)" if state == "T" else "is held by a debugger (state t)") + where
+    if state == "D":
+        return f"is in uninterruptible I/O (state D){where}"
+    if entry.get("in_step"):
+        if entry.get("role") == "frontend":
+            return "holds requests in flight, waiting for their outputs"
+        phase = f" (phase {entry['phase']})" if entry.get("phase") else ""
+        return f"waits inside its step{phase} for the ranks"
+    return "is idle between steps"
+
+
+def _control_plane(nodes: Mapping[int, Mapping]) -> list[str]:
+    """The engine's control plane of every node that reported one: the culprit among them first."""
+    found = [
+        (not entry.get("culprit"), node, entry)
+        for node, record in sorted(nodes.items())
+        for entry in record.get("processes") or []
+        if isinstance(entry, Mapping)
+    ]
+    return [
+        f"{entry.get('who') or entry.get('role')} on node {node} {process_whereabouts(entry)}"
+        for _c, node, entry in sorted(found, key=lambda x: (x[0], x[1]))
+    ]
+
+
 def merged_verdict(origin: int, nodes: Mapping[int, Mapping], missing: Iterable[int] = ()) -> str:
     """The culprit by global rank and node, where every other rank of every node is, then the originating
     node's own verdict."""
@@ -255,7 +308,7 @@ def merged_verdict(origin: int, nodes: Mapping[int, Mapping], missing: Iterable[
         for key, entry in (record.get("ranks") or {}).items()
         if not (node == origin and _as_int(key) in culprits)
     ]
-    parts = lead + _grouped(others)
+    parts = lead + _grouped(others) + _control_plane(nodes)
     absent = sorted(missing)
     if absent:
         parts.append(
@@ -309,5 +362,6 @@ __all__ = [
     "node_summary",
     "origin_of",
     "peer_bundles",
+    "process_whereabouts",
     "whereabouts",
 ]

@@ -80,7 +80,6 @@ from .outcome import (
     EXIT_HANG,
     EXIT_INTERNAL,
     EXIT_OK,
-    EXIT_PEER,
     EXIT_RANK,
     EXIT_STARTUP,
     EXIT_TEARDOWN,
@@ -942,7 +941,7 @@ class Supervisor:
                 "culprit_node": ruling.node,
             }
             self.desk.peer_incident(ruling.reason, extra, self.attempt.view, ruling.incident_id)
-            self._finish(Outcome(EXIT_PEER, ruling.reason, culprit=ruling.rank, final=ruling.final))
+            self._finish(Outcome(ruling.code, ruling.reason, culprit=ruling.rank, final=ruling.final))
 
     def _on_control(self, ev: ControlRequest) -> None:
         if ev.request.get("cmd") != "dump":

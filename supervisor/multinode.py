@@ -26,7 +26,7 @@ from . import events
 from .arbitration import killed_here, peer_consequence
 from .events import ConsequenceChecked, ConsequenceWindowOver, HangQueryUnanswered, WatchdogVerdict
 from .nodes import messages
-from .outcome import EXIT_OK, EXIT_PEER, Outcome, new_incident_id
+from .outcome import EXIT_HANG, EXIT_OK, EXIT_PEER, Outcome, new_incident_id
 from .processes import output_pump
 from .restart import RESTART_BACKOFF_MAX_S, RestartPolicy
 
@@ -70,6 +70,13 @@ class PeerIncident:
     verdict: str
     incident_id: str
     final: bool = False
+    kind: str = ""  # the fault's own reason on the node it came from ("hang", "rank_exit", ...)
+
+    @property
+    def code(self) -> int:
+        """A hang is the whole group's (every rank waited on the culprit): 81 on every node; any other fault
+        elsewhere is 84 here (docs/multinode.md, "Fault bus and liveness")."""
+        return EXIT_HANG if self.kind == "hang" else EXIT_PEER
 
 
 @dataclass(frozen=True)
@@ -342,7 +349,9 @@ class GroupOfNodes:
         )
         # A fault that names no incident gets this node's own id: one id in its quarantine and its bundle.
         incident_id = fault.incident_id or new_incident_id(self.run_id)
-        return self._peer_incident(case, "peer_failed", fault.node, fault.rank, verdict, incident_id, fault.final)
+        return self._peer_incident(
+            case, "peer_failed", fault.node, fault.rank, verdict, incident_id, fault.final, kind=fault.reason
+        )
 
     def node_lost(self, ev: events.NodeLost, case: AttemptCase) -> NodeRuling:
         verdict = f"node {ev.node} was lost: {ev.detail}; this node's ranks were torn down with the group"
@@ -358,6 +367,7 @@ class GroupOfNodes:
         verdict: str,
         incident_id: str,
         final: bool = False,
+        kind: str = "",
     ) -> PeerIncident:
         if case.suspect is not None:  # this node's rank died first here, but of the peer's failure
             handle, info, _at, why = case.suspect
@@ -374,14 +384,14 @@ class GroupOfNodes:
                 node=node,
                 reason=reason,
             )
-        return PeerIncident(reason, node, rank, verdict, incident_id, final)
+        return PeerIncident(reason, node, rank, verdict, incident_id, final, kind or reason)
 
     # -- a hang here whose cause is elsewhere
     def ask_where(self, ev: WatchdogVerdict, case: AttemptCase, attempt: int, post: Callable) -> bool:
         """When every rank of this node waits inside a collective, the rank that is elsewhere is on another node,
         whose own watchdog may see nothing (a stopped rank outside collectives looks idle there).  Ask the
         others (nodes.HangQuery); the node that holds it raises the hang under this incident id and this node
-        follows it (84).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence.  True: the hard
+        follows it (81: the group hung).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence.  True: the hard
         verdict waits for the answer."""
         v = ev.verdict
         if case.hang_query is not None or case.peer_hang_query is not None or v.outside_collective:

@@ -20,7 +20,7 @@ EXIT_RANK = 80
 EXIT_HANG = 81
 EXIT_DIVERGENCE = 82
 EXIT_STARTUP = 83
-EXIT_PEER = 84  # multi-node: a peer node failed or was lost (the originating node keeps its own code)
+EXIT_PEER = 84  # multi-node: a peer node failed or was lost (the originating node keeps its own code; a hang: 81)
 EXIT_TEARDOWN = 85
 
 LAUNCHER_KEY = "launcher"

@@ -8,6 +8,7 @@ names the flag and the fix; the CLI turns it into exit code 64.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -20,7 +21,8 @@ from pathlib import Path
 from tp_supervise.watchdogs.straggler import StragglerConfig
 
 from .outcome import valid_run_id
-from .rank.engines import BY_NAME, ENGINES
+from .rank.engines import BY_NAME
+from .rank.engines.launcher_flags import EngineLaunch, launcher_engine, launcher_metrics_url, launcher_nproc
 
 CONSENSUS_MODES = ("off", "observe", "enforce")
 STACK_METHODS = ("auto", "py-spy", "faulthandler", "none")
@@ -459,6 +461,10 @@ class LaunchSpec:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port is chosen at launch
     tree: bool = False
+    # --tree with an engine's own multi-node launch: node 0's rendezvous as its flags say (host, port) and how many
+    # ports it takes from there (supervisor/launcher.py); the supervisors' store keeps clear of them.
+    engine_rendezvous: tuple[str, int] | None = None
+    engine_rendezvous_span: int = 1
     kill_grace: float = DEFAULT_KILL_GRACE_S
     max_restarts: int = 0
     consensus: str = "observe"
@@ -496,6 +502,19 @@ class LaunchSpec:
                 f"--nnodes {self.nnodes} needs --master-port: every node must use the same rendezvous port "
                 "(a free port picked on each node would never meet)"
             )
+        store = self.resolved_store_port
+        if self.nnodes > 1 and self.engine_rendezvous is not None and store is not None:
+            first = self.engine_rendezvous[1]
+            if first <= store < first + self.engine_rendezvous_span:
+                taken = (
+                    f"{first}"
+                    if self.engine_rendezvous_span == 1
+                    else f"{first}-{first + self.engine_rendezvous_span - 1}"
+                )
+                raise UsageError(
+                    f"the supervisors' store port {store} is taken by the engine's own rendezvous (port {taken} "
+                    f"at {self.engine_rendezvous[0]}): give --store-port another port, e.g. {first + self.engine_rendezvous_span}"
+                )
         if self.nnodes > 1 and self.master_port is not None and self.resolved_store_port == self.master_port:
             raise UsageError(
                 f"--store-port {self.nodes.store_port} is the ranks' --master-port: the supervisors' store "
@@ -555,76 +574,7 @@ class LaunchSpec:
         return list(self.command)
 
 
-# A launcher's own flags for its processes per node, for --tree: torchrun's, then each engine's (its module).
-_LAUNCHER_NPROC_FLAGS = tuple(
-    dict.fromkeys(("--nproc-per-node", "--nproc_per_node", *(f for e in ENGINES for f in e.TP_FLAGS)))
-)
-_LAUNCHER_PP_FLAGS = tuple(dict.fromkeys(f for e in ENGINES for f in e.PP_FLAGS))
-
-
-def _flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
-    for i, arg in enumerate(command):
-        flag, eq, value = arg.partition("=")
-        if flag in flags:
-            if eq:
-                return value
-            if i + 1 < len(command):
-                return command[i + 1]
-    return None
-
-
-def launcher_nproc(command: Sequence[str]) -> str | None:
-    """Ranks per node as the tree-mode launcher's own arguments say it (``--flag N`` or ``--flag=N``):
-    torchrun's ``--nproc-per-node``, or vLLM's / SGLang's tensor-parallel size times the pipeline-parallel size."""
-    nproc = _flag_value(command, _LAUNCHER_NPROC_FLAGS)
-    stages = _flag_value(command, _LAUNCHER_PP_FLAGS)
-    if nproc is None or stages is None:
-        return nproc
-    try:
-        return str(int(nproc) * int(stages))
-    except ValueError:
-        return nproc
-
-
 ENGINE_METRICS_OFF = "none"
-
-
-def launcher_engine(command: Sequence[str]) -> str | None:
-    """The engine (its module's ``NAME``: "vllm", "sglang") whose launcher the tree-mode command is, else None:
-    one of its ``LAUNCHER_WORDS`` anywhere in the command (a wrapper before it, env, numactl, taskset, changes
-    nothing), or its ``CLI`` (``vllm serve``)."""
-    for i, arg in enumerate(command):
-        name = os.path.basename(arg)
-        for engine in ENGINES:
-            cli = engine.CLI
-            if cli and name == cli[0] and tuple(command[i + 1 : i + len(cli)]) == cli[1:]:
-                return engine.NAME
-            if arg in engine.LAUNCHER_WORDS or name in engine.LAUNCHER_WORDS:
-                return engine.NAME
-    return None
-
-
-def launcher_metrics_url(command: Sequence[str]) -> str | None:
-    """The engine's own /metrics, from the launcher's ``--host``/``--port`` (or the engine's defaults).
-
-    A listener on every address (0.0.0.0, ::, none given) is scraped on loopback.
-    """
-    engine = launcher_engine(command)
-    if engine is None:
-        return None
-    port_text = _flag_value(command, ("--port",))
-    try:
-        port = int(port_text) if port_text is not None else BY_NAME[engine].DEFAULT_PORT
-    except ValueError:
-        return None
-    host = _flag_value(command, ("--host",)) or ""
-    if host in ("", "0.0.0.0", "*"):
-        host = "127.0.0.1"
-    elif host in ("::", "[::]"):
-        host = "[::1]"
-    elif ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"http://{host}:{port}/metrics"
 
 
 def engine_metrics_source(given: str | None, command: Sequence[str], tree: bool) -> tuple[str | None, str]:
@@ -635,6 +585,64 @@ def engine_metrics_source(given: str | None, command: Sequence[str], tree: bool)
     if not tree:
         return None, "auto"
     return launcher_metrics_url(command), launcher_engine(command) or "auto"
+
+
+@dataclass(frozen=True)
+class NodePlace:
+    """Where this node stands in the job: the supervisor's own flags, or (--tree) the engine launcher's."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    store_port: int | None = None
+    engine_rendezvous: tuple[str, int] | None = None
+    engine_rendezvous_span: int = 1
+
+
+def node_place(
+    nnodes: int | None,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+    store_port: int | None,
+    launch: EngineLaunch | None,
+) -> NodePlace:
+    """The node's place from the supervisor's flags (None: not given) and, in --tree mode, the engine launcher's
+    own multi-node launch: what the supervisor was not told is the launcher's; what both say must agree (docs/
+    multinode.md, "An engine's own multi-node launch")."""
+    if launch is None:
+        return NodePlace(
+            nnodes=1 if nnodes is None else nnodes,
+            node_rank=0 if node_rank is None else node_rank,
+            master_addr=master_addr or "127.0.0.1",
+            master_port=master_port,
+            store_port=store_port,
+        )
+    engine = BY_NAME[launch.engine]
+    for flag, ours, theirs, engine_flag in (
+        ("--nnodes", nnodes, launch.nnodes, engine.NNODES_FLAGS[0]),
+        ("--node-rank", node_rank, launch.node_rank, engine.NODE_RANK_FLAGS[0]),
+    ):
+        if ours is not None and ours != theirs:
+            raise UsageError(
+                f"supervise {flag} {ours} contradicts the launcher's {engine_flag} {theirs}: the engine starts its "
+                f"ranks where its own flags say; give {flag} once (leave it to the launcher: supervise reads it)"
+            )
+    rendezvous = launch.rendezvous if launch.nnodes > 1 else None
+    place = NodePlace(
+        nnodes=launch.nnodes,
+        node_rank=launch.node_rank,
+        master_addr=master_addr or (rendezvous[0] if rendezvous else "127.0.0.1"),
+        master_port=master_port if master_port is not None else (rendezvous[1] if rendezvous else None),
+        store_port=store_port,
+        engine_rendezvous=rendezvous,
+        engine_rendezvous_span=launch.rendezvous_span,
+    )
+    if rendezvous is not None and store_port is None and place.master_port == rendezvous[1]:
+        # the store's default (--master-port + 1) would fall among the engine's own ports: the first one after
+        place = dataclasses.replace(place, store_port=rendezvous[1] + launch.rendezvous_span)
+    return place
 
 
 def _nproc_number(text: str | int, gpus: Callable[[], int | None]) -> int:

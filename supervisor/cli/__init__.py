@@ -26,6 +26,7 @@ from ..nodes.join import join_nodes
 from ..outcome import EXIT_USAGE
 from ..preflight import preflight
 from ..processes.listen_socket import ListenSocket
+from ..rank.engines import launcher_flags as launcher
 from ..spec import EngineOptions, LaunchSpec, UsageError
 from .parser import DISTRIBUTION, build_parser, errors_as_json, package_version, say_error, wants_json_logs
 
@@ -39,14 +40,24 @@ def _command(args: argparse.Namespace) -> list[str]:
 def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     command = _command(args)
     builtin = not command
+    try:
+        launch = launcher.engine_launch(command) if args.tree else None
+    except launcher.LaunchFlagError as exc:
+        raise UsageError(f"{exc} (the COMMAND after --)") from None
+    place = specs.node_place(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.store_port, launch)
     if args.standalone:
-        if args.nnodes != 1:
-            raise UsageError(f"--standalone is a single-node job, but --nnodes is {args.nnodes}")
-        if args.master_addr not in ("127.0.0.1", "localhost"):
+        if place.nnodes != 1:
+            raise UsageError(f"--standalone is a single-node job, but --nnodes is {place.nnodes}")
+        if place.master_addr not in ("127.0.0.1", "localhost"):
             raise UsageError("--standalone rendezvous is on localhost: leave out --master-addr")
     nproc = specs.resolve_nproc(
-        args.nproc_per_node, args.tp, args.nnodes, builtin, command, args.tree, gpus=host.visible_gpu_count
+        args.nproc_per_node, args.tp, place.nnodes, builtin, command, args.tree, gpus=host.visible_gpu_count
     )
+    if launch is not None and nproc != launch.nproc_per_node:
+        raise UsageError(
+            f"{nproc} ranks per node (--nproc-per-node/--tp) contradicts the launcher: {launch.engine} starts "
+            f"{launch.nproc_per_node} here (a world of {launch.world} over {launch.nnodes} node(s)); leave it to the launcher"
+        )
     if not builtin and (
         args.inject or args.model or args.engine_arg or args.max_waiting is not None or args.read_timeout is not None
     ):
@@ -92,11 +103,13 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     return LaunchSpec(
         command=tuple(command),
         nproc_per_node=nproc,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
+        nnodes=place.nnodes,
+        node_rank=place.node_rank,
+        master_addr=place.master_addr,
+        master_port=place.master_port,
         tree=args.tree,
+        engine_rendezvous=place.engine_rendezvous,
+        engine_rendezvous_span=place.engine_rendezvous_span,
         kill_grace=args.kill_grace,
         consensus=args.consensus,
         consensus_inband=args.consensus_inband,
@@ -133,7 +146,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
             threshold=args.straggler_threshold, sustain=args.straggler_sustain, action=args.on_straggler
         ),
         nodes=specs.NodeOptions(
-            store_port=args.store_port,
+            store_port=place.store_port,
             run_id=args.run_id,
             rendezvous_timeout=args.rendezvous_timeout,
             node_timeout=args.node_timeout,

@@ -38,21 +38,32 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="ranks on this node: a number, 'gpu' (one per visible GPU), 'auto' (GPUs if any, else CPU cores) or 'cpu'; default 2 for the built-in engine, and in --tree mode read from the launcher's own flags (torchrun --nproc-per-node, vllm --tensor-parallel-size, sglang --tp)",
     )
     g.add_argument("--tp", type=int, help="tensor-parallel world size, split evenly across --nnodes")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job, one supervisor on each (no MIN:MAX range)")
-    g.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index in 0..nnodes-1")
     g.add_argument(
-        "--master-addr", "--master_addr", default="127.0.0.1", help="address of node 0, for the ranks' rendezvous"
+        "--nnodes",
+        type=int,
+        help="nodes in the job, one supervisor on each (no MIN:MAX range) (default 1; in --tree mode, a vLLM or SGLang launcher's own --nnodes)",
+    )
+    g.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        help="this node's index in 0..nnodes-1 (default 0; in --tree mode, the launcher's own --node-rank)",
+    )
+    g.add_argument(
+        "--master-addr",
+        "--master_addr",
+        help="address of node 0, for the ranks' rendezvous and the supervisors' store (default 127.0.0.1; in --tree mode, the launcher's own --master-addr / --dist-init-addr host)",
     )
     g.add_argument(
         "--master-port",
         "--master_port",
         type=int,
-        help="the ranks' rendezvous port; required with --nnodes > 1 (default: a free port)",
+        help="the ranks' rendezvous port; required with --nnodes > 1 (default: a free port; in --tree mode, the launcher's own --master-port / --dist-init-addr port)",
     )
     g.add_argument(
         "--store-port",
         type=int,
-        help="multi-node: port of node 0's supervisor store (TCPStore) (default: --master-port + 1)",
+        help="multi-node: port of node 0's supervisor store (default: --master-port + 1, or the first port after an engine's own rendezvous ports)",
     )
     g.add_argument(
         "--run-id",

@@ -2,8 +2,10 @@
 
 Bounded by ``--rendezvous-timeout``; refused on every node, with what to
 change and nothing started: a duplicate ``--node-rank``, a fingerprint
-mismatch (command and arguments, ``--nproc-per-node``, tp-supervise, Python
-and torch versions, ``--fingerprint-env`` keys), a wrong ``--join-token``.
+mismatch (the command and its arguments, or an engine launcher's job field by
+field and the engine's version; ``--nnodes``, ``--nproc-per-node``,
+tp-supervise, Python and torch versions, ``--fingerprint-env`` keys), a wrong
+``--join-token``.
 A node missing after the timeout is exit 83, with a progress line every few
 seconds naming the missing node ranks and the store address.  The keys are
 listed in docs/multinode.md.
@@ -61,8 +63,13 @@ def fingerprint(
     env_keys: Sequence[str],
     environ: Mapping[str, str] = os.environ,
     max_restarts: int = 0,
+    nnodes: int = 1,
+    job: Mapping[str, str] | None = None,
+    engine_versions: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """What must be equal on every node of one TP group."""
+    """What must be equal on every node of one TP group.  ``job``: an engine launcher's job field by field
+    (supervisor/launcher.py), compared instead of its command line, whose node-specific flags differ by design;
+    ``engine_versions``: the engine's and torch's versions where the launcher runs."""
     from importlib import metadata
 
     def version(dist: str) -> str:
@@ -71,8 +78,10 @@ def fingerprint(
         except metadata.PackageNotFoundError:
             return "absent"
 
-    out = {
-        "command": " ".join(command),
+    out = {"command": " ".join(command)} if job is None else {f"job.{k}": v for k, v in job.items()}
+    out |= {f"engine.{k}": v for k, v in (engine_versions or {}).items()}
+    out |= {
+        "nnodes": str(nnodes),
         "nproc_per_node": str(nproc_per_node),
         "max_restarts": str(max_restarts),  # the group restarts together: every node must agree
         "tp_supervise": version("tp-supervise"),

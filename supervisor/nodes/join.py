@@ -7,12 +7,14 @@ with the exit code to use (docs/multinode.md).
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
 import structlog
 
 from ..outcome import EXIT_USAGE, new_run_id
+from ..rank.engines import launcher_flags as launcher
 from ..spec import LaunchSpec
 from . import handshake, link
 from .transport import TransportError, open_transport
@@ -52,7 +54,16 @@ def join_nodes(spec: LaunchSpec):
     except TransportError as exc:
         raise handshake.HandshakeError(str(exc), exc.code) from None
     command = list(spec.command) if not spec.builtin else ["(built-in engine)", *spec.engine.argv()]
-    fp = handshake.fingerprint(command, spec.nproc_per_node, spec.nodes.fingerprint_env, max_restarts=spec.max_restarts)
+    job = launcher.job_fields(command) if spec.tree else None
+    fp = handshake.fingerprint(
+        command,
+        spec.nproc_per_node,
+        spec.nodes.fingerprint_env,
+        max_restarts=spec.max_restarts,
+        nnodes=spec.nnodes,
+        job=job,
+        engine_versions=launcher.engine_versions(command, os.environ) if job is not None else None,
+    )
     try:
         group = handshake.handshake(
             transport.store,

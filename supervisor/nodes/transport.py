@@ -30,11 +30,17 @@ from .gate import NODE_LOST_S, Gate
 from .store import STORE_TIMEOUT_S, TorchStore
 from .store_host import DEFAULT_MEMORY_BYTES, StoreHost, StoreHostError
 from .tunnel import LinkClient, Tunnel, open_channel
-from .wire import ChannelError, Refused
+from .wire import ChannelError, Refused, refuse_hello
 
 log = structlog.get_logger("supervise.nodes")
 
 RETRY_S = 0.2  # a node dialling node 0 before it is up tries again this often
+# A node > 0 on the host --master-addr names, refused there (nothing listens) this long: no node 0 is coming to
+# this host (its supervisor binds the port within a second or two of its start).  Then it stands in on the port
+# for STAND_IN_S, telling whoever dials why (a second --node-rank R elsewhere learns it is a duplicate), and exits.
+NO_NODE_0_S = 8.0
+STAND_IN_S = 3.0
+PROGRESS_S = 3.0
 
 
 class TransportError(RuntimeError):
@@ -147,6 +153,77 @@ def bind_host(master_addr: str) -> tuple[str, bool]:
     return "0.0.0.0", False
 
 
+def dial_problem(exc: BaseException | None) -> str:
+    """What a failed dial of node 0 says about it, in an operator's words."""
+    if exc is None:
+        return "not tried yet"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (the host answers but nothing listens on the port: node 0's supervisor is not up)"
+    if isinstance(exc, socket.gaierror):
+        return f"the name does not resolve ({exc.strerror or exc})"
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return "no answer (timed out: the host is down, unreachable or firewalled, or the address is wrong)"
+    if isinstance(exc, OSError) and exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return f"no route to the host ({exc.strerror})"
+    return f"{type(exc).__name__}: {str(exc)[:160]}"
+
+
+def stand_in(addr: tuple[str, int], port: int, master_addr: str, node_rank: int) -> str | None:
+    """This host holds --master-addr, but its node is not node 0 and nothing listens on the store port: nobody
+    is node 0 here.  Hold the port for ``STAND_IN_S`` telling every node that dials why, then return this node's
+    own refusal (it names a duplicate --node-rank when another node dialled claiming this node's rank).  None: the
+    port was taken meanwhile (a node 0 came up after all)."""
+    try:
+        listener = socket.create_server(addr, backlog=64)
+    except OSError:
+        return None
+    host = socket.gethostname()
+    seen: list[tuple[str, int]] = []  # (address, node rank) of whoever dialled
+
+    def reason(kind: str, node: int) -> str:
+        if node == node_rank:
+            return (
+                f"duplicate --node-rank {node}: the supervisor on {host} ({master_addr}, the --master-addr) was "
+                f"given --node-rank {node} too, and nobody is node 0; the node at --master-addr must be "
+                "--node-rank 0"
+            )
+        return (
+            f"nobody is node 0: the supervisor on {host} ({master_addr}, the --master-addr) was given "
+            f"--node-rank {node_rank}; the node at --master-addr must be --node-rank 0"
+        )
+
+    end = time.monotonic() + STAND_IN_S
+    listener.settimeout(0.2)
+    try:
+        while time.monotonic() < end:
+            try:
+                conn, peer = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            with conn:
+                try:
+                    kind, node = refuse_hello(conn, reason, timeout_s=1.0)
+                    seen.append((str(peer[0]), node))
+                except (OSError, ChannelError):
+                    pass
+    finally:
+        listener.close()
+    twins = sorted({peer for peer, node in seen if node == node_rank})
+    if twins:
+        return (
+            f"duplicate --node-rank {node_rank}: a supervisor at {', '.join(twins)} claims node {node_rank} too, "
+            f"and nobody is node 0 at {master_addr}:{port}; --master-addr {master_addr} is this host's, so this "
+            "node must be --node-rank 0"
+        )
+    return (
+        f"nobody is node 0: nothing listens on {master_addr}:{port} and --master-addr {master_addr} is this "
+        f"host's, but this node was given --node-rank {node_rank}; give the node at --master-addr --node-rank 0 "
+        f"(is --node-rank {node_rank} given twice?)"
+    )
+
+
 def _is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("::1", "localhost")
 
@@ -169,22 +246,30 @@ def open_transport(
     if node_rank == 0:
         return _host(master_addr, port, nnodes, token, store_memory, node_lost_s)
     gate_addr = ("127.0.0.1" if master_addr == "localhost" else master_addr, port)
-    next_progress = time.monotonic() + 3.0
+    here = bind_host(master_addr)[1]  # --master-addr is this host's: node 0 would run here
+    started = time.monotonic()
+    next_progress = started + PROGRESS_S
+    tries = 0
     last: Exception | None = None
+    refused_since: float | None = None
     transport: NodeTransport | None = None
     link = None
     while time.monotonic() < deadline:
-        if time.monotonic() >= next_progress:
-            next_progress = time.monotonic() + 3.0
+        now = time.monotonic()
+        if now >= next_progress:
+            next_progress = now + PROGRESS_S
             say(
                 "waiting for nodes",
                 {
                     "missing_node_ranks": [0],
                     "store": f"{master_addr}:{port}",
-                    "detail": "node 0 hosts the store and has not answered yet",
+                    "tried": tries,
+                    "for_s": round(now - started, 1),
+                    "detail": f"node 0 hosts the store and has not answered yet: {dial_problem(last)}",
                 },
             )
         try:
+            tries += 1
             link = LinkClient(
                 gate_addr, node_rank, token, on_lost=lambda n, d: None, on_ring=lambda: None, node_lost_s=node_lost_s
             )
@@ -194,11 +279,21 @@ def open_transport(
             raise TransportError(f"node 0 at {master_addr}:{port} refused this node: {exc}", EXIT_USAGE) from None
         except (OSError, ChannelError) as exc:
             last = exc
+            if here and isinstance(exc, ConnectionRefusedError):
+                refused_since = refused_since if refused_since is not None else now
+                if now - refused_since >= NO_NODE_0_S:
+                    message = stand_in(gate_addr, port, master_addr, node_rank)
+                    if message is not None:
+                        raise TransportError(message, EXIT_USAGE) from None
+                    refused_since = None  # the port was taken meanwhile: dial whoever holds it
+            else:
+                refused_since = None
             time.sleep(RETRY_S)
     else:
         raise TransportError(
-            f"rendezvous timeout: node 0's store at {master_addr}:{port} never answered ({last}); "
-            "start node 0 (supervise serve --node-rank 0) or check --master-addr/--store-port",
+            f"rendezvous timeout: node 0's store at {master_addr}:{port} never answered: tried {tries} times over "
+            f"{time.monotonic() - started:.0f} s; last: {dial_problem(last)}. Start node 0 (supervise serve "
+            "--node-rank 0) there, or check --master-addr/--store-port",
             EXIT_STARTUP,
         )
     tunnel = Tunnel(gate_addr, node_rank, token)
@@ -302,7 +397,9 @@ def _who_holds(host: str, port: int, token: str | None) -> str:
             f"another supervisor already hosts node 0 for this group at {host}:{port}: is `--node-rank 0` given "
             "twice? Give each node its own --node-rank"
         )
-    except Refused:
+    except Refused as exc:
+        if str(exc).startswith(("duplicate", "nobody is node 0")):  # a node > 0 standing in: it exits soon
+            return f"port {port} on {host} is held by a supervisor that is not node 0: {exc}"
         return (
             f"another supervisor already hosts node 0 at {host}:{port} (with another --join-token): is "
             "`--node-rank 0` given twice, or is another job using this --store-port?"

@@ -36,6 +36,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 MAGIC = "TPSV1"
 KINDS = ("store", "link", "probe")
@@ -203,7 +204,7 @@ def server_hello(
         raise Refused("malformed hello")
     kind, node = parts[1], int(parts[2])
     if not 0 <= node < nnodes:
-        _say_no(sock, f"node rank {node} is outside 0..{nnodes - 1}")
+        _say_no(sock, f"node rank {node} is outside 0..{nnodes - 1}: node 0 was given --nnodes {nnodes}")
         raise Refused(f"node rank {node} out of range")
     try:
         cn = bytes.fromhex(parts[3])
@@ -224,6 +225,20 @@ def server_hello(
         c2g, g2c = _keys(token, cn, gn)
         keys = (g2c, c2g)
     return kind, node, Channel(sock, keys[0], keys[1])
+
+
+def refuse_hello(
+    sock: socket.socket, reason_for: Callable[[str, int], str], timeout_s: float = HELLO_TIMEOUT_S
+) -> tuple[str, int]:
+    """Read a client's hello and say no, with ``reason_for(kind, node)``: (kind, node) it claimed.  Raises
+    ``ChannelError`` for a hello that is not one (nothing is said to it)."""
+    sock.settimeout(timeout_s)
+    parts = _read_line(sock).split(" ")
+    if len(parts) != 4 or parts[0] != MAGIC or parts[1] not in KINDS or not parts[2].isdigit():
+        raise ChannelError("malformed hello")
+    kind, node = parts[1], int(parts[2])
+    _say_no(sock, reason_for(kind, node)[: MAX_LINE - 16])
+    return kind, node
 
 
 def _say_no(sock: socket.socket, reason: str) -> None:

