@@ -157,15 +157,7 @@ def node_summary(
     entries = {str(k): v for k, v in raw.items() if isinstance(v, Mapping)} if isinstance(raw, Mapping) else {}
     waits = {str(rank): text for rank, text in (last_waits or {}).items()}
     out["ranks"] = {key: _rank_record(entries[key], FIELD_CHARS, waits.get(key)) for key in _rank_order(entries)}
-    procs = summary.get("processes")
-    control = [
-        {
-            f: _text(p.get(f), FIELD_CHARS) if f in ("who", "where", "phase", "exit") else p.get(f)
-            for f in PROCESS_FIELDS
-        }
-        for p in (procs.values() if isinstance(procs, Mapping) else [])
-        if isinstance(p, Mapping) and p.get("role") in CONTROL_ROLES
-    ][:4]
+    control = _control_records(summary)
     if control:
         out["processes"] = control
     if _size(out) <= max_bytes:
@@ -183,6 +175,25 @@ def node_summary(
         out["ranks"].pop(kept.pop())  # the last in order: a non-culprit with the highest rank
         out["ranks_omitted"] = len(entries) - len(kept)
     return out
+
+
+def _control_records(summary: Mapping) -> list[dict[str, Any]]:
+    """The node's control-plane processes (at most 4), the summary's culprit marked among them."""
+    procs = summary.get("processes")
+    named = summary.get("culprit")
+    culprit_pid = named.get("pid") if isinstance(named, Mapping) and named.get("role") in CONTROL_ROLES else None
+    out = []
+    for p in procs.values() if isinstance(procs, Mapping) else []:
+        if not isinstance(p, Mapping) or p.get("role") not in CONTROL_ROLES:
+            continue
+        record = {f: p.get(f) for f in PROCESS_FIELDS}
+        record["exit"] = _exit_text(p.get("exit"))
+        record["culprit"] = bool(p.get("culprit")) or (culprit_pid is not None and p.get("pid") == culprit_pid)
+        for key in ("who", "where", "phase", "exit"):
+            if record.get(key) is not None:
+                record[key] = _text(record[key], FIELD_CHARS)
+        out.append(record)
+    return sorted(out, key=lambda r: not r["culprit"])[:4]
 
 
 def encode(record: Mapping) -> bytes:
@@ -266,7 +277,7 @@ def _grouped(members: Iterable[tuple[int, int, Mapping | None]]) -> list[str]:
 def process_whereabouts(entry: Mapping) -> str:
     """Where a control-plane process is, as a verb phrase."""
     if entry.get("exit") or entry.get("alive") is False:
-        return str(entry.get("exit") or "is dead")
+        return str(_exit_text(entry.get("exit")) or "is dead")
     state = entry.get("state")
     where = f" in {entry['where']}" if entry.get("where") else ""
     if state in ("T", "t"):
@@ -281,17 +292,13 @@ def process_whereabouts(entry: Mapping) -> str:
     return "is idle between steps"
 
 
-def _control_plane(nodes: Mapping[int, Mapping]) -> list[str]:
-    """The engine's control plane of every node that reported one: the culprit among them first."""
-    found = [
-        (not entry.get("culprit"), node, entry)
-        for node, record in sorted(nodes.items())
-        for entry in record.get("processes") or []
-        if isinstance(entry, Mapping)
-    ]
+def _control_plane(nodes: Mapping[int, Mapping], culprits: bool) -> list[str]:
+    """The engine's control plane of every node that reported one: its culprits, or the others."""
     return [
         f"{entry.get('who') or entry.get('role')} on node {node} {process_whereabouts(entry)}"
-        for _c, node, entry in sorted(found, key=lambda x: (x[0], x[1]))
+        for node, record in sorted(nodes.items())
+        for entry in record.get("processes") or []
+        if isinstance(entry, Mapping) and bool(entry.get("culprit")) == culprits
     ]
 
 
@@ -308,7 +315,7 @@ def merged_verdict(origin: int, nodes: Mapping[int, Mapping], missing: Iterable[
         for key, entry in (record.get("ranks") or {}).items()
         if not (node == origin and _as_int(key) in culprits)
     ]
-    parts = lead + _grouped(others) + _control_plane(nodes)
+    parts = lead + _control_plane(nodes, culprits=True) + _grouped(others) + _control_plane(nodes, culprits=False)
     absent = sorted(missing)
     if absent:
         parts.append(

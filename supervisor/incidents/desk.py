@@ -521,6 +521,13 @@ class IncidentDesk:
             verdict += f"; {peers} still running and torn down as a consequence"
         extra = {
             "culprit_ranks": [first.rank] if first.rank >= 0 else [],
+            # whatever the capture finds dead or gone after it, the process that ended first is the culprit
+            "culprit": {
+                "role": first.role,
+                "pid": first.pid,
+                "title": first.title,
+                "rank": first.rank if first.rank >= 0 else None,
+            },
             "verdict": verdict,
             "first_failure": {
                 "rank": first.rank,
