@@ -11,7 +11,7 @@ ARGS ?=
 # listed at the end; PYTEST_ARGS= runs serially
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=30
 
-.PHONY: serve test test-slow test-bench test-engines lint bench bench-vllm bench-vllm-relay gpu-check clean
+.PHONY: serve test test-slow test-bench test-engines lint bench bench-vllm bench-vllm-relay bench-vllm-multinode gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,6 +68,12 @@ bench-vllm: $(STAMP)
 bench-vllm-relay: $(STAMP)
 	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
 	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m bench.bench_vllm_relay --update-docs $(ARGS)
+
+# vLLM's own multi-node launch (TP=2 over 2 network namespaces) under one supervisor per node: worker stop, node
+# lost, partition (5 trials each), restart across nodes through the relay, vLLM alone (~45 min on 2 cores).
+bench-vllm-multinode: $(STAMP)
+	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
+	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m bench.bench_vllm_multinode --update-docs $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

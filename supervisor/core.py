@@ -743,6 +743,9 @@ class Supervisor:
         core whose workers have not joined) is held from now on, as the processes above a rank are."""
         if ev.attempt != self.attempt.number or self.attempt.outcome is not None:
             return
+        for handle in self.attempt.processes():
+            if handle.pid == ev.pid and handle.slot < 0:
+                handle.read_title()  # the launcher's is its command line since its exec: its engine's words
         if not self.attempt.set_role(ev.pid, ev.role):
             self._hold_engine_process(ev.pid, None, self._run_identity(), role=ev.role)
         log.info("control plane claimed", event_name="control_plane_claimed", role=ev.role, pid=ev.pid)
@@ -785,7 +788,7 @@ class Supervisor:
                 handle.read_title()
 
     def _on_all_ready(self, ev: AllRanksReady) -> None:
-        for handle in self.attempt.ranks.values():
+        for handle in self.attempt.processes():
             handle.read_title()  # an engine names its workers once they are set up (setproctitle)
         self.attempt.look_at_shm(time.monotonic(), every_s=0.0)
         if self.attempt.outcome is None:

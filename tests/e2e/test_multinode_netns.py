@@ -16,7 +16,6 @@ processes carry a test mark of their own, so what is left running is counted per
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -30,9 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MARK_VAR, ROOT, event_name, fake_rank, marked_pids
+from tests.conftest import MARK_VAR, ROOT, fake_rank, marked_pids
 from tests.live import wait_for
 from tests.netlab import DelayProxy, Lab, NetlabUnavailable, netlab
+from tests.support.nodes import Node
 
 pytestmark = pytest.mark.e2e
 
@@ -41,65 +41,6 @@ MARGIN_S = 5.0  # detection passes, teardown (--kill-grace 2), a loaded host
 WATCH_S = NODE_LOST_S + 10.0  # after the fault: what is still running then is stopped and reported
 DELAY_S = 0.2  # one way, node 1 <-> the store
 LOSS = 0.01
-
-
-@dataclass
-class Node:
-    """One node's supervisor, started in its namespace; its log is a file (no pipe to drain)."""
-
-    rank: int
-    ns: int  # the lab's node index that hosts it
-    proc: subprocess.Popen
-    log: Path
-    dump_dir: Path
-    mark: str
-    ended: float | None = None  # monotonic
-    at_bound: list[int] | None = None  # its marked processes at the fault + NODE_LOST_S + MARGIN_S
-    alive_at_bound: bool | None = None
-    stacks: str = ""  # py-spy of a supervisor still running at the end of the watch
-    _lines: list[dict] | None = None
-
-    @property
-    def code(self) -> int | None:
-        return self.proc.returncode
-
-    def poll(self) -> None:
-        if self.ended is None and self.proc.poll() is not None:
-            self.ended = time.monotonic()
-
-    def lines(self) -> list[dict]:
-        if self._lines is None or self.ended is None:
-            found = []
-            for line in self.log.read_text(errors="replace").splitlines():
-                if line.startswith("{"):
-                    try:
-                        found.append(json.loads(line))
-                    except ValueError:
-                        pass
-            self._lines = found
-        return self._lines
-
-    def events(self, text: str) -> list[dict]:
-        name = event_name(text)
-        return [line for line in self.lines()
-                if line.get("event") == name or text in str(line.get("message", ""))]
-
-    def bundles(self) -> list[Path]:
-        return sorted(p for p in self.dump_dir.iterdir() if p.is_dir()) if self.dump_dir.is_dir() else []
-
-    def summary(self, reason: str) -> dict:
-        found = [b for b in self.bundles() if reason in b.name]
-        assert found, f"node {self.rank}: no {reason} bundle in {[b.name for b in self.bundles()]}\n{self.tail()}"
-        return json.loads((found[-1] / "summary.json").read_text())
-
-    def ranks_at_bound(self) -> list[int]:
-        return [pid for pid in self.at_bound or [] if pid != self.proc.pid]
-
-    def tail(self, lines: int = 25) -> str:
-        text = [line for line in self.log.read_text(errors="replace").splitlines() if "rank_output" not in line]
-        shown = "\n".join(text[-lines:])
-        return f"--- node {self.rank} (exit {self.code}) log tail:\n{shown}" + (
-            f"\n--- node {self.rank} stacks when the watch ended:\n{self.stacks}" if self.stacks else "")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.support.nodes import mapped_shm
 from tp_supervise.supervisor.rank.net import free_port
 
 from .conftest import VLLM_PYTHON
@@ -143,23 +144,12 @@ class Load:
             t.join(timeout=40)
 
 
-def _mapped_shm() -> set[str]:
-    names = set()
-    for pid in psutil.pids():
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                names.update(line.rsplit("/dev/shm/", 1)[1].strip() for line in f if "/dev/shm/" in line)
-        except OSError:
-            continue
-    return names
-
-
 def assert_nothing_left(run, before_shm: set[str]) -> None:
     """No process of the run (the supervisor's whole tree, found by pid: setproctitle wiped the test's marker), no
     run cgroup, no vLLM /dev/shm file the run made that nobody maps any more."""
     left = [pid for pid in run.tree_pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not left, f"processes of the run left: {left}"
-    new_shm = set(os.listdir("/dev/shm")) - before_shm - _mapped_shm()
+    new_shm = set(os.listdir("/dev/shm")) - before_shm - mapped_shm()
     # vLLM's own segments (its shm all-reduce buffers, multiprocessing.shared_memory); Python's multiprocessing
     # semaphores (sem.mp-*) left by a SIGKILLed engine are not cleaned yet (docs/getting-started.md).
     engine = [n for n in new_shm if n.startswith(("vllm", "psm_"))]
