@@ -182,7 +182,7 @@ def alone(lab, tmp: Path, model: Path, watch_s: float) -> dict:
                 health.append((round(time.monotonic() - pair.fault_at, 1), code))
             time.sleep(2)
         load.close()
-        ended = {str(n.rank): (n.proc.poll(), None) for n in pair.nodes}
+        ended = {str(n.rank): (n.proc.poll(), None) for n in pair.nodes}  # (exit code or None: running, unused)
         log0 = pair.nodes[0].log.read_text(errors="replace").splitlines()
         signs = [line[:220] for line in log0 if "No available shared memory broadcast block" in line
                  or "TimeoutError" in line or "EngineDeadError" in line or "timed out" in line.lower()]
@@ -229,10 +229,15 @@ def render(results: dict, stamp: Stamp) -> str:
                       f"{sum(r['client_errors'] for r in restarts)}."]
     solo = results.get("alone")
     if solo:
+        ended = ", ".join(
+            f"node {node}'s vLLM " + ("still running" if code is None else f"exited {code}")
+            for node, (code, _t) in sorted(solo["exit_codes"].items())
+        )
+        health = "; ".join(f"{code} at {t:.0f} s" for t, code in solo["health"])
+        said = "; ".join(line.split("] ", 1)[-1][:90] for line in solo["log_signs"][-3:]) or "nothing"
         lines += ["", f"vLLM alone, same lines, same topology, node 1's worker SIGSTOPped under load, watched "
-                      f"{solo['watched_s']:.0f} s: exit codes {solo['exit_codes']} (None: still running); its "
-                      f"/health over time {solo['health']}; requests completed after the fault: "
-                      f"{solo['served_after_fault']}; what its log said: {solo['log_signs'] or 'nothing'}."]
+                      f"{solo['watched_s']:.0f} s: {ended}; node 0's /health: {health}; requests completed after "
+                      f"the fault: {solo['served_after_fault']}; its log, last lines of note: {said}."]
     sample = (results.get("worker_stop") or [{}])[0].get("verdicts")
     if sample:
         lines += ["", "The verdicts of one worker-stop trial:", ""]

@@ -18,6 +18,7 @@ import yaml
 
 from tp_supervise.supervisor.nodes import link
 from tp_supervise.supervisor.cli import build_parser, spec_from_args
+from tp_supervise.supervisor.rank.engines.launcher_flags import job_fields
 from tp_supervise.supervisor.observers.http_server import HealthCell, HealthServer, HealthStatus
 from tp_supervise.supervisor.observers.metrics import SupervisorMetrics
 from tp_supervise.supervisor.spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
@@ -26,9 +27,10 @@ from tp_supervise.supervisor.state import EngineState
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "docs" / "deploy"
 LWS_MANIFEST = DEPLOY / "lws.yaml"
+LWS_VLLM = DEPLOY / "lws-vllm.yaml"  # vLLM's own multi-node launch: a leader line and a headless workers' line
+MANIFESTS = pytest.mark.parametrize("manifest", [LWS_MANIFEST, LWS_VLLM], ids=["lws", "lws-vllm"])
 TWO_HOSTS = DEPLOY / "two-hosts.sh"
 LWS_SCHEMA = REPO / "tests" / "data" / "lws-v1-crd-schema.json"  # vendored from kubernetes-sigs/lws; see _source
-LEADER_ADDRESS = "tp-serve-0.tp-serve.default"  # what LWS puts in LWS_LEADER_ADDRESS for group 0
 PROBE_PATHS = {"startupProbe": "/readyz", "readinessProbe": "/readyz", "livenessProbe": "/livez"}
 SCRIPT_TIMEOUT_S = 30
 _K8S_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")
@@ -83,8 +85,8 @@ def lws_schema() -> dict:
     return data | {"openAPIV3Schema": schema}
 
 
-def lws_manifest() -> dict:
-    docs = [d for d in yaml.safe_load_all(LWS_MANIFEST.read_text()) if d]
+def lws_manifest(path: Path = LWS_MANIFEST) -> dict:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
     (lws,) = [d for d in docs if d.get("kind") == "LeaderWorkerSet"]
     return lws
 
@@ -97,8 +99,9 @@ def check_lws(obj: dict) -> list[str]:
     return errors
 
 
-def test_the_manifest_is_a_valid_leaderworkerset():
-    assert check_lws(lws_manifest()) == []
+@MANIFESTS
+def test_the_manifest_is_a_valid_leaderworkerset(manifest):
+    assert check_lws(lws_manifest(manifest)) == []
 
 
 def test_the_validator_catches_a_misspelt_field_a_bad_enum_and_a_wrong_type():
@@ -131,29 +134,46 @@ def supervise_spec(argv: list[str]) -> LaunchSpec:
     return spec_from_args(build_parser().parse_args(["serve", *argv[2:]]))
 
 
-def pods() -> list[tuple[int, dict, LaunchSpec, dict]]:
+def leader_address(lws: dict) -> str:
+    """What LWS puts in LWS_LEADER_ADDRESS for group 0 of the set (in the default namespace)."""
+    name = lws["metadata"]["name"]
+    return f"{name}-0.{name}.default"
+
+
+def pods(manifest: Path = LWS_MANIFEST) -> list[tuple[int, dict, LaunchSpec, dict]]:
     """(worker index, container, parsed spec, pod spec) for every pod of group 0."""
-    lws = lws_manifest()
+    lws = lws_manifest(manifest)
     size = lws["spec"]["leaderWorkerTemplate"].get("size", 1)
     out = []
     for index in range(size):
         pod = template_of(lws, index)["spec"]
         (container,) = [c for c in pod["containers"] if c["command"][:2] == ["supervise", "serve"]]
         env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
-        env |= {"LWS_LEADER_ADDRESS": LEADER_ADDRESS, "LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": str(index)}
+        env |= {"LWS_LEADER_ADDRESS": leader_address(lws), "LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": str(index)}
         argv = [k8s_expand(a, env) for a in [*container["command"], *container.get("args", [])]]
         out.append((index, container, supervise_spec(argv), pod))
     return out
 
 
-def test_every_pod_runs_one_node_of_one_group_with_the_leader_as_node_0():
-    specs = pods()
+@MANIFESTS
+def test_every_pod_runs_one_node_of_one_group_with_the_leader_as_node_0(manifest):
+    specs = pods(manifest)
     assert len(specs) >= 2
     for index, _container, spec, _pod in specs:
         assert spec.nnodes == len(specs) and spec.node_rank == index
-        assert spec.master_addr == LEADER_ADDRESS
+        assert spec.master_addr == leader_address(lws_manifest(manifest))
         assert spec.command and spec.nproc_per_node >= 1
-    assert len({(s.master_port, s.resolved_store_port, s.command, s.nproc_per_node) for _, _, s, _ in specs}) == 1
+    # what the handshake compares is the same on every pod: the command, or an engine launcher's job
+    jobs = {json.dumps(job_fields(s.command) if s.tree else list(s.command), sort_keys=True) for _, _, s, _ in specs}
+    assert len(jobs) == 1, jobs
+    assert len({(s.master_port, s.resolved_store_port, s.nproc_per_node, s.max_restarts) for _, _, s, _ in specs}) == 1
+
+
+def test_the_vllm_leader_serves_through_the_relay_and_the_workers_are_headless():
+    (_, _, leader, _), *workers = pods(LWS_VLLM)
+    assert leader.relay.address is not None and leader.relay.upstream == "http://127.0.0.1:8001"
+    assert "--headless" not in leader.command and all("--headless" in s.command for _, _, s, _ in workers)
+    assert leader.engine_rendezvous == (leader.master_addr, 29500) and leader.resolved_store_port == 29501
 
 
 def named_ports(container: dict) -> dict[str, int]:
@@ -165,15 +185,19 @@ def probe_port(container: dict, probe: dict) -> int:
     return named_ports(container)[port] if isinstance(port, str) else port
 
 
-def test_the_store_and_rendezvous_ports_are_exposed():
-    for _index, container, spec, _pod in pods():
+@MANIFESTS
+def test_the_store_and_rendezvous_ports_are_exposed(manifest):
+    for index, container, spec, _pod in pods(manifest):
+        if index and spec.tree:  # an engine's rendezvous and the store are the leader's alone
+            continue
         ports = {p["containerPort"] for p in container["ports"]}
         assert spec.master_port in ports and spec.resolved_store_port in ports
         assert spec.resolved_store_port != spec.master_port
 
 
-def test_probes_hit_what_the_command_line_serves():
-    for _index, container, spec, _pod in pods():
+@MANIFESTS
+def test_probes_hit_what_the_command_line_serves(manifest):
+    for _index, container, spec, _pod in pods(manifest):
         assert spec.metrics.addr is not None, "probes need --metrics-addr"
         host, port = spec.metrics.addr
         assert host not in ("127.0.0.1", "localhost", "::1"), "kubelet cannot reach a loopback bind"
@@ -199,27 +223,30 @@ def test_the_probe_paths_answer_as_docs_say_on_a_real_server(state, live, ready)
     assert codes == {"startupProbe": ready, "readinessProbe": ready, "livenessProbe": live}
 
 
-def test_the_grace_period_covers_dump_teardown_linger_and_the_store():
-    for index, _container, spec, pod in pods():
+@MANIFESTS
+def test_the_grace_period_covers_dump_teardown_linger_and_the_store(manifest):
+    for index, _container, spec, pod in pods(manifest):
         linger = spec.metrics.linger if spec.metrics.linger is not None else DEFAULT_FAULT_LINGER_S
         store = link.STORE_LINGER_S if index == 0 else 0.0
         needed = spec.dumps.timeout + spec.kill_grace + linger + store
         assert pod["terminationGracePeriodSeconds"] >= needed, (index, needed)
 
 
-def test_the_startup_probe_waits_out_the_rendezvous_and_the_startup():
-    for _index, container, spec, _pod in pods():
+@MANIFESTS
+def test_the_startup_probe_waits_out_the_rendezvous_and_the_startup(manifest):
+    for _index, container, spec, _pod in pods(manifest):
         probe = container["startupProbe"]
         budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3) + probe.get("initialDelaySeconds", 0)
         assert budget >= spec.nodes.rendezvous_timeout + spec.watchdog.startup_timeout
 
 
-def test_stacks_are_allowed_and_the_group_is_one_fate():
-    lws = lws_manifest()
+@MANIFESTS
+def test_stacks_are_allowed_and_the_group_is_one_fate(manifest):
+    lws = lws_manifest(manifest)
     assert lws["spec"].get("startupPolicy", "LeaderCreated") == "LeaderCreated"  # LeaderReady would deadlock
     assert lws["spec"]["leaderWorkerTemplate"].get("restartPolicy", "RecreateGroupOnPodRestart") in (
         "RecreateGroupOnPodRestart", "RecreateGroupAfterStart")
-    for _index, container, _spec, _pod in pods():
+    for _index, container, _spec, _pod in pods(manifest):
         assert "SYS_PTRACE" in container["securityContext"]["capabilities"]["add"]
         assert "--join-token" not in " ".join(container["command"])  # the secret comes from the environment
 

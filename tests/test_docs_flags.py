@@ -58,6 +58,9 @@ COMPUTED: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
         (f"{specs.DEFAULT_BUILTIN_TP} for the built-in engine",),
         "the built-in engine's TP, the launcher's own flag in --tree mode",
     ),
+    ("serve", "--nnodes"): (("1", "the launcher's --nnodes"), "an engine launcher's own flag in --tree mode"),
+    ("serve", "--node-rank"): (("0", "the launcher's --node-rank"), "an engine launcher's own flag in --tree mode"),
+    ("serve", "--master-addr"): (("127.0.0.1", "the launcher's"), "an engine launcher's own flag in --tree mode"),
     ("serve", "--master-port"): (("a free port",), "picked when the run starts"),
     ("serve", "--store-port"): (("--master-port + 1",), "follows --master-port"),
     ("serve", "--run-id"): (("node 0 picks",), "made when the run starts, by node 0"),
@@ -282,7 +285,7 @@ def test_computed_defaults_are_still_computed(parser):
         ),
         (
             "two flags in one row",
-            lambda t: t.replace("| `--nnodes N` | 1 |", "| `--nnodes N`, `--node-rank R` | 1 |"),
+            lambda t: t.replace("| `--nnodes N` | 1;", "| `--nnodes N`, `--node-rank R` | 1;"),
             "one row per flag",
         ),
         (

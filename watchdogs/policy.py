@@ -165,6 +165,9 @@ class Verdict:
     external: ExternalProgress | None
     control: tuple[SlotSnapshot, ...] = ()  # the live control-plane slots (scheduler, front end) as read
     step_tokens: int = 0  # the thresholds are those of a step of this size (0: the window's)
+    # Multi-node: the ranks of this node another node's hang query found elsewhere (stopped, outside
+    # collectives, behind its sequence number), the first of them the culprit named to the other nodes
+    elsewhere_ranks: tuple[int, ...] = ()
 
     @property
     def fired(self) -> bool:
@@ -605,7 +608,7 @@ def answer_hang_query(
     Returns the verdict, made HARD naming those ranks when there are any, and
     the list of what is elsewhere (empty: every rank here is in that
     collective too, and the verdict is unchanged)."""
-    elsewhere = []
+    elsewhere, ranks = [], []
     for s in snaps:
         if not s.claimed or s.finished:
             continue
@@ -616,7 +619,10 @@ def answer_hang_query(
             elsewhere.append(f"rank {s.rank} is outside collectives at step {s.step}")
         elif s.coll_seq < seq:
             elsewhere.append(f"rank {s.rank} is behind, in {s.coll_op or 'collective'} #{s.coll_seq}")
+        else:
+            continue
+        ranks.append(s.rank)
     if not elsewhere:
         return verdict, elsewhere
     message = f"every rank of node {node} waits in collective #{seq}; here {'; '.join(elsewhere)}"
-    return replace(verdict, kind=VerdictKind.HARD, message=message), elsewhere
+    return replace(verdict, kind=VerdictKind.HARD, message=message, elsewhere_ranks=tuple(ranks)), elsewhere

@@ -226,6 +226,9 @@ def test_which_launchers_serve_the_api_and_which_start_several_control_processes
     assert engines.serves_api("/usr/bin/vllm serve m --tensor-parallel-size 8")
     assert not engines.serves_api("vllm serve m --nnodes 2 --node-rank 1 --headless")
     assert engines.serves_api("python -m sglang.launch_server --model-path m --tp 8")
+    # SGLang's nodes > 0 of its own multi-node launch run its schedulers only
+    assert not engines.serves_api("python -m sglang.launch_server --model-path m --tp 16 --nnodes 2 --node-rank 1")
+    assert engines.serves_api("python -m sglang.launch_server --model-path m --tp 16 --nnodes 2 --node-rank=0")
     assert not engines.serves_api("torchrun --nproc-per-node 8 train.py")
     assert engines.several_control(("vllm", "serve", "m", "--api-server-count", "2"))
     assert engines.several_control(("vllm", "serve", "m", "--data-parallel-size=4"))

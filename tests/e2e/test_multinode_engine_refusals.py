@@ -47,6 +47,7 @@ def assert_refused(supervise, runs, *needles, within_s=None):
     assert marked_pids(supervise.mark) == []
 
 
+@pytest.mark.slow  # ~12 s of real time: 8 s of nothing listening, 3 s standing in
 def test_node_rank_1_on_both_nodes_is_named_as_a_duplicate_on_both_within_30_s(supervise, tmp_path):
     """Nobody is node 0: the node that holds --master-addr says so after a few seconds of nothing listening,
     and tells the other node, which dials it, that it is a duplicate."""
@@ -86,6 +87,7 @@ def test_nnodes_that_differ_are_refused_on_every_node(supervise, tmp_path):
     assert_refused(supervise, runs, "nnodes")
 
 
+@pytest.mark.slow  # its subject is an 8 s rendezvous timeout
 def test_an_unreachable_master_address_is_named_with_what_was_tried(supervise, tmp_path):
     """10.255.255.1 answers nobody here: every few seconds a line says what the dial got, and at the
     rendezvous timeout the error names the address, the port, the tries and the last problem."""

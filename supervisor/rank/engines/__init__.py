@@ -116,7 +116,8 @@ def role_words(role: str, title: str) -> str:
 
 def serves_api(command: str) -> bool:
     """The command line is an engine's server launcher that runs its API server in that process (vLLM's
-    ``api_server`` or ``vllm serve`` without ``--headless``; SGLang's ``launch_server``: its tokenizer manager)."""
+    ``api_server`` or ``vllm serve`` without ``--headless``; SGLang's ``launch_server``: its tokenizer manager),
+    on node 0 of its own multi-node launch (a node > 0 serves no API)."""
     words = command.split()
     for engine in ENGINES:
         cli = engine.CLI
@@ -125,8 +126,17 @@ def serves_api(command: str) -> bool:
             and any(w.endswith(cli[0]) and words[i + 1 : i + len(cli)] == list(cli[1:]) for i, w in enumerate(words))
         )
         if named:
-            return not any(flag in words for flag in engine.NO_API_FLAGS)
+            return not any(flag in words for flag in engine.NO_API_FLAGS) and _node_rank(words, engine) in ("", "0")
     return False
+
+
+def _node_rank(words: list[str], engine: ModuleType) -> str:
+    """The launcher's own node rank as written ("" when not given)."""
+    for i, word in enumerate(words):
+        flag, eq, value = word.partition("=")
+        if flag in engine.NODE_RANK_FLAGS:
+            return value if eq else (words[i + 1] if i + 1 < len(words) else "")
+    return ""
 
 
 def several_control(command: list[str] | tuple[str, ...]) -> bool:

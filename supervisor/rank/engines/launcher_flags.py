@@ -136,15 +136,14 @@ def engine_launch(command: Sequence[str]) -> EngineLaunch | None:
     if e.DIST_INIT_FLAGS:
         text = flag_value(command, e.DIST_INIT_FLAGS)
         if text is not None:
-            host, sep, port = text.rpartition(":")
-            if not sep or not port.isdigit() or not host:
+            host, sep, digits = text.rpartition(":")
+            if not sep or not digits.isdigit() or not host:
                 raise LaunchFlagError(f"the launcher's {e.DIST_INIT_FLAGS[0]} {text!r}: expected HOST:PORT")
-            rendezvous = (host.strip("[]"), int(port))
+            rendezvous = (host.strip("[]"), int(digits))
     elif nnodes > 1 or flag_value(command, e.MASTER_ADDR_FLAGS) is not None:
         default_host, default_port = e.DEFAULT_MASTER
-        host = flag_value(command, e.MASTER_ADDR_FLAGS) or default_host
         port = _int(command, e.MASTER_PORT_FLAGS, default_port)
-        rendezvous = (host, port if port is not None else default_port)
+        rendezvous = (flag_value(command, e.MASTER_ADDR_FLAGS) or default_host, default_port if port is None else port)
     if rendezvous is not None and not 1 <= rendezvous[1] <= 65535:
         raise LaunchFlagError(f"the launcher's rendezvous port {rendezvous[1]} is not between 1 and 65535")
     if nnodes > 1 and rendezvous is None:

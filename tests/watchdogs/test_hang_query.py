@@ -1,0 +1,43 @@
+"""A peer's hang query answered by this node's watchdog (watchdogs/policy.py ``answer_hang_query``): which
+ranks here are elsewhere, and the culprit the other nodes are told (docs/multinode.md, "A hang whose culprit is
+on another node")."""
+
+from __future__ import annotations
+
+from wdfakes import Driver, SteadyGroup, snap
+
+from tp_supervise.watchdogs import policy
+from tp_supervise.watchdogs.policy import VerdictKind as K
+from tp_supervise.watchdogs.policy import WatchdogConfig
+
+
+def _verdict():
+    """A verdict of a group in steady steps, before any query."""
+    group, driver = SteadyGroup(nranks=2), Driver(WatchdogConfig(soft_timeout=3.0, hard_timeout=6.0))
+    verdict = None
+    for _ in range(3):
+        verdict = driver.tick(group.advance(0.05))
+    return verdict
+
+
+def test_a_rank_stopped_inside_the_collective_is_named_like_one_outside_it():
+    base = _verdict()
+    snaps = [snap(0, step=5, coll=31, in_coll=True, pid=100), snap(1, step=5, coll=31, in_coll=True, pid=101)]
+    answered, elsewhere = policy.answer_hang_query(31, 0, base, snaps, {100: "S", 101: "T"})
+    assert answered.kind is K.HARD and answered.elsewhere_ranks == (1,)
+    assert elsewhere == ["rank 1 is stopped (state T)"]
+
+
+def test_outside_and_behind_are_named_and_a_rank_in_the_collective_is_not():
+    base = _verdict()
+    snaps = [snap(0, step=5, coll=31, in_coll=True, pid=100), snap(1, step=5, coll=30, in_coll=True, pid=101),
+             snap(2, step=4, coll=29, pid=102)]
+    answered, elsewhere = policy.answer_hang_query(31, 0, base, snaps, {})
+    assert answered.elsewhere_ranks == (1, 2) and len(elsewhere) == 2
+
+
+def test_every_rank_in_the_collective_too_leaves_the_verdict_as_it_was():
+    base = _verdict()
+    snaps = [snap(0, step=5, coll=31, in_coll=True, pid=100)]
+    answered, elsewhere = policy.answer_hang_query(31, 0, base, snaps, {100: "S"})
+    assert answered is base and elsewhere == []
