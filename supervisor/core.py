@@ -826,10 +826,12 @@ class Supervisor:
         self.services.on_hang("hard")
         log.error("hang: " + ev.message, stalled_s=round(ev.stalled_s, 2), **ev.log_fields)
         asked = self.case.hang_query or self.case.peer_hang_query
-        # Answering another node's query, the rank that is elsewhere (stopped, outside collectives, behind) is
-        # known before any capture: the other nodes name it.
-        elsewhere = ev.verdict.elsewhere_ranks or ev.verdict.outside_collective
-        rank = elsewhere[0] if self.case.peer_hang_query and elsewhere else None
+        # The rank that is elsewhere is known before any capture when one is stopped here, or when answering
+        # another node's query (stopped, outside collectives, behind): the other nodes name it.
+        v = ev.verdict
+        outside = v.outside_collective if self.case.peer_hang_query else ()
+        elsewhere = v.elsewhere_ranks or outside
+        rank = elsewhere[0] if elsewhere else None
         incident_id = self._announce_fault(
             "hang", rank, "hang: " + ev.message, incident_id=asked.incident_id if asked else None
         )

@@ -396,6 +396,8 @@ class GroupOfNodes:
         v = ev.verdict
         if case.hang_query is not None or case.peer_hang_query is not None or v.outside_collective:
             return False
+        if v.elsewhere_ranks:  # a rank of this node is stopped: the culprit is here
+            return False
         if not v.in_collective:
             return False
         seq = max(c.coll_seq for c in v.in_collective)

@@ -165,8 +165,9 @@ class Verdict:
     external: ExternalProgress | None
     control: tuple[SlotSnapshot, ...] = ()  # the live control-plane slots (scheduler, front end) as read
     step_tokens: int = 0  # the thresholds are those of a step of this size (0: the window's)
-    # Multi-node: the ranks of this node another node's hang query found elsewhere (stopped, outside
-    # collectives, behind its sequence number), the first of them the culprit named to the other nodes
+    # The ranks of this node found elsewhere, the first of them the culprit named to the other nodes: for
+    # another node's hang query, those stopped, outside collectives or behind its sequence number; on this
+    # node's own hard verdict, those stopped (state T/t, read by the caller: a stop inside a collective too)
     elsewhere_ranks: tuple[int, ...] = ()
 
     @property

@@ -188,6 +188,10 @@ class WatchdogThread:
                 )
             if verdict.kind is policy.VerdictKind.HARD:
                 self.state = replace(self.state, hard_fired=True)
+        if verdict.kind is policy.VerdictKind.HARD and not verdict.elsewhere_ranks:
+            # a rank stopped by a signal is the culprit here, even inside a collective: no other node is asked
+            stopped = tuple(s.rank for s in snaps if s.claimed and not s.finished and proc_state(s.pid) in ("T", "t"))
+            verdict = replace(verdict, elsewhere_ranks=stopped) if stopped else verdict
         self._post(verdict, snaps, now, attempt)
         try:
             self.on_tick(snaps, verdict, now, {slot: r.alive for slot, r in attempt.ranks.items()})
