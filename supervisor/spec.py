@@ -22,7 +22,14 @@ from tp_supervise.watchdogs.straggler import StragglerConfig
 
 from .outcome import valid_run_id
 from .rank.engines import BY_NAME
-from .rank.engines.launcher_flags import EngineLaunch, launcher_engine, launcher_metrics_url, launcher_nproc
+from .rank.engines.launcher_flags import (
+    EngineLaunch,
+    LaunchFlagError,
+    engine_launch,
+    launcher_engine,
+    launcher_metrics_url,
+    launcher_nproc,
+)
 
 CONSENSUS_MODES = ("off", "observe", "enforce")
 STACK_METHODS = ("auto", "py-spy", "faulthandler", "none")
@@ -579,12 +586,20 @@ ENGINE_METRICS_OFF = "none"
 
 def engine_metrics_source(given: str | None, command: Sequence[str], tree: bool) -> tuple[str | None, str]:
     """(URL, engine kind) of the engine-metrics progress source: ``given`` (``none`` turns it off), else in tree
-    mode the one a vLLM or SGLang launcher's flags name (docs/supervisor.md, ``--engine-metrics-url``)."""
+    mode the one a vLLM or SGLang launcher's flags name (docs/supervisor.md, ``--engine-metrics-url``); none for
+    a launcher that serves no API on this node (``--headless``, a node > 0 of its own multi-node launch)."""
     if given is not None:
         return (None if given.strip().lower() == ENGINE_METRICS_OFF else given), "auto"
     if not tree:
         return None, "auto"
-    return launcher_metrics_url(command), launcher_engine(command) or "auto"
+    engine = launcher_engine(command) or "auto"
+    try:
+        launch = engine_launch(command)
+    except LaunchFlagError:
+        launch = None
+    if launch is not None and launch.headless:
+        return None, engine
+    return launcher_metrics_url(command), engine
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,11 @@ def test_a_store_port_among_the_engines_own_ports_is_refused():
     assert (spec.nnodes, spec.node_rank, spec.nproc_per_node, spec.resolved_store_port) == (2, 1, 1, 29601)
 
 
+def test_a_headless_node_reads_no_engine_metrics_it_does_not_serve():
+    assert _spec("--", *NODE1).watchdog.engine_metrics_url is None
+    assert _spec("--", *NODE0).watchdog.engine_metrics_url == "http://127.0.0.1:8000/metrics"
+
+
 def test_rank_count_that_contradicts_the_launcher_is_refused():
     with pytest.raises(UsageError, match="contradicts the launcher: vllm starts 1 here"):
         _spec("--nproc-per-node", "2", "--", *NODE1)
