@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ import pytest
 from tests.conftest import MARK_VAR, ROOT, fake_rank, marked_pids
 from tests.live import wait_for
 from tests.netlab import DelayProxy, Lab, NetlabUnavailable, netlab
-from tests.support.nodes import Node
+from tests.support.nodes import Node, stop_nodes
 
 pytestmark = pytest.mark.e2e
 
@@ -93,15 +92,7 @@ class Group:
         return stamp - self.fault_wall
 
     def stop(self) -> None:
-        for node in self.nodes:
-            if node.proc.poll() is None:
-                node.proc.kill()
-                node.proc.wait(10)
-            for pid in marked_pids(node.mark):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_nodes(self.nodes)
         if self.proxy is not None:
             self.proxy.stop()
 

@@ -44,11 +44,17 @@ def pair(lab, tiny_model, tmp_path):
         p.stop()
 
 
-def loaded(pair: VllmPair, lab, seconds: float = 15.0) -> NodeZeroLoad:
+def fault_under_load(p: VllmPair, lab, fault, until_s: float, load_s: float = 15.0) -> dict[int, float | None]:
+    """Clients on node 0 for ``load_s``, then ``fault()``: seconds from it to each node's exit."""
     load = NodeZeroLoad(lab)
-    time.sleep(seconds)
-    assert load.done > 0, "no request was served before the fault"
-    return load
+    try:
+        time.sleep(load_s)
+        assert load.done > 0, "no request was served before the fault"
+        fault()
+        p.fault()
+        return p.watch(until_s)
+    finally:
+        load.close()
 
 
 def test_serves_through_node_0_then_a_worker_stopped_on_node_1_ends_both_naming_it(pair, lab):
@@ -62,14 +68,8 @@ def test_serves_through_node_0_then_a_worker_stopped_on_node_1_ends_both_naming_
     for n in p.nodes:
         joined = n.events("rank count read from the launcher's command line")
         assert joined and joined[0]["nproc_per_node"] == 1, n.tail()
-    load = loaded(p, lab)
     worker = p.process(1, "VLLM::Worker_TP1")
-    worker.send_signal(signal.SIGSTOP)
-    p.fault()
-    try:
-        ended = p.watch(ONE_FATE_S + 20)
-    finally:
-        load.close()
+    ended = fault_under_load(p, lab, lambda: worker.send_signal(signal.SIGSTOP), ONE_FATE_S + 20)
     node0, node1 = p.nodes
     assert node0.code == 81, node0.tail()
     assert node1.code in (81, 84), node1.tail()
@@ -87,13 +87,7 @@ def test_serves_through_node_0_then_a_worker_stopped_on_node_1_ends_both_naming_
 
 def test_node_1_supervisor_killed_node_0_exits_84_and_nothing_is_left_anywhere(pair, lab):
     p = pair()
-    load = loaded(p, lab)
-    p.nodes[1].proc.kill()
-    p.fault()
-    try:
-        ended = p.watch(NODE_LOST_BOUND_S + 20)
-    finally:
-        load.close()
+    ended = fault_under_load(p, lab, p.nodes[1].proc.kill, NODE_LOST_BOUND_S + 20)
     node0 = p.nodes[0]
     assert node0.code == 84 and ended[0] is not None and ended[0] <= NODE_LOST_BOUND_S, (ended, node0.tail())
     assert node0.summary("node_lost")["culprit_node"] == 1
@@ -103,13 +97,8 @@ def test_node_1_supervisor_killed_node_0_exits_84_and_nothing_is_left_anywhere(p
 
 def test_node_0_engine_core_killed_ends_both_naming_it_on_node_0(pair, lab):
     p = pair()
-    load = loaded(p, lab)
-    p.process(0, "VLLM::EngineCore").kill()
-    p.fault()
-    try:
-        ended = p.watch(ONE_FATE_S + 20)
-    finally:
-        load.close()
+    core = p.process(0, "VLLM::EngineCore")
+    ended = fault_under_load(p, lab, core.kill, ONE_FATE_S + 20)
     node0, node1 = p.nodes
     assert node0.code in (80, 81) and node1.code in (81, 84), (node0.tail(), node1.tail())
     assert all(t is not None and t <= ONE_FATE_S for t in ended.values()), ended
@@ -121,13 +110,9 @@ def test_node_0_engine_core_killed_ends_both_naming_it_on_node_0(pair, lab):
 
 def test_a_partition_between_the_nodes_is_ruled_on_both_sides(pair, lab):
     p = pair()
-    load = loaded(p, lab)
-    lab.partition(1)
-    p.fault()
     try:
-        ended = p.watch(ONE_FATE_S + 20)
+        ended = fault_under_load(p, lab, lambda: lab.partition(1), ONE_FATE_S + 20)
     finally:
-        load.close()
         lab.heal(1)
     node0, node1 = p.nodes
     assert node0.code in (81, 84) and node1.code in (81, 84), (node0.tail(), node1.tail())

@@ -104,6 +104,19 @@ class Node:
         )
 
 
+def stop_nodes(nodes: list[Node]) -> None:
+    """Kill every node's supervisor that still runs, then whatever carries its mark (its ranks, its engine)."""
+    for n in nodes:
+        if n.proc.poll() is None:
+            n.proc.kill()
+            n.proc.wait(10)
+        for pid in marked_pids(n.mark):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def vllm_line(python: Path, model: Path, node: int, master: str, api_port: int = API_PORT) -> list[str]:
     line = [
         str(python),
@@ -252,15 +265,7 @@ class VllmPair:
         return sorted(n for n in new if n.startswith(("vllm", "psm_")))
 
     def stop(self) -> None:
-        for n in self.nodes:
-            if n.proc.poll() is None:
-                n.proc.kill()
-                n.proc.wait(10)
-            for pid in marked_pids(n.mark):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_nodes(self.nodes)
 
 
 class NodeZeroLoad:
