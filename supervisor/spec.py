@@ -654,9 +654,12 @@ def node_place(
         engine_rendezvous=rendezvous,
         engine_rendezvous_span=launch.rendezvous_span,
     )
-    if rendezvous is not None and store_port is None and place.master_port == rendezvous[1]:
-        # the store's default (--master-port + 1) would fall among the engine's own ports: the first one after
-        place = dataclasses.replace(place, store_port=rendezvous[1] + launch.rendezvous_span)
+    if rendezvous is not None and store_port is None and place.master_port is not None:
+        first, span = rendezvous[1], launch.rendezvous_span
+        if place.master_port == first or first <= place.master_port + 1 < first + span:
+            # the store's default (--master-port + 1) would fall among the engine's own ports: the first one after
+            # them (only a --store-port given there is refused)
+            place = dataclasses.replace(place, store_port=first + span)
     return place
 
 

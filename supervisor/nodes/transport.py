@@ -40,6 +40,9 @@ RETRY_S = 0.2  # a node dialling node 0 before it is up tries again this often
 # for STAND_IN_S, telling whoever dials why (a second --node-rank R elsewhere learns it is a duplicate), and exits.
 NO_NODE_0_S = 8.0
 STAND_IN_S = 3.0
+# A second node 0 finds the port taken and probes the holder: a node 0 still starting (its store child, then its
+# gate) may take seconds to answer on a loaded host; past this, the holder is something else.
+PROBE_PATIENCE_S = 10.0
 PROGRESS_S = 3.0
 
 
@@ -388,24 +391,32 @@ def _host(
     return transport
 
 
-def _who_holds(host: str, port: int, token: str | None) -> str:
-    """The gate port is taken: by another node 0 of this group (the usual mistake), or by something else."""
-    try:
-        chan = open_channel((host, port), "probe", 0, token)
-        chan.close()
-        return (
-            f"another supervisor already hosts node 0 for this group at {host}:{port}: is `--node-rank 0` given "
-            "twice? Give each node its own --node-rank"
-        )
-    except Refused as exc:
-        if str(exc).startswith(("duplicate", "nobody is node 0")):  # a node > 0 standing in: it exits soon
-            return f"port {port} on {host} is held by a supervisor that is not node 0: {exc}"
-        return (
-            f"another supervisor already hosts node 0 at {host}:{port} (with another --join-token): is "
-            "`--node-rank 0` given twice, or is another job using this --store-port?"
-        )
-    except (OSError, ChannelError):
-        return (
-            f"port {port} on {host} is in use by something that is not a tp-supervise store; stop it or pick "
-            "another --store-port"
-        )
+def _who_holds(host: str, port: int, token: str | None, patience_s: float = PROBE_PATIENCE_S) -> str:
+    """The gate port is taken: by another node 0 of this group (the usual mistake), or by something else.
+
+    A node 0 binds its port before its store child is up and answers a hello only once its gate runs (seconds
+    on a loaded host): a probe left unanswered is sent again until ``patience_s`` before the holder is called a
+    stranger."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            chan = open_channel((host, port), "probe", 0, token)
+            chan.close()
+            return (
+                f"another supervisor already hosts node 0 for this group at {host}:{port}: is `--node-rank 0` given "
+                "twice? Give each node its own --node-rank"
+            )
+        except Refused as exc:
+            if str(exc).startswith(("duplicate", "nobody is node 0")):  # a node > 0 standing in: it exits soon
+                return f"port {port} on {host} is held by a supervisor that is not node 0: {exc}"
+            return (
+                f"another supervisor already hosts node 0 at {host}:{port} (with another --join-token): is "
+                "`--node-rank 0` given twice, or is another job using this --store-port?"
+            )
+        except (OSError, ChannelError):
+            if time.monotonic() >= deadline:
+                return (
+                    f"port {port} on {host} is in use by something that is not a tp-supervise store; stop it or "
+                    "pick another --store-port"
+                )
+            time.sleep(RETRY_S)

@@ -118,6 +118,9 @@ def test_node_place_takes_what_the_supervisor_was_not_told_from_the_launcher():
     assert place.store_port == 29601 and place.engine_rendezvous == ("10.0.0.1", 29600)
     sglang = node_place(None, None, None, None, None, engine_launch([*SGLANG, "--node-rank", "1"]))
     assert sglang.store_port == 5006  # after SGLang's six ports
+    # supervise --master-port 29500 beside vLLM's default rendezvous (29501): the store goes after it, not on it
+    default_rdzv = engine_launch(["vllm", "serve", "m", "-tp", "2", "--nnodes", "2", "--node-rank", "1"])
+    assert node_place(None, None, None, 29500, None, default_rdzv).store_port == 29502
     alone = node_place(None, None, None, None, None, None)
     assert (alone.nnodes, alone.node_rank, alone.master_addr) == (1, 0, "127.0.0.1")
 
