@@ -212,3 +212,36 @@ def test_a_store_that_is_gone_costs_one_line_and_leaves_the_bundle_as_it_was(tmp
     assert time.monotonic() - started < 2.5  # the connect is bounded well inside the dump's deadline
     assert (path / SUMMARY_JSON).read_bytes() == before
     hurry.close()
+
+
+# -- the engine's control plane across nodes (vLLM's engine core and API server on node 0) ----------
+CORE = {"role": "scheduler", "who": "vLLM's engine core (pid 12, VLLM::EngineCore)", "pid": 12, "state": "S",
+        "alive": True, "exit": None, "in_step": True, "phase": "execute", "where": "acquire_read (shm_broadcast.py)",
+        "culprit": False, "stack_signature": "…"}
+API = {"role": "frontend", "who": "vLLM's API server (pid 10)", "pid": 10, "state": "S", "alive": True, "exit": None,
+       "in_step": True, "phase": "", "where": "run (runners.py)", "culprit": False}
+HELPER = {"role": "helper", "who": "the helper (pid 13)", "pid": 13, "state": "S", "alive": True, "exit": None}
+
+
+def test_each_nodes_control_plane_is_published_and_named_after_the_ranks():
+    summary = bundle_summary("peer_failed", {"0": WAITING}, [], "v") | {
+        "processes": {"10": API, "12": CORE, "13": HELPER}}
+    record = node_merge.node_summary(summary, node_rank=0, host="host0", bundle="/dumps/n0")
+    assert [p["role"] for p in record["processes"]] == ["frontend", "scheduler"]  # helpers are not the plane
+    assert "stack_signature" not in record["processes"][1]
+    nodes_ = {1: summary_of(1, "hang", {"1": STOPPED}, [1], "rank 1 is stopped"), 0: record}
+    assert node_merge.merged_verdict(1, nodes_) == (
+        "rank 1 on node 1 is stopped (state T) in sample (engine.py) at step 4; rank 0 on node 0 waits in "
+        "all_reduce #31 [64x256 float32]; vLLM's API server (pid 10) on node 0 holds requests in flight, waiting "
+        "for their outputs; vLLM's engine core (pid 12, VLLM::EngineCore) on node 0 waits inside its step (phase "
+        "execute) for the ranks. Node 1's own verdict: rank 1 is stopped")
+
+
+def test_a_control_plane_culprit_leads_the_verdict_with_its_exit():
+    dead = dict(CORE, alive=False, state=None, exit={"code": None, "signal": "SIGKILL", "description": "was killed by SIGKILL"})
+    summary = bundle_summary("rank_exit", {"0": WAITING}, [], "vLLM's engine core was killed") | {
+        "processes": {"10": API, "12": dead}, "culprit": {"role": "scheduler", "pid": 12, "title": "VLLM::EngineCore"}}
+    record = node_merge.node_summary(summary, node_rank=0, host="host0", bundle="/dumps/n0")
+    assert record["processes"][0]["culprit"] and record["processes"][0]["exit"] == "was killed by SIGKILL"
+    verdict = node_merge.merged_verdict(0, {0: record, 1: summary_of(1, "peer_failed", {"1": WAITING}, [])})
+    assert verdict.startswith("vLLM's engine core (pid 12, VLLM::EngineCore) on node 0 was killed by SIGKILL; "), verdict
