@@ -70,7 +70,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -126,17 +126,21 @@ def serves_api(command: str) -> bool:
             and any(w.endswith(cli[0]) and words[i + 1 : i + len(cli)] == list(cli[1:]) for i, w in enumerate(words))
         )
         if named:
-            return not any(flag in words for flag in engine.NO_API_FLAGS) and _node_rank(words, engine) in ("", "0")
+            headless = any(flag in words for flag in engine.NO_API_FLAGS)
+            return not headless and flag_value(words, engine.NODE_RANK_FLAGS) in (None, "0")
     return False
 
 
-def _node_rank(words: list[str], engine: ModuleType) -> str:
-    """The launcher's own node rank as written ("" when not given)."""
-    for i, word in enumerate(words):
-        flag, eq, value = word.partition("=")
-        if flag in engine.NODE_RANK_FLAGS:
-            return value if eq else (words[i + 1] if i + 1 < len(words) else "")
-    return ""
+def flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value of the first of ``flags`` in a launcher's command (``--flag V`` or ``--flag=V``), else None."""
+    for i, arg in enumerate(command):
+        flag, eq, value = arg.partition("=")
+        if flag in flags:
+            if eq:
+                return value
+            if i + 1 < len(command):
+                return command[i + 1]
+    return None
 
 
 def several_control(command: list[str] | tuple[str, ...]) -> bool:

@@ -18,23 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from . import BY_NAME, ENGINES
+from . import BY_NAME, ENGINES, flag_value
 
 
 class LaunchFlagError(ValueError):
     """A launcher flag this module reads holds something it cannot be (the caller makes it a usage error)."""
-
-
-def flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
-    """The value of the first of ``flags`` in the command (``--flag V`` or ``--flag=V``), else None."""
-    for i, arg in enumerate(command):
-        flag, eq, value = arg.partition("=")
-        if flag in flags:
-            if eq:
-                return value
-            if i + 1 < len(command):
-                return command[i + 1]
-    return None
 
 
 def _switch(command: Sequence[str], flags: Sequence[str]) -> str | None:
@@ -98,13 +86,6 @@ class EngineLaunch:
     @property
     def nproc_per_node(self) -> int:
         return max(1, self.world // self.nnodes)
-
-    def rendezvous_words(self) -> str:
-        """How the operator gave the rendezvous (for messages)."""
-        module = BY_NAME[self.engine]
-        if module.DIST_INIT_FLAGS:
-            return module.DIST_INIT_FLAGS[0]
-        return f"{module.MASTER_ADDR_FLAGS[0]}/{module.MASTER_PORT_FLAGS[0]}"
 
 
 def engine_launch(command: Sequence[str]) -> EngineLaunch | None:
