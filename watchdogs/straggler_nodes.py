@@ -19,6 +19,11 @@ round trip measured (``clock_offset``, ``best_offset``).  Every node runs
   (``NodeBaselines``), the others must wait for it a threshold share of
   their time more than usual.
 
+``NodeEpisodes`` decides what is said: a node is announced once it was late
+at every merge for ``sustain_s``, and while its baseline is learned only at
+``gross_share`` (a node uneven by design is learned, not named), as within a
+node.
+
 docs/watchdogs.md ("Stragglers", across nodes) has the long form.
 """
 
@@ -243,3 +248,36 @@ class NodeBaselines:
             node: _median(self._shares[node]) if now - first >= self.learn_s and self._shares.get(node) else None
             for node, first in self._first.items()
         }
+
+
+class NodeEpisodes:
+    """Which late nodes to announce, merge after merge (the straggler thread's every ``PUBLISH_EVERY_S``).
+
+    As within a node (``straggler.StragglerDetector``): a node is announced once it was late at every merge
+    for ``config.sustain_s``; while its baseline is learned (``NodeBaselines`` over ``config.baseline_min_s``,
+    from the first merge) only at ``config.gross_share`` of the others' time, so a node whose role is uneven
+    by design (it hosts the scheduler) becomes its baseline instead of an alarm, and a node slow from the
+    start is still named when it costs the others that much.  ``judge`` returns the judgement with
+    ``late_nodes`` cut to those sustained."""
+
+    def __init__(self, config: StragglerConfig):
+        self.config = config
+        self.baselines = NodeBaselines(config.baseline_min_s)
+        self._since: dict[int, float] = {}  # node -> the first merge of its current run of late merges
+
+    def judge(self, summaries: Sequence[NodeSummary], now: float) -> CrossNodeJudgement:
+        usual = self.baselines.values(now)
+        judgement = merge_nodes(
+            summaries,
+            share_threshold=self.config.threshold or 1.0,
+            baselines=usual,
+            gross_share=self.config.gross_share,
+        )
+        self.baselines.observe(now, judgement)
+        late = [n for n in judgement.late_nodes if usual.get(n.node) is not None or n.share >= self.config.gross_share]
+        for node in set(self._since) - {n.node for n in late}:
+            del self._since[node]
+        for n in late:
+            self._since.setdefault(n.node, now)
+        sustained = tuple(n for n in late if now - self._since[n.node] >= self.config.sustain_s)
+        return CrossNodeJudgement(judgement.named, sustained, judgement.shares)

@@ -38,7 +38,7 @@ import structlog
 from tp_supervise.dumps.slowness import SlownessSample, explain, explain_straggler, read_slowness, slowness_delta
 from tp_supervise.watchdogs.gpu import GpuReading, explain_gpu
 from tp_supervise.watchdogs.straggler import NAMED, StragglerConfig, StragglerDetector, StragglerReport
-from tp_supervise.watchdogs.straggler_nodes import NodeBaselines, NodeSummary, merge_nodes, summarize
+from tp_supervise.watchdogs.straggler_nodes import NodeEpisodes, NodeSummary, summarize
 
 from ..events import StragglerAcrossNodes, StragglerCleared, StragglerNamed
 from ..processes.pidfds import named_thread
@@ -106,7 +106,8 @@ class StragglerThread:
         # the last merge that still found them: one log line per episode, a new one after FORGET_MERGES without.
         self._said: dict[tuple, int] = {}
         self._merges = 0
-        self._node_baselines = NodeBaselines(config.warmup_s + config.baseline_min_s)
+        self._episodes = NodeEpisodes(config)
+        self._refs_from: float | None = None  # references before this (the first collectives' warm-up) are not kept
         self.detector = StragglerDetector(config)
         self.watching: float | None = None  # started_at of the attempt watched
         self.step_s: float | None = None
@@ -142,7 +143,8 @@ class StragglerThread:
             self._samples.clear()
             self._refs.clear()
             self._said.clear()
-            self._node_baselines = NodeBaselines(self.config.warmup_s + self.config.baseline_min_s)
+            self._episodes = NodeEpisodes(self.config)
+            self._refs_from = None
         live = {slot: r for slot, r in attempt.ranks.items() if r.alive and r.rank >= 0}
         windows = [self.heartbeat.arrivals(slot, since=self.detector.since(r.rank)) for slot, r in live.items()]
         if now >= self._next_step:
@@ -217,13 +219,17 @@ class StragglerThread:
     # -- across nodes ----------------------------------------------------------------------------
     def _keep_references(self, windows: list) -> None:
         """Each rank's arrival at the reference collectives its window holds (also with one rank per node,
-        where the detector has nobody to compare within the node)."""
+        where the detector has nobody to compare within the node), from ``warmup_s`` after the first arrival
+        seen on: the first collectives (connections made, caches cold, a first step compiled) say nothing of
+        a node's usual pace."""
         for w in windows:
-            if w is None:
+            if w is None or not w.arrivals:
                 continue
+            if self._refs_from is None:
+                self._refs_from = w.arrivals[0] + self.config.warmup_s
             for i, arrival in enumerate(w.arrivals):
                 seq = w.first_seq + i
-                if is_reference(seq):
+                if arrival >= self._refs_from and is_reference(seq):
                     self._refs.setdefault(seq, {})[w.rank] = arrival
         for seq in sorted(self._refs)[:-REF_KEEP]:
             del self._refs[seq]
@@ -233,7 +239,12 @@ class StragglerThread:
         offset = self.nodes.clock_offset()
         if offset is None:
             return
-        refs = {seq: tuple(sorted(by_rank.items())) for seq, by_rank in self._refs.items()}
+        # The references of the detector's window only: a node that turns late is judged on what it does now,
+        # not diluted by minutes of its usual pace.
+        since = report.at - self.config.window_s
+        refs = {
+            seq: tuple(sorted(by_rank.items())) for seq, by_rank in self._refs.items() if max(by_rank.values()) >= since
+        }
         mine = summarize(report, refs, self.nodes.node_rank, offset[0], offset[1])
 
         self.nodes.publish(json.dumps(mine.to_dict()).encode())
@@ -245,13 +256,7 @@ class StragglerThread:
                 continue  # not a summary (a stranger's value, an older format): ignored
             if summary.node == node:
                 summaries.append(summary)
-        judgement = merge_nodes(
-            summaries,
-            share_threshold=self.config.threshold or 1.0,
-            baselines=self._node_baselines.values(report.at),
-            gross_share=self.config.gross_share,
-        )
-        self._node_baselines.observe(report.at, judgement)
+        judgement = self._episodes.judge(summaries, report.at)
         self._merges += 1
         findings: dict[tuple, str] = {
             ("rank", node, rank): f"node {node}: {text}" for node, rank, text in judgement.named

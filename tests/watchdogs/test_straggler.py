@@ -26,6 +26,7 @@ from tp_supervise.watchdogs.straggler import (
 )
 from tp_supervise.watchdogs.straggler_nodes import (
     NodeBaselines,
+    NodeEpisodes,
     NodeSummary,
     best_offset,
     clock_offset,
@@ -385,6 +386,32 @@ def test_a_node_late_by_design_is_learned_and_a_node_that_turns_late_is_named():
     assert [(n.node, n.ranks) for n in late.late_nodes] == [(1, (2, 3))]
     baselines.observe(32.0, late)
     assert baselines.values(32.0)[1] == pytest.approx(learned[1]), "a late node's share is not learned"
+
+
+def test_node_episodes_learn_a_node_uneven_by_design_and_announce_a_sustained_one():
+    """What the straggler thread says across nodes: a node 3 ms late by design is never announced (it is learned,
+    not an alarm, though it reads as late without a baseline); a node that turns 8 ms later than that is announced
+    once it has been late for sustain_s of merges; a node slow from the start at the gross share is announced
+    while baselines are still being learned."""
+    def summaries(extra_s: float) -> list[NodeSummary]:
+        arrivals = group(4, 40, extra=lambda r, k, j, t: extra_s if r >= 2 else 0.0)
+        det0, rep0 = _node_run(arrivals[:2], [0, 1])
+        det1, rep1 = _node_run(arrivals[2:], [2, 3])
+        return [summarize(rep0, det0.references(), node=0), summarize(rep1, det1.references(), node=1)]
+
+    config = StragglerConfig(sustain_s=6.0, baseline_min_s=10.0)
+    episodes = NodeEpisodes(config)
+    usual, worse = summaries(0.003), summaries(0.011)
+    for t in range(0, 21, 2):
+        assert episodes.judge(usual, float(t)).late_nodes == (), t
+    said = [(t, [n.node for n in episodes.judge(worse, float(t)).late_nodes]) for t in range(22, 34, 2)]
+    assert said == [(22, []), (24, []), (26, []), (28, [1]), (30, [1]), (32, [1])]
+    assert episodes.judge(usual, 34.0).late_nodes == (), "back to its usual: the run of late merges ends"
+    assert episodes.judge(worse, 36.0).late_nodes == () and episodes.judge(worse, 42.0).late_nodes != ()
+
+    gross = summaries(0.2)  # the others wait for node 1 most of their time from the first collective
+    episodes = NodeEpisodes(config)
+    assert [bool(episodes.judge(gross, float(t)).late_nodes) for t in range(0, 9, 2)] == [False] * 3 + [True] * 2
 
 
 def test_clock_offset_from_a_round_trip():
