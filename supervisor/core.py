@@ -89,7 +89,7 @@ from .outcome import (
     new_run_id,
     run_dir_for,
 )
-from .processes import exits
+from .processes import exits, shm
 from .processes import pidfds as procs
 from .processes import spawn as launch
 from .processes.attempt import ENGINE_PROCESS, LAUNCHER_SLOT, NOT_STARTED, Attempt, AttemptView, Published, RankView
@@ -973,7 +973,7 @@ class Supervisor:
                 gpu_holders=self.services.gpu_check() if self._services is not None else None,
                 cgroup=self.cgroup,
                 keep=self.monitor.kept_pids,
-                shm_seen=self.attempt.shm.seen(),
+                shm_seen=self.attempt.shm.seen() | shm.registered(self.run_dir),
             )
         finally:
             # The attempt's pidfds end with it (reaped, or survivors reported): no fd outlives an attempt.

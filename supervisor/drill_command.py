@@ -1,74 +1,86 @@
-"""``supervise drill -- COMMAND``: the fault matrix against the user's own engine, behind the relay.
+"""``supervise drill -- COMMAND``: a fault campaign against the user's own engine, behind the relay.
 
-A COMMAND cannot be asked to inject a fault, so each fault comes from outside, as it does in production: a
-signal to TP rank 1 (found through the supervisor's status, as ``supervise status`` shows it)::
+Each kind (``drill_kinds``: signals to every role, faults armed inside a
+process through the injection lane, cgroup limits, a broken environment) is
+one trial: ``supervise serve --relay 127.0.0.1:PUB --max-restarts 1
+[--serve-flags] -- COMMAND`` started with a fresh lane token, the drill's
+clients (completions and chat, streamed and not, every request through the
+relay), ``--load-before`` seconds of load, then the fault in the process of
+the kind's role (found through the supervisor's status).  The trial records
+what the supervisor ruled (the first fatal bundle after the fault, or a
+straggler's), whom it named, fault → ruling, ruling → the first request
+served again, what the clients saw, and what the run left behind (processes
+carrying the trial's token, /dev/shm entries made during it); ``drill_kinds.
+score`` compares that with what the kind expects.  A kind the drill cannot
+do here (not root, two nodes) is reported as not run, with why.
 
-    kind       signal    the supervisor must rule
-    kill       SIGKILL   rank_exit [1]  (an OOM kill, a crash without a trace)
-    segfault   SIGSEGV   rank_exit [1]  (a native crash; faulthandler prints the stacks first)
-    abort      SIGABRT   rank_exit [1]  (a C++ abort)
-    stop       SIGSTOP   hang [1]       (a rank that stopped running while its peers wait in a collective)
-
-Each kind is one ``supervise serve --relay 127.0.0.1:PUB --max-restarts 1 [--serve-flags] -- COMMAND`` under the
-drill's load (long completions and a short probe, every request through the relay, as a client sends it).  The
-fault fires once, so the group restarts once and serves again; the drill then stops the run with SIGTERM.  A kind
-passes when the bundle names rank 1 with the reason above, a request was served after the fault, no client got an
-answer other than 200 (the relay held what was in flight across the restart), and the run exits 0.
-
-Two times per kind, both from the signal: *detected after* (→ the ruling's log line) and *serving again* (→ the
-first probe answered 200 after the ruling: what a client that sends at the fault waits, through the relay).
+Outputs: a live progress line (stderr), a rich table, ``--json`` (one record
+per kind and trial), ``--markdown`` (a runbook's table).  ``--soak MINUTES``
+runs the same clients with no fault and counts every verdict as a false
+alarm.  docs/drills.md is the operator's page.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
-from .drill import DrillResult, Traffic, end_run, fatal_bundles, first_ruling, report, wait_answering
+from . import drill_env
+from .drill import RULINGS, fatal_bundles, wait_answering
 from .drill import serve_argv as drill_serve_argv
+from .drill_kinds import BY_NAME, KINDS, RUNS_ON, Kind, KindError, Observed, score, select
 from .observers import control_socket as control
 from .observers.status_view import fetch
-from .rank.net import free_port
+from .rank.drill_lane import ENV_DRILL
 
-FAULT_RANK = 1
-COMMAND_KINDS = {
-    "kill": (signal.SIGKILL, "rank_exit"),
-    "segfault": (signal.SIGSEGV, "rank_exit"),
-    "abort": (signal.SIGABRT, "rank_exit"),
-    "stop": (signal.SIGSTOP, "hang"),
-}
-DEFAULT_KINDS = ("kill", "stop")
 # The drill chooses these itself: the relay's address, where bundles and the log go, their format, no injection.
 OWNED_FLAGS = ("--relay", "--dump-dir", "--log-format", "--inject", "--listen")
+# The drill's former kind names (signals to TP rank 1), still accepted.
+ALIASES = {"kill": "kill_rank", "segfault": "segv_rank", "abort": "abort_rank", "stop": "stop_rank"}
+DEFAULT_KINDS = "kill_rank,stop_rank"
 POLL_S = 0.5
 STATUS_TIMEOUT_S = 3.0
+ARM_TIMEOUT_S = 10.0
+FIND_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 120.0  # SIGTERM → exit: the engine's own shutdown, then the supervisor's teardown
 CLIENT_SLACK_S = 60.0  # a client's timeout: the engine's start (--ready-timeout) and this
+VERDICT_LIMIT_S = 120.0  # fault → ruling, at most (a hang's thresholds are learned from the load's steps)
+STRAGGLER_WAIT_S = 40.0  # before a quota: the straggler detector's warm-up and baseline (20 s) and margin
+STRAGGLER_LIMIT_S = 90.0  # quota → a straggler bundle, at most
+RUNS_ON_S = 30.0  # a kind that must change nothing: how long the run is watched
+LOAD_THREADS = 4
+REQUEST_TOKENS = 48
+PROBE_EVERY_S = 0.25
+LEFTOVER_WAIT_S = 5.0
 
 
 class UsageError(Exception):
     """The drill's flags cannot make a run (exit 64, before anything starts)."""
 
 
-def parse_kinds(text: str | None) -> list[str]:
-    if text is None:
-        return list(DEFAULT_KINDS)
-    kinds = list(COMMAND_KINDS) if text == "all" else [k.strip() for k in text.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in COMMAND_KINDS]
-    if unknown or not kinds:
+def parse_kinds(kinds: str | None, roles: str | None = None) -> list[Kind]:
+    text = DEFAULT_KINDS if kinds is None and roles is None else kinds
+    if text:
+        text = ",".join(ALIASES.get(w.strip(), w.strip()) for w in text.split(","))
+    try:
+        return select(text, roles)
+    except KindError as exc:
         raise UsageError(
-            f"unknown kind(s) {', '.join(unknown) or '(none)'} for a COMMAND; choose from {', '.join(COMMAND_KINDS)} "
-            "(the built-in engine's inject kinds need the built-in engine: drop the COMMAND)"
-        )
-    return kinds
+            f"{exc} (the built-in engine's inject kinds need the built-in engine: drop the COMMAND)"
+        ) from None
 
 
 def parse_serve_flags(text: str) -> list[str]:
@@ -87,6 +99,20 @@ def parse_serve_flags(text: str) -> list[str]:
 def serve_argv(public: int, dump_dir: Path, serve_flags: list[str], command: list[str]) -> list[str]:
     return [*drill_serve_argv(dump_dir), "--relay", f"127.0.0.1:{public}", "--max-restarts", "1", *serve_flags,
             "--", *command]  # fmt: skip
+
+
+# -- the drill's clients -------------------------------------------------------------------------------------
+def _request(port: int, path: str, body: dict, timeout_s: float) -> tuple[int | None, bytes]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return None, repr(exc).encode()
 
 
 def _get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int | None, bytes]:
@@ -109,19 +135,244 @@ def served_model(public: int) -> str | None:
         return None
 
 
-def rank_pid(proc: subprocess.Popen, rank: int, deadline: float) -> int | None:
-    """The pid of ``rank`` in the run ``proc`` supervises, from its status (the registry and control socket)."""
-    while time.monotonic() < deadline and proc.poll() is None:
+@dataclass
+class Clients:
+    """LOAD_THREADS clients cycling through the four ways a client asks (completion and chat, streamed and not;
+    a stream counts only when it ends with ``data: [DONE]``), and a short probe every PROBE_EVERY_S whose answer
+    times say when the engine served again.  ``soak`` adds what production has and a drill does not: long
+    prompts, bursts, idle spells and streams the client walks away from."""
+
+    port: int
+    model: str | None
+    timeout_s: float
+    soak: bool = False
+    probes: list[tuple[float, float, bool]] = field(default_factory=list)  # (sent, answered, ok), wall clock
+    errors: list[str] = field(default_factory=list)
+    streams_cut: int = 0
+    served: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Clients:
+        for i in range(LOAD_THREADS):
+            self._threads.append(threading.Thread(target=self._load, args=(i,), name=f"drill-load-{i}", daemon=True))
+        self._threads.append(threading.Thread(target=self._probe, name="drill-probe", daemon=True))
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _body(self, chat: bool, prompt: str, tokens: int, stream: bool) -> tuple[str, dict]:
+        body: dict = {"max_tokens": tokens, "temperature": 0, "stream": stream}
+        if self.model is not None:
+            body["model"] = self.model
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+            return "/v1/chat/completions", body
+        body["prompt"] = prompt
+        body["ignore_eos"] = True
+        return "/v1/completions", body
+
+    def _load(self, worker: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            prompt = f"drill {worker}.{n}"
+            tokens = REQUEST_TOKENS
+            if self.soak:
+                if n % 7 == 0:
+                    prompt += " " + "and then the story went on " * 40  # a long prompt
+                if n % 29 == 0:  # an idle spell
+                    self._stop.wait(20.0)
+                    continue
+                if n % 11 == 0:
+                    self._walk_away(prompt)
+                    continue
+            path, body = self._body(chat=n % 2 == 0, prompt=prompt, tokens=tokens, stream=n % 4 >= 2)
+            status, answer = _request(self.port, path, body, self.timeout_s)
+            self._count(status, answer, body["stream"])
+            if status != 200:
+                self._stop.wait(1.0)
+            elif self.soak and n % 13 == 0:  # a burst: no pause for a while, then a pause
+                self._stop.wait(3.0)
+
+    def _walk_away(self, prompt: str) -> None:
+        """A streamed request the client drops after its first chunk (not an error: the client left)."""
+        path, body = self._body(chat=False, prompt=prompt, tokens=200, stream=True)
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         try:
-            job = next((j for j in control.list_jobs() if j.pid == proc.pid), None)
-            status = fetch(job, STATUS_TIMEOUT_S) if job is not None else {}
-        except (OSError, ValueError, RuntimeError, control.RegistryError):
-            status = {}
-        for r in status.get("ranks") or []:
-            if r.get("rank") == rank and r.get("alive") and r.get("pid"):
-                return int(r["pid"])
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                resp.readline()
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+
+    def _count(self, status: int | None, answer: bytes, stream: bool) -> None:
+        if self._stop.is_set():
+            return  # the answers to the drill's own SIGTERM are not the fault's
+        if status != 200:
+            self.errors.append(f"{status} {answer[:200].decode(errors='replace')}")
+        elif stream and b"data: [DONE]" not in answer:
+            self.streams_cut += 1
+        else:
+            self.served += 1
+
+    def _probe(self) -> None:
+        n = 0
+        while not self._stop.wait(PROBE_EVERY_S):
+            n += 1
+            sent = time.time()
+            path, body = self._body(chat=False, prompt=f"probe {n}", tokens=2, stream=False)
+            status, answer = _request(self.port, path, body, self.timeout_s)
+            self._count(status, answer, False)
+            self.probes.append((sent, time.time(), status == 200))
+
+    def served_after(self, at: float) -> float | None:
+        """When the first probe answered 200 after ``at`` (wall clock), or None."""
+        return min((done for _sent, done, ok in self.probes if ok and done > at), default=None)
+
+    def wait_served_after(self, at: float, timeout_s: float) -> float | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            done = self.served_after(at)
+            if done is not None:
+                return done
+            time.sleep(0.2)
+        return None
+
+
+# -- one trial -----------------------------------------------------------------------------------------------
+def _status(proc: subprocess.Popen) -> dict:
+    try:
+        job = next((j for j in control.list_jobs() if j.pid == proc.pid), None)
+        return fetch(job, STATUS_TIMEOUT_S) if job is not None else {}
+    except (OSError, ValueError, RuntimeError, control.RegistryError):
+        return {}
+
+
+def target_pid(proc: subprocess.Popen, role: str, rank: int, deadline: float) -> int | None:
+    """The pid of the live process of ``role`` (rank ``rank`` for a rank) in the run ``proc`` supervises."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        status = _status(proc)
+        if role == "rank":
+            for r in status.get("ranks") or []:
+                if r.get("rank") == rank and r.get("alive") and r.get("pid"):
+                    return int(r["pid"])
+        for p in status.get("processes") or []:
+            if p.get("role") == role and p.get("alive") and p.get("pid"):
+                return int(p["pid"])
         time.sleep(POLL_S)
     return None
+
+
+def _records(log_path: Path) -> list[dict]:
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def _at(record: dict) -> float:
+    return datetime.fromisoformat(str(record.get("timestamp", "")).replace("Z", "+00:00")).timestamp()
+
+
+def ruling_after(log_path: Path, after: float) -> tuple[float, dict] | None:
+    """The supervisor's first fault ruling (a log event of ``RULINGS``) at or after ``after`` (wall clock)."""
+    for record in _records(log_path):
+        if record.get("event") in RULINGS and str(record.get("logger", "")).startswith("tp_supervise.supervisor"):
+            try:
+                at = _at(record)
+            except ValueError:
+                continue
+            if at >= after - 0.5:
+                return at, record
+    return None
+
+
+def _straggler(dump_dir: Path) -> dict | None:
+    if not dump_dir.is_dir():
+        return None
+    for path in sorted(dump_dir.iterdir()):
+        if path.is_dir() and "straggler" in path.name and (path / "summary.json").is_file():
+            return json.loads((path / "summary.json").read_text())
+    return None
+
+
+def _arm(folder: Path, token: str, pid: int, kind: str, seam: str) -> str:
+    """Write the lane's order for ``pid`` (atomically) and wait for its answer: '' when armed, else why not."""
+    order = folder / f"{pid}.json"
+    tmp = folder / f".{pid}.json.tmp"
+    tmp.write_text(json.dumps({"token": token, "kind": kind, "seam": seam}))
+    os.replace(tmp, order)
+    answer = folder / f"{pid}.armed"
+    deadline = time.monotonic() + ARM_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            said = json.loads(answer.read_text())
+            return str(said.get("problem", ""))
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    if not Path(f"/proc/{pid}").exists():
+        return ""  # gone at once: a fault that ends the process (exit0 at the next step) may beat the answer
+    return f"pid {pid} did not answer the drill's lane within {ARM_TIMEOUT_S:g} s (is the hook in that process?)"
+
+
+def _culprit(summary: dict) -> tuple[str | None, int | None]:
+    c = summary.get("culprit")
+    if isinstance(c, dict) and c.get("role"):
+        role = "frontend" if c["role"] == "launcher" and c.get("serves_api") else c["role"]
+        return role, c.get("rank") if c.get("rank") is not None and c.get("rank", -1) >= 0 else None
+    ranks = summary.get("culprit_ranks") or []
+    return ("rank", int(ranks[0])) if len(ranks) == 1 else (None, None)
+
+
+def _stacks_missing(bundle: Path) -> list[str]:
+    """Processes of the bundle without a Python stack (summary ``processes`` / ``ranks`` say which had one)."""
+    try:
+        summary = json.loads((bundle / "summary.json").read_text())
+    except (OSError, ValueError):
+        return ["no summary.json"]
+    out = []
+    for p in (summary.get("processes") or {}).values() if isinstance(summary.get("processes"), dict) else []:
+        if isinstance(p, dict) and not p.get("stack_source") and not p.get("where"):
+            out.append(str(p.get("who") or p.get("pid")))
+    return out
+
+
+def leftovers(token: str, shm_before: set[str]) -> list[str]:
+    """Processes still carrying the trial's lane token, and /dev/shm entries made during the trial."""
+    out: list[str] = []
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while True:
+        out = []
+        needle = f"{ENV_DRILL}={token}".encode()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read():
+                        out.append(f"pid {entry} ({Path(f'/proc/{entry}/comm').read_text().strip()})")
+            except OSError:
+                continue
+        try:
+            out += [f"/dev/shm/{n}" for n in sorted(set(os.listdir(drill_env.SHM)) - shm_before)]
+        except OSError:
+            pass
+        if not out or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.5)
 
 
 def _stop(proc: subprocess.Popen) -> int:
@@ -134,97 +385,474 @@ def _stop(proc: subprocess.Popen) -> int:
     return proc.wait()
 
 
-def run_kind(
-    kind: str, command: list[str], serve_flags: list[str], dump_root: Path, ready_s: float, load_s: float
-) -> DrillResult:
-    signum, expected_reason = COMMAND_KINDS[kind]
-    dump_dir = dump_root / kind
-    public = free_port()
-    log_path = dump_root / f"{kind}.log"
-    failed = DrillResult(kind, False, None, 0, None, None, None, "", f"log: {log_path}")
-    # the clients wait as an SDK's do (the OpenAI SDK's default timeout is 600 s): a request held across the
-    # restart is answered when the engine serves again
-    traffic = Traffic(public, timeout_s=ready_s + CLIENT_SLACK_S)
+@dataclass
+class Trial:
+    kind: str
+    family: str
+    role: str
+    trial: int
+    expected: str
+    got: str
+    localised: bool
+    passed: bool
+    why: str
+    observed: dict
+    run: bool = True  # False: the drill could not run this kind here (and says why)
+    exit_code: int | None = None
+    log: str = ""
+
+
+@dataclass
+class Setup:
+    command: list[str]
+    serve_flags: list[str]
+    dump_root: Path
+    ready_s: float
+    load_s: float
+    progress: Progress
+
+
+def run_trial(kind: Kind, trial: int, setup: Setup) -> Trial:
+    """One kind, once: start, load, fault, watch, stop, score."""
+    name = f"{kind.name}-{trial}"
+    dump_dir = setup.dump_root / name
+    log_path = setup.dump_root / f"{name}.log"
+    token = secrets.token_hex(16)
+    lane_dir = setup.dump_root / f".lane-{name}"
+    lane_dir.mkdir(parents=True, exist_ok=True)
+    seen = Observed()
+    undo: list = []
+    prefix = drill_env.without_ptrace() if kind.environment == "ptrace_denied" else []
+    public = _free_port()
+    shm_before = set(os.listdir(drill_env.SHM))
+    env = dict(os.environ, **{ENV_DRILL: f"{token}:{lane_dir}"})
+    code = None
+    show = setup.progress.phase
     with open(log_path, "w") as log_file:
+        show("starting the engine")
         proc = subprocess.Popen(
-            serve_argv(public, dump_dir, serve_flags, command), stdout=log_file, stderr=subprocess.STDOUT
+            [*prefix, *serve_argv(public, dump_dir, setup.serve_flags, setup.command)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
+        clients = None
         try:
-            if not wait_answering(public, "/readyz", proc, time.monotonic() + ready_s):
+            if not wait_answering(public, "/readyz", proc, time.monotonic() + setup.ready_s):
                 ended = proc.poll() is not None
-                failed.exit_code = _stop(proc)
-                failed.verdict = (
-                    f"supervise serve exited {failed.exit_code} before serving (its log says why)"
+                code = _stop(proc)
+                seen.problem = (
+                    f"supervise serve exited {code} before serving (its log says why)"
                     if ended
-                    else f"the engine did not serve through the relay within {ready_s:g} s"
+                    else f"the engine did not serve through the relay within {setup.ready_s:g} s"
                 )
-                return failed
-            traffic.model = served_model(public)
-            traffic.start()
-            time.sleep(load_s)  # requests in flight at the fault, and the watchdog's thresholds learned from steps
-            pid = rank_pid(proc, FAULT_RANK, time.monotonic() + 30.0)
+                return _finish(kind, trial, seen, code, log_path, token, shm_before)
+            clients = Clients(public, served_model(public), setup.ready_s + CLIENT_SLACK_S).start()
+            show("load before the fault")
+            time.sleep(setup.load_s)
+            if kind.cpu_share is not None:
+                time.sleep(max(0.0, STRAGGLER_WAIT_S - setup.load_s))
+            pid = target_pid(proc, kind.role, 1, time.monotonic() + FIND_TIMEOUT_S)
             if pid is None:
-                failed.exit_code = _stop(proc)
-                failed.verdict = f"the supervisor's status names no live rank {FAULT_RANK}"
-                return failed
+                seen.problem = f"the supervisor's status names no live {kind.role} process"
+                code = _stop(proc)
+                return _finish(kind, trial, seen, code, log_path, token, shm_before)
+            show(f"fault: {kind.does[:60]}")
             fault_at = time.time()
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-            ruled_at = None
-            deadline = time.monotonic() + ready_s
-            while ruled_at is None and time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(POLL_S)
-                ruled_at = first_ruling(log_path)
-            served_at = traffic.wait_served_after(ruled_at, ready_s) if ruled_at is not None else None
-            alive = proc.poll() is None
-            traffic.stop()  # the answers to the drill's own SIGTERM are not the fault's
+            seen.problem = _inject(kind, pid, token, lane_dir, dump_dir, undo, name)
+            if seen.problem:
+                code = _stop(proc)
+                return _finish(kind, trial, seen, code, log_path, token, shm_before)
+            if kind.expect.outcome == RUNS_ON:
+                _watch_runs_on(kind, proc, dump_dir, log_path, fault_at, seen, show)
+            else:
+                show("waiting for the verdict")
+                ruled = None
+                deadline = time.monotonic() + VERDICT_LIMIT_S
+                while ruled is None and time.monotonic() < deadline and proc.poll() is None:
+                    time.sleep(POLL_S)
+                    ruled = ruling_after(log_path, fault_at)
+                if ruled is None:
+                    ruled = ruling_after(log_path, fault_at)
+                if ruled is not None:
+                    seen.verdict_s = round(ruled[0] - fault_at, 2)
+                    show("waiting for serving again")
+                    served = clients.wait_served_after(ruled[0], setup.ready_s)
+                    if served is not None and proc.poll() is None:
+                        seen.restarted = True
+                        seen.serving_again_s = round(served - ruled[0], 2)
+                    _read_bundle(dump_dir, seen, fatal=True, log_path=log_path, after=fault_at)
+            show("stopping")
+            clients.stop()
             code = _stop(proc)
         finally:
-            end_run(proc, traffic)
-    fatal = fatal_bundles(dump_dir)
-    summary = fatal[0] if fatal else {}
-    reason, culprits = summary.get("reason"), summary.get("culprit_ranks")
-    errors = traffic.errors
-    passed = (
-        alive and code == 0 and reason == expected_reason and culprits == [FAULT_RANK] and served_at is not None
-    ) and not errors
-    if not alive:
-        verdict = "the run ended by itself after the fault (did the group restart?)"
-    elif served_at is None:
-        verdict = "no request was served after the fault"
-    elif errors:
-        verdict = f"{len(errors)} client(s) got an error, the first: {errors[0]}"
+            if clients is not None:
+                clients.stop()
+            for change in reversed(undo):
+                change.undo()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if clients is not None:
+        seen.client_errors = len(clients.errors)
+        seen.streams_cut = clients.streams_cut
+        if clients.errors:
+            seen.verdict = seen.verdict or f"first client error: {clients.errors[0]}"
+    return _finish(kind, trial, seen, code, log_path, token, shm_before)
+
+
+def _free_port() -> int:
+    from .rank.net import free_port
+
+    return free_port()
+
+
+def _inject(kind: Kind, pid: int, token: str, lane_dir: Path, dump_dir: Path, undo: list, name: str) -> str:
+    """The fault itself ('' when done, else why it could not be)."""
+    try:
+        if kind.environment == "shm_full":
+            undo.append(drill_env.FullFilesystem(drill_env.SHM, remount=True))
+            return ""
+        if kind.environment == "dump_disk_full":
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            undo.append(drill_env.FullFilesystem(dump_dir, remount=False))
+        if kind.environment == "ptrace_denied":
+            problem = _arm(lane_dir, token, pid, "not_dumpable", "now")
+            if problem:
+                return problem
+        if kind.cpu_share is not None:
+            group, _what = drill_env.cpu_quota(pid, kind.cpu_share, f"tps-drill-{name}")
+            undo.append(group)
+            return ""
+        if kind.memory:
+            group, _what = drill_env.memory_limit(pid, f"tps-drill-{name}")
+            undo.append(group)
+        if kind.lane is not None:
+            return _arm(lane_dir, token, pid, *kind.lane)
+        if kind.signum is not None:
+            try:
+                os.kill(pid, kind.signum)
+            except ProcessLookupError:
+                return f"pid {pid} ended before the signal"
+        return ""
+    except (drill_env.DrillEnvError, OSError) as exc:
+        return f"the drill could not set up {kind.name}: {exc}"
+
+
+def _watch_runs_on(kind: Kind, proc, dump_dir: Path, log_path: Path, fault_at: float, seen: Observed, show) -> None:
+    if kind.expect.reason == "straggler":
+        show("waiting for the straggler to be named")
+        deadline = time.monotonic() + STRAGGLER_LIMIT_S
+        named = None
+        while named is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(POLL_S)
+            named = _straggler(dump_dir)
+        if named is not None:
+            seen.reason = "straggler"
+            seen.culprit_role, seen.culprit_rank = _culprit(named)
+            seen.verdict = str(named.get("verdict", ""))
+            seen.verdict_s = round(time.time() - fault_at, 2)
     else:
-        verdict = summary.get("verdict", "")
-    return DrillResult(
-        kind,
-        passed,
-        code,
-        0,
-        reason,
-        culprits,
-        None if ruled_at is None else round(ruled_at - fault_at, 2),
-        verdict,
-        f"log: {log_path}",
-        None if served_at is None else round(served_at - fault_at, 2),
-        len(errors),
+        show(f"watching for {RUNS_ON_S:g} s: nothing may be ruled")
+        end = time.monotonic() + RUNS_ON_S
+        while time.monotonic() < end and proc.poll() is None:
+            time.sleep(POLL_S)
+    ruled = ruling_after(log_path, fault_at)
+    if ruled is not None:  # a fatal verdict where none was due
+        seen.reason = str(ruled[1].get("event"))
+        _read_bundle(dump_dir, seen, fatal=True, log_path=log_path, after=fault_at)
+    seen.restarted = proc.poll() is None
+
+
+def _read_bundle(dump_dir: Path, seen: Observed, fatal: bool, log_path: Path, after: float) -> None:
+    """The first fatal bundle's reason, culprit and verdict; without a bundle (a full disk), the ruling's log
+    line (its event and the culprit it announced)."""
+    bundles = fatal_bundles(dump_dir) if fatal else []
+    if bundles:
+        summary = bundles[0]
+        seen.reason = summary.get("reason")
+        seen.culprit_role, seen.culprit_rank = _culprit(summary)
+        seen.verdict = str(summary.get("verdict", ""))
+        path = next((p for p in sorted(dump_dir.iterdir()) if (p / "summary.json").is_file()), None)
+        if path is not None:
+            seen.stacks_missing = _stacks_missing(path)
+        return
+    ruled = ruling_after(log_path, after)
+    if ruled is not None:
+        record = ruled[1]
+        seen.reason = {"rank_exited": "rank_exit"}.get(str(record.get("event")), str(record.get("event")))
+        role = record.get("role")
+        rank = record.get("rank")
+        seen.culprit_role = role if role else ("rank" if isinstance(rank, int) and rank >= 0 else None)
+        seen.culprit_rank = rank if isinstance(rank, int) and rank >= 0 else None
+        seen.verdict = str(record.get("message", "")) + " (no bundle: see the log)"
+
+
+def _finish(kind: Kind, trial: int, seen: Observed, code, log_path: Path, token: str, shm_before: set[str]) -> Trial:
+    seen.leftovers = leftovers(token, shm_before)
+    localised, passed, why = score(kind, seen)
+    got = (
+        "not ruled"
+        if seen.reason is None
+        else f"{seen.reason}, "
+        + (
+            "nobody"
+            if seen.culprit_role is None
+            else (f"rank {seen.culprit_rank}" if seen.culprit_role == "rank" else seen.culprit_role)
+        )
+    )
+    return Trial(
+        kind.name, kind.family, kind.role, trial, kind.expect.line(), got, localised, passed, why, asdict(seen),
+        exit_code=code, log=str(log_path),
+    )  # fmt: skip
+
+
+def not_run(kind: Kind, trial: int, why: str) -> Trial:
+    return Trial(
+        kind.name, kind.family, kind.role, trial, kind.expect.line(), "not run", False, False, why, {}, run=False
     )
 
 
+# -- progress and reports ------------------------------------------------------------------------------------
+class Progress:
+    """One line on stderr: kind n of N, trial, phase (rich's live status on a terminal)."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.total = total
+        self.n = 0
+        self.label = ""
+        self.quiet = quiet
+        self._status = None
+        if sys.stderr.isatty() and not quiet:
+            from rich.console import Console
+
+            self._status = Console(stderr=True).status("")
+            self._status.start()
+
+    def kind(self, kind: str, trial: int, trials: int) -> None:
+        self.n += 1
+        self.label = f"[{self.n}/{self.total}] {kind}" + (f" (trial {trial} of {trials})" if trials > 1 else "")
+        self.phase("")
+
+    def phase(self, text: str) -> None:
+        line = f"{self.label}: {text}" if text else self.label
+        if self._status is not None:
+            self._status.update(line)
+        elif not self.quiet:
+            print(f"supervise drill {line}", file=sys.stderr, flush=True)
+
+    def done(self, t: Trial) -> None:
+        mark = "pass" if t.passed else ("not run" if not t.run else "FAIL")
+        line = f"{self.label}: {mark}: {t.got}" + (f" ({t.why})" if t.why else "")
+        if self._status is not None:
+            self._status.console.print(line)
+        elif not self.quiet:
+            print(f"supervise drill {line}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} s"
+
+
+def rows(trials: list[Trial]) -> list[dict]:
+    """Per kind: localised n of N, verdict and serving-again median and worst, client errors, leftovers."""
+    out = []
+    for name in dict.fromkeys(t.kind for t in trials):
+        ts = [t for t in trials if t.kind == name]
+        ran = [t for t in ts if t.run]
+        verdicts = [float(v) for t in ran if (v := t.observed.get("verdict_s")) is not None]
+        serving = [float(v) for t in ran if (v := t.observed.get("serving_again_s")) is not None]
+        out.append({
+            "kind": name,
+            "expected": ts[0].expected,
+            "got": "; ".join(dict.fromkeys(t.got for t in ts)),
+            "localised": f"{sum(t.localised for t in ran)} of {len(ran)}" if ran else "not run",
+            "passed": f"{sum(t.passed for t in ran)} of {len(ran)}" if ran else "not run",
+            "verdict_median_s": statistics.median(verdicts) if verdicts else None,
+            "verdict_worst_s": max(verdicts) if verdicts else None,
+            "serving_again_median_s": statistics.median(serving) if serving else None,
+            "client_errors": sum(t.observed.get("client_errors", 0) + t.observed.get("streams_cut", 0) for t in ran),
+            "leftovers": sum(len(t.observed.get("leftovers", [])) for t in ran),
+            "why": "; ".join(dict.fromkeys(t.why for t in ts if t.why)),
+        })  # fmt: skip
+    return out
+
+
+def markdown(trials: list[Trial], title: str) -> str:
+    lines = [f"**{title}**", "",
+             "| kind | expected | got | localised | passed | verdict (median / worst) | serving again | client errors | left | why not |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows(trials):
+        lines.append(
+            f"| {r['kind']} | {r['expected']} | {r['got']} | {r['localised']} | {r['passed']} | "
+            f"{_fmt(r['verdict_median_s'])} / {_fmt(r['verdict_worst_s'])} | {_fmt(r['serving_again_median_s'])} | "
+            f"{r['client_errors']} | {r['leftovers']} | {r['why'].replace('|', '/') or '-'} |"
+        )
+    ran = [t for t in trials if t.run]
+    lines += ["", f"Localised {sum(t.localised for t in ran)} of {len(ran)} trials; passed {sum(t.passed for t in ran)} "
+              f"of {len(ran)}; not run: {len(trials) - len(ran)}."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def report(trials: list[Trial], title: str, fmt: str) -> int:
+    if fmt == "json":
+        print(json.dumps([asdict(t) for t in trials], indent=2))
+    elif fmt == "markdown":
+        print(markdown(trials, title))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title)
+        for col in (
+            "kind",
+            "expected",
+            "got",
+            "localised",
+            "verdict",
+            "serving again",
+            "client errors",
+            "left",
+            "result",
+        ):
+            table.add_column(col)
+        for r in rows(trials):
+            ok = r["passed"].split(" of ")
+            result = "not run" if r["passed"] == "not run" else ("[green]pass[/]" if ok[0] == ok[1] else "[red]FAIL[/]")
+            table.add_row(
+                r["kind"], r["expected"], r["got"], r["localised"],
+                f"{_fmt(r['verdict_median_s'])} / {_fmt(r['verdict_worst_s'])}", _fmt(r["serving_again_median_s"]),
+                str(r["client_errors"]), str(r["leftovers"]), result + (f" ({r['why']})" if r["why"] else ""),
+            )  # fmt: skip
+        Console(width=None if sys.stdout.isatty() else 220).print(table)
+    ran = [t for t in trials if t.run]
+    return 0 if ran and all(t.passed for t in ran) else 1
+
+
+def list_kinds() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="supervise drill -- COMMAND: kinds (--kinds NAME,FAMILY,... --roles ROLE,...)")
+    for col in ("kind", "family", "role", "what it does", "a perfect supervisor"):
+        table.add_column(col)
+    for k in KINDS:
+        table.add_row(k.name, k.family, k.role, k.does + (" [two nodes]" if k.nodes > 1 else ""), k.expect.line())
+    Console(width=None if sys.stdout.isatty() else 220).print(table)
+    return 0
+
+
+# -- the soak ------------------------------------------------------------------------------------------------
+def soak(setup: Setup, minutes: float, fmt: str) -> int:
+    """Realistic load and no fault for ``minutes``: every ruling and every straggler named is a false alarm."""
+    token = secrets.token_hex(16)
+    log_path = setup.dump_root / "soak.log"
+    dump_dir = setup.dump_root / "soak"
+    public = _free_port()
+    env = dict(os.environ, **{ENV_DRILL: f"{token}:{setup.dump_root}"})
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            serve_argv(public, dump_dir, setup.serve_flags, setup.command),
+            stdout=log_file, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+        clients = None
+        try:
+            setup.progress.phase("starting the engine")
+            if not wait_answering(public, "/readyz", proc, time.monotonic() + setup.ready_s):
+                _stop(proc)
+                print(
+                    f"supervise drill: the engine did not serve within {setup.ready_s:g} s ({log_path})",
+                    file=sys.stderr,
+                )
+                return 1
+            clients = Clients(public, served_model(public), setup.ready_s + CLIENT_SLACK_S, soak=True).start()
+            start = time.monotonic()
+            end = start + minutes * 60
+            while time.monotonic() < end and proc.poll() is None:
+                left = (end - time.monotonic()) / 60
+                setup.progress.phase(
+                    f"soak: {left:.1f} min left, {clients.served} served, {len(clients.errors)} errors"
+                )
+                time.sleep(5.0)
+            hours = (time.monotonic() - start) / 3600
+            clients.stop()
+            alive = proc.poll() is None
+            _stop(proc)
+        finally:
+            if clients is not None:
+                clients.stop()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    rulings = [r for r in _records(log_path) if r.get("event") in RULINGS]
+    stragglers = [r for r in _records(log_path) if r.get("event") in ("straggler_named", "straggler_across_nodes")]
+    said = [str(r.get("message", ""))[:300] for r in rulings + stragglers]
+    result: dict = {
+        "minutes": round(hours * 60, 1),
+        "served": clients.served,
+        "client_errors": len(clients.errors),
+        "streams_cut": clients.streams_cut,
+        "false_verdicts": len(rulings),
+        "false_stragglers": len(stragglers),
+        "false_verdicts_per_hour": round(len(rulings) / hours, 2) if hours else None,
+        "run_stayed_up": alive,
+        "verdicts": said,
+        "log": str(log_path),
+    }
+    if fmt == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        print(
+            f"soak: {result['minutes']} min, {result['served']} requests served, {result['client_errors']} client "
+            f"errors, {result['streams_cut']} streams cut, {result['false_verdicts']} false verdicts "
+            f"({result['false_verdicts_per_hour']} per hour), {result['false_stragglers']} stragglers named"
+        )
+        for line in said:
+            print(f"  {line}")
+    return 0 if alive and not rulings and not stragglers and not clients.errors else 1
+
+
 def main(args, command: list[str]) -> int:
+    if getattr(args, "list_kinds", False):
+        return list_kinds()
     try:
-        kinds = parse_kinds(args.kinds)
+        kinds = parse_kinds(args.kinds, getattr(args, "roles", None))
         serve_flags = parse_serve_flags(args.serve_flags or "")
     except UsageError as exc:
         print(f"supervise drill: {exc}", file=sys.stderr)
         return 64
+    trials = max(1, int(getattr(args, "trials", 1) or 1))
+    fmt = "json" if args.json else ("markdown" if getattr(args, "markdown", False) else "table")
     dump_root = Path(args.dump_dir)
     dump_root.mkdir(parents=True, exist_ok=True)
-    results = [run_kind(kind, command, serve_flags, dump_root, args.ready_timeout, args.load_before) for kind in kinds]
-    title = f"supervise drill -- {shlex.join(command)[:80]} (signal to rank {FAULT_RANK}, one restart, via the relay)"
-    return report(results, title, args.json)
+    soak_minutes = getattr(args, "soak", None)
+    progress = Progress(1 if soak_minutes else len(kinds) * trials, quiet=False)
+    setup = Setup(command, serve_flags, dump_root, args.ready_timeout, args.load_before, progress)
+    try:
+        if soak_minutes:
+            progress.kind("soak", 1, 1)
+            return soak(setup, soak_minutes, fmt)
+        host = drill_env.host_problems()
+        results = []
+        for kind in kinds:
+            for trial in range(1, trials + 1):
+                progress.kind(kind.name, trial, trials)
+                if kind.nodes > 1:
+                    t = not_run(kind, trial, "needs the engine on two nodes: `make bench-vllm-multinode` drills it")
+                elif host and (kind.cpu_share is not None or kind.memory or kind.environment):
+                    t = not_run(kind, trial, host[0])
+                else:
+                    t = run_trial(kind, trial, setup)
+                progress.done(t)
+                results.append(t)
+    finally:
+        progress.close()
+    title = f"supervise drill -- {shlex.join(command)[:80]} ({trials} trial(s) a kind, behind the relay)"
+    return report(results, title, fmt)
 
 
-__all__ = ["COMMAND_KINDS", "main", "parse_kinds", "parse_serve_flags", "run_kind"]
+__all__ = ["BY_NAME", "KINDS", "main", "parse_kinds", "parse_serve_flags", "run_trial", "rows", "markdown"]

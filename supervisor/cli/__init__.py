@@ -324,7 +324,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 def cmd_drill(args: argparse.Namespace) -> int:
     command = _command(args)
-    if command:  # the user's engine, behind the relay
+    if command or args.list_kinds:  # the user's engine, behind the relay
         from .. import drill_command
 
         return drill_command.main(args, command)

@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K1,K2,...",
         help="comma-separated kinds or 'all' (default: every inject kind of the built-in engine, poison included; "
-        "for a COMMAND kill,stop of kill,segfault,abort,stop)",
+        "for a COMMAND, kinds or families of --list-kinds, default kill_rank,stop_rank)",
     )
     drill.add_argument("--tp", type=int, default=2, metavar="N", help="ranks of each run of the built-in engine")
     drill.add_argument(
@@ -189,6 +189,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a COMMAND's drill: how long the load runs before the fault (the watchdog learns the engine's steps "
         "from it, as it has in production; before that its warm-up thresholds apply)",
+    )
+    drill.add_argument(
+        "--roles",
+        default=None,
+        metavar="R1,R2,...",
+        help="a COMMAND's drill: only the kinds that break a process of these roles (rank, scheduler, frontend, node)",
+    )
+    drill.add_argument(
+        "--trials", type=int, default=1, metavar="N", help="a COMMAND's drill: run each kind N times (default 1)"
+    )
+    drill.add_argument(
+        "--markdown", action="store_true", help="a COMMAND's drill: print the table as markdown (for a runbook)"
+    )
+    drill.add_argument(
+        "--list-kinds", action="store_true", help="list a COMMAND's drill kinds, what each does and expects, and exit"
+    )
+    drill.add_argument(
+        "--soak",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="a COMMAND's drill: no fault, MINUTES of realistic load; every verdict is a false alarm",
     )
     drill.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]: drill this engine instead")
     return parser

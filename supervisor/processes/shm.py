@@ -11,6 +11,12 @@ worker thread with a deadline (``INVENTORY_TIMEOUT_S``): a rank stuck in
 uninterruptible sleep costs that deadline, never the teardown.  Only regular
 files directly in /dev/shm owned by our user are removed, never through a
 symlink.
+
+Names a process of the run registered with multiprocessing's resource
+tracker (named semaphores ``sem.mp-*``, shared memory) are the run's too,
+mapped or not: the hook notes each in the run's folder
+(``rank.autohook.patch_resource_tracker``; ``registered``), since a teardown
+that SIGKILLs kills the tracker before it can unlink them.
 """
 
 from __future__ import annotations
@@ -97,6 +103,31 @@ class Watch:
     def seen(self) -> set[str]:
         with self._lock:
             return set(self._seen)
+
+
+REGISTERED_FILE = "registered-shm"  # rank.autohook.REGISTERED_FILE
+REGISTERED_MAX_BYTES = 1 << 20
+
+
+def registered(run_dir: str | os.PathLike) -> set[str]:
+    """The /dev/shm names of what the run's processes registered with the resource tracker: a semaphore ``/mp-x``
+    is ``sem.mp-x``, shared memory ``/psm_x`` is ``psm_x``.  Bounded read; anything odd is skipped."""
+    out: set[str] = set()
+    try:
+        with open(os.path.join(run_dir, REGISTERED_FILE), "rb") as f:
+            data = f.read(REGISTERED_MAX_BYTES)
+    except OSError:
+        return out
+    for line in data.decode(errors="replace").splitlines():
+        rtype, _, name = line.partition(" ")
+        name = name.lstrip("/")
+        if not name or "/" in name or name in (".", ".."):
+            continue
+        if rtype == "semaphore":
+            out.add(f"sem.{name}")
+        elif rtype == "shared_memory":
+            out.add(name)
+    return out
 
 
 def remove(names: Iterable[str], keep: Iterable[str] = ()) -> list[str]:

@@ -54,7 +54,7 @@ import threading
 import time
 from typing import Any
 
-from . import engines, runtime, works
+from . import drill_lane, engines, runtime, works
 from .collectives import COALESCING_MANAGER, COLLECTIVES, cached_describe
 from .heartbeat import ARRIVAL_INDEX as _ARRIVAL_INDEX
 
@@ -362,8 +362,45 @@ def collective_wrapper(name: str, fn):
     return _wrap_collective(name, fn)
 
 
+def _note_registered(path: str, name: Any, rtype: Any) -> None:
+    """One line ``<rtype> <name>`` appended (one write, O_APPEND: lines of several processes never interleave)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{rtype} {name}\n".encode())
+        finally:
+            os.close(fd)
+    except (OSError, TypeError, ValueError):
+        pass
+
+
+def patch_resource_tracker(module) -> None:
+    """Note every name the process registers with multiprocessing's resource tracker (named semaphores, shared
+    memory) in the run's folder: the tracker unlinks them at exit, but a teardown's SIGKILL kills it first, and the
+    supervisor removes what is left (``supervisor.processes.shm.registered``).  A registration is rare (a lock, a
+    segment created), never on a step's path."""
+    run_dir = os.environ.get(runtime.ENV_RUN_DIR)
+    register = getattr(module, "register", None)
+    if not run_dir or register is None or getattr(register, "__tp_supervise_wrapped__", False):
+        return
+    path = os.path.join(run_dir, REGISTERED_FILE)
+
+    @functools.wraps(register)
+    def wrapper(name, rtype):
+        _note_registered(path, name, rtype)
+        return register(name, rtype)
+
+    _mark_wrapped(wrapper)
+    module.register = wrapper
+
+
+REGISTERED_FILE = "registered-shm"  # in the run's folder: what its processes gave the resource tracker
 FUNCOL_MODULE = "torch.distributed._functional_collectives"
-_PATCHERS = {"torch.distributed": patch, FUNCOL_MODULE: patch_functional}
+_PATCHERS = {
+    "torch.distributed": patch,
+    FUNCOL_MODULE: patch_functional,
+    "multiprocessing.resource_tracker": patch_resource_tracker,
+}
 # vLLM's and SGLang's seams (``engines``): the same finder patches them right after their modules run.
 _PATCHERS.update(dict.fromkeys(engines.SEAMS, engines.patcher(collective_wrapper)))
 
@@ -447,3 +484,4 @@ def install() -> None:
         if name in sys.modules:
             patcher(sys.modules[name])
     sys.meta_path.insert(0, _Finder())
+    drill_lane.install()  # a run started by ``supervise drill`` only: nothing otherwise

@@ -166,6 +166,8 @@ def role_from_title(title: str) -> str:
 _originals: list[tuple[type, str, Any]] = []  # (class, name, what its __dict__ held): uninstrument() restores
 _reported: set[str] = set()
 _lock = threading.Lock()
+_installed: list[tuple[Seam, type]] = []  # every seam wrapped in this process (the drill lane looks them up)
+_collective_wrapper: list[Callable[[str, Any], Any]] = []  # the hook's, for instrumented() (set by patcher)
 
 
 def engine_version(engine: str) -> str:
@@ -231,6 +233,8 @@ def _report(engine: str, module_name: str, problems: list[str]) -> None:
 def patcher(collective_wrapper: Callable[[str, Any], Any]) -> Callable[[Any], None]:
     """The finder's patcher for every module in ``SEAMS`` (``collective_wrapper``: the hook's lane wrapper)."""
 
+    _collective_wrapper[:] = [collective_wrapper]
+
     def patch(module: Any) -> None:
         entry = SEAMS.get(module.__name__)
         if entry is None:
@@ -248,9 +252,23 @@ def patcher(collective_wrapper: Callable[[str, Any], Any]) -> Callable[[Any], No
                     _WRAPPERS[seam.kind](seam, fn) if seam.kind != "collective" else collective_wrapper(seam.label, fn)
                 )
                 _originals.append((owner, seam.method, owner.__dict__.get(seam.method)))
+                _installed.append((seam, owner))
                 setattr(owner, seam.method, new)
 
     return patch
+
+
+def installed(match: Callable[[Seam], bool]) -> tuple[Seam, type] | None:
+    """The first seam wrapped in this process that ``match`` accepts, and its class (the drill lane's targets)."""
+    with _lock:
+        return next(((seam, owner) for seam, owner in _installed if match(seam)), None)
+
+
+def instrumented(seam: Seam, fn: Any) -> Any:
+    """``fn`` wrapped as ``seam``'s method is (the drill lane runs a fault inside the step it replaces)."""
+    if seam.kind == "collective":
+        return _collective_wrapper[0](seam.label, fn)
+    return _WRAPPERS[seam.kind](seam, fn)
 
 
 def uninstrument() -> None:
@@ -258,6 +276,7 @@ def uninstrument() -> None:
     with _lock:
         while _originals:
             owner, name, original = _originals.pop()
+            _installed[:] = [(s, o) for s, o in _installed if not (o is owner and s.method == name)]
             if original is None:
                 delattr(owner, name)
             else:
