@@ -11,7 +11,7 @@ ARGS ?=
 # listed at the end; PYTEST_ARGS= runs serially
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=30
 
-.PHONY: serve test test-slow test-bench test-engines lint bench bench-vllm bench-vllm-relay bench-vllm-multinode gpu-check clean
+.PHONY: serve test test-slow test-bench test-engines lint bench bench-vllm bench-vllm-relay bench-vllm-multinode bench-campaign gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -74,6 +74,12 @@ bench-vllm-relay: $(STAMP)
 bench-vllm-multinode: $(STAMP)
 	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
 	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m bench.bench_vllm_multinode --update-docs $(ARGS)
+
+# The fault campaign (`supervise drill`, every kind, 3 trials) on vLLM TP=2 and a 30-minute false-alarm soak; rewrites
+# its section of docs/benchmarks.md (~3.5 h on 2 cores; ARGS="--trials 1 --soak-minutes 10" for a shorter one).
+bench-campaign: $(STAMP)
+	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
+	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m bench.bench_campaign --update-docs $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

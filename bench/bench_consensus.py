@@ -47,7 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench._docs import Stamp, add_common_args, replace_section
 from tests.support.logs import json_lines
 from tp_supervise.consensus.monitor import ConsensusMonitor
-from tp_supervise.supervisor.drill import wait_answering
+from tp_supervise.supervisor.drills.builtin import wait_answering
 from tp_supervise.supervisor.observers.consensus_thread import CONSENSUS_POLL_S
 from tp_supervise.supervisor.rank import consensus as consensus
 from tp_supervise.supervisor.rank import encoding

@@ -46,7 +46,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench._docs import Stamp, add_common_args, replace_section
-from tp_supervise.supervisor.drill import wait_answering
+from tp_supervise.supervisor.drills.builtin import wait_answering
 from tp_supervise.supervisor.observers.watchdog_thread import TICK_S
 from tp_supervise.supervisor.rank.net import free_port
 from tp_supervise.watchdogs.adaptive import AdaptiveParams

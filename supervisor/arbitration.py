@@ -69,7 +69,7 @@ def classify_exit(
     status: ExitStatus | None,
     *,
     read_slot: Callable[[int], SlotSnapshot],
-    oom_rose: Callable[[], bool],
+    oom_said: Callable[[int], str],
 ) -> ExitInfo:
     """``status`` None: a process that was not our child (its parent owns the status)."""
     peers = [h for h in attempt.live_ranks() if h is not handle]
@@ -86,7 +86,7 @@ def classify_exit(
     return exits.classify(
         status,
         peers_running=bool(peers) and not said_finished,
-        oom_kills_rose=status.signal == signal.SIGKILL and oom_rose(),
+        oom_said=oom_said(handle.pid) if status.signal == signal.SIGKILL else "",
     )
 
 

@@ -100,6 +100,7 @@ from .processes.listen_socket import ListenSocket
 from .processes.relay_process import RELAY_URL_ENV, RelayProcess
 from .processes.spawn import RankHandle, RankSpec, RunContext
 from .processes.teardown import KillPolicy, TeardownResult, teardown
+from .rank.drill_lane import ENV_DRILL
 from .rank.heartbeat import CONTROL_SLOTS, HeartbeatSegment
 from .rank.net import free_port
 from .restart import RESTART_STABLE_S, RestartPolicy
@@ -410,6 +411,12 @@ class Supervisor:
             world_size=self.spec.world_size,
             command=" ".join(self.spec.rank_argv()),
         )
+        if os.environ.get(ENV_DRILL):
+            log.warning(
+                "drill injection lane open: this run was started by supervise drill, which may arm faults in its "
+                "processes (docs/drills.md)",
+                event_name="drill_lane_open",
+            )
         try:
             self._setup()
             return self._run_attempts()
@@ -634,7 +641,7 @@ class Supervisor:
         if ev.status is not None and handle.popen is not None:
             handle.popen.returncode = ev.status.returncode  # keep Popen from reaping a reused pid
         info = arbitration.classify_exit(
-            self.attempt, handle, ev.status, read_slot=self.heartbeat.read, oom_rose=self.oom.rose
+            self.attempt, handle, ev.status, read_slot=self.heartbeat.read, oom_said=self.oom.said
         )
         self.attempt.record_exit(handle, info, ev.at)
         tearing_down = self.state is EngineState.TEARING_DOWN

@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("supervisor", "engine", "watchdogs", "consensus", "dumps")
-DECIDER = {"core", "multinode", "arbitration", "restart", "cli", "drill"}
+DECIDER = {"core", "multinode", "arbitration", "restart", "cli", "drills"}
 ROOMS = ("processes", "observers", "incidents", "nodes")
 
 

@@ -325,12 +325,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def cmd_drill(args: argparse.Namespace) -> int:
     command = _command(args)
     if command or args.list_kinds:  # the user's engine, behind the relay
-        from .. import drill_command
+        from ..drills import command as drill_command
 
         return drill_command.main(args, command)
-    from .. import drill
+    from ..drills import builtin
 
-    return drill.main(args)
+    return builtin.main(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K1,K2,...",
         help="comma-separated kinds or 'all' (default: every inject kind of the built-in engine, poison included; "
-        "for a COMMAND, kinds or families of --list-kinds, default kill_rank,stop_rank)",
+        "for a COMMAND kill_rank,stop_rank; a COMMAND takes the kinds and families --list-kinds shows)",
     )
     drill.add_argument("--tp", type=int, default=2, metavar="N", help="ranks of each run of the built-in engine")
     drill.add_argument(

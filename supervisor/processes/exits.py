@@ -19,7 +19,9 @@ consequences of it, or of the teardown):
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,8 +96,9 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def classify(status: ExitStatus, *, peers_running: bool, oom_kills_rose: bool = False) -> ExitInfo:
-    """Pure: turn a kernel exit status into a reason and a sentence."""
+def classify(status: ExitStatus, *, peers_running: bool, oom_said: str = "") -> ExitInfo:
+    """Pure: turn a kernel exit status into a reason and a sentence (``oom_said``: what says a SIGKILL was the OOM
+    killer's, ``OomCounter.said``)."""
     if status.code is not None:
         if status.code == 0:
             if peers_running:
@@ -114,8 +117,8 @@ def classify(status: ExitStatus, *, peers_running: bool, oom_kills_rose: bool = 
         )
     if sig in _CRASH_SIGNALS:
         return ExitInfo(status, SEGFAULT, f"crashed with {name}{core}")
-    if sig == signal.SIGKILL and oom_kills_rose:
-        return ExitInfo(status, OOM_KILLED, "was killed by the OOM killer (SIGKILL; the cgroup's oom_kill count rose)")
+    if sig == signal.SIGKILL and oom_said:
+        return ExitInfo(status, OOM_KILLED, f"was killed by the OOM killer (SIGKILL; {oom_said})")
     return ExitInfo(status, SIGNALED, f"was killed by {name}{core}")
 
 
@@ -141,12 +144,62 @@ def engine_process_gone() -> ExitInfo:
     )
 
 
+KMSG = "/dev/kmsg"
+KMSG_MAX_RECORDS = 20_000  # the kernel's ring holds a few thousand: one pass reads it all
+KMSG_SINCE_SLACK_S = 5.0  # the kernel's timestamps and CLOCK_MONOTONIC may differ slightly
+_OOM_KILLED = re.compile(r"[Oo]ut of memory: Killed process (\d+) \(([^)]*)\)")
+
+
+def kernel_oom_kill(pid: int, since: float, path: str = KMSG) -> str:
+    """The kernel's own line for an OOM kill of ``pid`` logged since ``since`` (monotonic), or ''.  The OOM
+    killer logs "Memory cgroup out of memory: Killed process PID (COMM)" (or "Out of memory: ...") before the
+    process dies, whichever cgroup or node ran out.  Reads /dev/kmsg without blocking, from its first record
+    (one pass, bounded); unreadable (no root, a container without it): ''."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    found = ""
+    try:
+        for _ in range(KMSG_MAX_RECORDS):
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                continue  # records overwritten while read: go on with the next
+            except OSError:
+                break
+            if not record:
+                break
+            head, _, message = record.decode(errors="replace").partition(";")
+            match = _OOM_KILLED.search(message)
+            if match is None or int(match.group(1)) != pid:
+                continue
+            fields = head.split(",")
+            at_s = int(fields[2]) / 1e6 if len(fields) > 2 and fields[2].isdigit() else since
+            if at_s >= since - KMSG_SINCE_SLACK_S:
+                found = message.strip().split(" total-vm", 1)[0]
+    finally:
+        os.close(fd)
+    return found
+
+
 class OomCounter:
-    """Reads the ``oom_kill`` count of this process's cgroup (v2, or v1 memory)."""
+    """Reads the ``oom_kill`` count of this process's cgroup (v2, or v1 memory); ``said`` adds the kernel's log."""
 
     def __init__(self, pid: int | None = None):
         self.path = _memory_events_path(pid or os.getpid())
         self.baseline = self.read()
+        self.since = time.monotonic()
+
+    def said(self, pid: int) -> str:
+        """What says ``pid`` (dead of SIGKILL) was the OOM killer's: the kernel's line for it (a limit of any
+        cgroup, the node's memory), else this cgroup's count having risen; '' when nothing does."""
+        line = kernel_oom_kill(pid, self.since)
+        if line:
+            return f"the kernel: {line}"
+        return "the cgroup's oom_kill count rose" if self.rose() else ""
 
     def read(self) -> int | None:
         if self.path is None:

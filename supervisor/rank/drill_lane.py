@@ -164,12 +164,11 @@ def _once(owner: Any, name: str, fire) -> None:
 
 
 def arm(kind: str, seam: str) -> str:
-    """Arm ``kind`` at ``seam`` in this process; '' when armed (or done, for ``now``), else why not."""
+    """Arm ``kind`` at ``seam`` in this process; '' when armed, else why not.  A ``now`` kind is not run here:
+    the lane's thread runs it once it has answered (``NOW``: it may never return)."""
     if kind not in SEAM_KINDS or seam not in SEAM_KINDS[kind]:
         return f"kind {kind!r} does not fire at seam {seam!r}"
     if seam == "now":
-        _state["fired"] = time.time()
-        _NOW[kind]()
         return ""
     target = _seam_target(seam)
     if target is None:
@@ -218,11 +217,18 @@ def _poll() -> None:
             continue
         if not isinstance(order, dict) or order.get("token") != token:
             continue  # not this run's drill
+        kind, seam = str(order.get("kind")), str(order.get("seam"))
         try:
-            problem = arm(str(order.get("kind")), str(order.get("seam")))
+            problem = arm(kind, seam)
         except Exception as exc:  # the lane never raises into the engine
             problem = repr(exc)[:300]
         _answer(folder, pid, token, problem)
+        if seam == "now" and not problem:
+            _state["fired"] = time.time()
+            try:
+                _NOW[kind]()
+            except Exception:
+                pass
 
 
 def _answer(folder: str, pid: int, token: str, problem: str) -> None:

@@ -37,7 +37,7 @@ def exit_with(attempt: Attempt, h: RankHandle, status: ExitStatus | None, at: fl
         snap = empty_slot(slot)
         return dataclasses.replace(snap, flags=CLAIMED | FINISHED) if finished else snap
 
-    info = arbitration.classify_exit(attempt, h, status, read_slot=read_slot, oom_rose=lambda: False)
+    info = arbitration.classify_exit(attempt, h, status, read_slot=read_slot, oom_said=lambda _pid: "")
     attempt.record_exit(h, info, at)
     return info
 

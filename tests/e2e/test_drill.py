@@ -80,8 +80,9 @@ def test_a_command_drill_kills_rank_1_behind_the_relay_and_times_serving_again(t
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (kill,) = json.loads(done.stdout)
-    assert kill["kind"] == "kill" and kill["passed"], kill
-    assert kill["exit_code"] == 0 and kill["bundle_reason"] == "rank_exit" and kill["culprit_ranks"] == [1]
-    assert kill["client_errors"] == 0 and 0 < kill["detect_s"] < 10, kill
-    assert 0 < kill["serving_again_s"] < 120, kill
+    assert kill["kind"] == "kill_rank" and kill["passed"] and kill["localised"], kill
+    seen = kill["observed"]
+    assert kill["exit_code"] == 0 and seen["reason"] == "rank_exit" and (seen["culprit_role"], seen["culprit_rank"]) == ("rank", 1)
+    assert seen["client_errors"] == 0 and seen["streams_cut"] == 0 and 0 <= seen["verdict_s"] < 10, kill
+    assert 0 < seen["serving_again_s"] < 120 and seen["leftovers"] == [], kill
     assert wait_no_marked(mark, timeout=3.0) == []

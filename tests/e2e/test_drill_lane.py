@@ -11,17 +11,21 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
+
+from tp_supervise.supervisor.drills import host
 
 LOOP = str(Path(__file__).resolve().parents[1] / "fakes" / "step_loop.py")
+RANK = str(Path(__file__).resolve().parents[1] / "fakes" / "rank.py")
 ARGS = ["--nproc-per-node", "2", "--kill-grace", "2", "--soft-timeout", "2", "--hard-timeout", "4"]
 
 
-def rank_pid(run, rank: int, timeout: float = 60.0) -> int:
+def rank_pid(run, rank: int, timeout: float = 60.0, script: str = "step_loop") -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for child in psutil.Process(run.proc.pid).children(recursive=True):
             try:
-                if child.environ().get("RANK") == str(rank) and any("step_loop" in a for a in child.cmdline()):
+                if child.environ().get("RANK") == str(rank) and any(script in a for a in child.cmdline()):
                     return child.pid
             except psutil.Error:
                 continue
@@ -78,3 +82,24 @@ def test_nothing_listens_in_a_run_the_drill_did_not_start(supervise, tmp_path):
     order(lane, pid, "0" * 32, "exit0", "step")
     assert run.wait(90) == 0, run.stderr[-3000:]
     assert (lane / f"{pid}.json").exists() and not (lane / f"{pid}.armed").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a memory cgroup limit needs root")
+def test_a_rank_the_oom_killer_takes_is_named_with_the_kernels_own_words(supervise, tmp_path):
+    """Rank 1 in a memory cgroup with 256 MiB of room (the drill's ``oom`` kind), growing through the lane until
+    the kernel's OOM killer takes it: the exit is ruled an OOM kill, by the kernel's log line for that pid."""
+    lane = tmp_path / "lane"
+    lane.mkdir()
+    token = secrets.token_hex(16)
+    run = supervise(["--nproc-per-node", "2", "--kill-grace", "2"], [sys.executable, RANK, "--all", "sleep"],
+                    env={"SUPERVISE_DRILL": f"{token}:{lane}"})  # fmt: skip
+    pid = rank_pid(run, 1, script="rank.py")
+    group, _what = host.memory_limit(pid, f"tps-test-oom-{token[:8]}")
+    try:
+        order(lane, pid, token, "grow_memory", "now")
+        assert run.wait(90) == 80, run.stderr[-3000:]
+    finally:
+        group.undo()
+    (ended,) = [e for e in run.events("rank_exited") if e.get("pid") == pid]
+    assert ended["reason"] == "oom_killed" and "OOM killer" in ended["description"], ended
+    assert f"Killed process {pid}" in ended["description"], ended

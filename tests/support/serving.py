@@ -14,7 +14,7 @@ import time
 import httpx2
 import openai
 
-from tp_supervise.supervisor.drill import wait_answering
+from tp_supervise.supervisor.drills.builtin import wait_answering
 
 MODEL = "random-tiny"
 KINDS = ("completion", "completion_stream", "chat", "chat_stream")

@@ -1,4 +1,4 @@
-"""``supervise drill``: the fault matrix against the built-in engine (a COMMAND's drill: drill_command.py).
+"""``supervise drill``: the fault matrix against the built-in engine (a COMMAND's drill: command.py).
 
 For each inject kind: start ``supervise serve --tp N --max-restarts 1 --inject
 KIND@1:STEP`` on free ports, drive completion requests at it until the
@@ -42,7 +42,7 @@ from pathlib import Path
 from tp_supervise.engine.inject import ALL_KINDS as INJECT_KINDS  # the engine owns its fault kinds
 from tp_supervise.engine.inject import POISON_MARKER
 
-from .rank.net import free_port
+from ..rank.net import free_port
 
 FAULT_RANK = 1
 FAULT_STEP = 20

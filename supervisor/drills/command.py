@@ -1,6 +1,6 @@
 """``supervise drill -- COMMAND``: a fault campaign against the user's own engine, behind the relay.
 
-Each kind (``drill_kinds``: signals to every role, faults armed inside a
+Each kind (``kinds``: signals to every role, faults armed inside a
 process through the injection lane, cgroup limits, a broken environment) is
 one trial: ``supervise serve --relay 127.0.0.1:PUB --max-restarts 1
 [--serve-flags] -- COMMAND`` started with a fresh lane token, the drill's
@@ -10,7 +10,7 @@ the kind's role (found through the supervisor's status).  The trial records
 what the supervisor ruled (the first fatal bundle after the fault, or a
 straggler's), whom it named, fault → ruling, ruling → the first request
 served again, what the clients saw, and what the run left behind (processes
-carrying the trial's token, /dev/shm entries made during it); ``drill_kinds.
+carrying the trial's token, /dev/shm entries made during it); ``kinds.
 score`` compares that with what the kind expects.  A kind the drill cannot
 do here (not root, two nodes) is reported as not run, with why.
 
@@ -38,13 +38,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from . import drill_env
-from .drill import RULINGS, fatal_bundles, wait_answering
-from .drill import serve_argv as drill_serve_argv
-from .drill_kinds import BY_NAME, KINDS, RUNS_ON, Kind, KindError, Observed, score, select
-from .observers import control_socket as control
-from .observers.status_view import fetch
-from .rank.drill_lane import ENV_DRILL
+from ..observers import control_socket as control
+from ..observers.status_view import fetch
+from ..rank.drill_lane import ENV_DRILL
+from . import host
+from .builtin import RULINGS, fatal_bundles, wait_answering
+from .builtin import serve_argv as drill_serve_argv
+from .kinds import BY_NAME, KINDS, RUNS_ON, Kind, KindError, Observed, score, select
 
 # The drill chooses these itself: the relay's address, where bundles and the log go, their format, no injection.
 OWNED_FLAGS = ("--relay", "--dump-dir", "--log-format", "--inject", "--listen")
@@ -338,15 +338,17 @@ def _culprit(summary: dict) -> tuple[str | None, int | None]:
 
 
 def _stacks_missing(bundle: Path) -> list[str]:
-    """Processes of the bundle without a Python stack (summary ``processes`` / ``ranks`` say which had one)."""
+    """Live processes of the bundle (ranks and the others) whose Python stack it does not hold."""
     try:
         summary = json.loads((bundle / "summary.json").read_text())
     except (OSError, ValueError):
         return ["no summary.json"]
     out = []
-    for p in (summary.get("processes") or {}).values() if isinstance(summary.get("processes"), dict) else []:
-        if isinstance(p, dict) and not p.get("stack_source") and not p.get("where"):
-            out.append(str(p.get("who") or p.get("pid")))
+    for group, label in (("ranks", "rank {}"), ("processes", "pid {}")):
+        entries = summary.get(group)
+        for key, p in entries.items() if isinstance(entries, dict) else ():
+            if isinstance(p, dict) and p.get("alive") and not p.get("stack_method"):
+                out.append(label.format(key) + (f" ({p['role']})" if p.get("role") else ""))
     return out
 
 
@@ -367,7 +369,7 @@ def leftovers(token: str, shm_before: set[str]) -> list[str]:
             except OSError:
                 continue
         try:
-            out += [f"/dev/shm/{n}" for n in sorted(set(os.listdir(drill_env.SHM)) - shm_before)]
+            out += [f"/dev/shm/{n}" for n in sorted(set(os.listdir(host.SHM)) - shm_before)]
         except OSError:
             pass
         if not out or time.monotonic() >= deadline:
@@ -422,9 +424,9 @@ def run_trial(kind: Kind, trial: int, setup: Setup) -> Trial:
     lane_dir.mkdir(parents=True, exist_ok=True)
     seen = Observed()
     undo: list = []
-    prefix = drill_env.without_ptrace() if kind.environment == "ptrace_denied" else []
+    prefix = host.without_ptrace() if kind.environment == "ptrace_denied" else []
     public = _free_port()
-    shm_before = set(os.listdir(drill_env.SHM))
+    shm_before = set(os.listdir(host.SHM))
     env = dict(os.environ, **{ENV_DRILL: f"{token}:{lane_dir}"})
     code = None
     show = setup.progress.phase
@@ -502,7 +504,7 @@ def run_trial(kind: Kind, trial: int, setup: Setup) -> Trial:
 
 
 def _free_port() -> int:
-    from .rank.net import free_port
+    from ..rank.net import free_port
 
     return free_port()
 
@@ -511,21 +513,21 @@ def _inject(kind: Kind, pid: int, token: str, lane_dir: Path, dump_dir: Path, un
     """The fault itself ('' when done, else why it could not be)."""
     try:
         if kind.environment == "shm_full":
-            undo.append(drill_env.FullFilesystem(drill_env.SHM, remount=True))
+            undo.append(host.FullFilesystem(host.SHM, remount=True))
             return ""
         if kind.environment == "dump_disk_full":
             dump_dir.mkdir(parents=True, exist_ok=True)
-            undo.append(drill_env.FullFilesystem(dump_dir, remount=False))
+            undo.append(host.FullFilesystem(dump_dir, remount=False))
         if kind.environment == "ptrace_denied":
             problem = _arm(lane_dir, token, pid, "not_dumpable", "now")
             if problem:
                 return problem
         if kind.cpu_share is not None:
-            group, _what = drill_env.cpu_quota(pid, kind.cpu_share, f"tps-drill-{name}")
+            group, _what = host.cpu_quota(pid, kind.cpu_share, f"tps-drill-{name}")
             undo.append(group)
             return ""
         if kind.memory:
-            group, _what = drill_env.memory_limit(pid, f"tps-drill-{name}")
+            group, _what = host.memory_limit(pid, f"tps-drill-{name}")
             undo.append(group)
         if kind.lane is not None:
             return _arm(lane_dir, token, pid, *kind.lane)
@@ -535,7 +537,7 @@ def _inject(kind: Kind, pid: int, token: str, lane_dir: Path, dump_dir: Path, un
             except ProcessLookupError:
                 return f"pid {pid} ended before the signal"
         return ""
-    except (drill_env.DrillEnvError, OSError) as exc:
+    except (host.DrillEnvError, OSError) as exc:
         return f"the drill could not set up {kind.name}: {exc}"
 
 
@@ -836,15 +838,15 @@ def main(args, command: list[str]) -> int:
         if soak_minutes:
             progress.kind("soak", 1, 1)
             return soak(setup, soak_minutes, fmt)
-        host = drill_env.host_problems()
+        problems = host.host_problems()
         results = []
         for kind in kinds:
             for trial in range(1, trials + 1):
                 progress.kind(kind.name, trial, trials)
                 if kind.nodes > 1:
                     t = not_run(kind, trial, "needs the engine on two nodes: `make bench-vllm-multinode` drills it")
-                elif host and (kind.cpu_share is not None or kind.memory or kind.environment):
-                    t = not_run(kind, trial, host[0])
+                elif problems and (kind.cpu_share is not None or kind.memory or kind.environment):
+                    t = not_run(kind, trial, problems[0])
                 else:
                     t = run_trial(kind, trial, setup)
                 progress.done(t)

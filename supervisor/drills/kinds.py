@@ -33,6 +33,7 @@ class Expect:
     role: str | None = None  # the culprit's role, None: nobody
     rank: int | None = None
     says: str = ""  # words the verdict must carry (the OOM killer, a stopped process)
+    stacks: bool = True  # the bundle holds every live process's stack (not where ptrace is denied)
 
     def culprit(self) -> str:
         if self.role is None:
@@ -188,7 +189,7 @@ KINDS: tuple[Kind, ...] = (
         "environment",
         "rank",
         "the supervisor may not ptrace (no CAP_SYS_PTRACE, TP worker 1 not dumpable) when TP worker 1 stops",
-        Expect(RESTART, "hang", "rank", FAULT_RANK),
+        Expect(RESTART, "hang", "rank", FAULT_RANK, stacks=False),
         signum=signal.SIGSTOP,
         environment="ptrace_denied",
     ),
@@ -298,6 +299,8 @@ def score(kind: Kind, seen: Observed) -> tuple[bool, bool, str]:
         why.append(f"named {got}, expected {want.culprit()}")
     if want.says and want.says.lower() not in seen.verdict.lower():
         why.append(f"the verdict does not say {want.says!r}")
+    if want.stacks and seen.stacks_missing:
+        why.append(f"the bundle has no stack of {', '.join(seen.stacks_missing[:3])}")
     if want.outcome == RESTART and not seen.restarted:
         why.append("no request was served after the fault")
     if seen.client_errors or seen.streams_cut:
