@@ -120,6 +120,7 @@ class Stamp:
     command: str
     started: float = field(default_factory=time.time)
     load_start: str = field(default_factory=_load)
+    commit: str = field(default_factory=commit)  # the code measured: HEAD when it started
 
     @classmethod
     def begin(cls, module: str, argv: list[str] | None = None) -> Stamp:
@@ -128,6 +129,6 @@ class Stamp:
     def text(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started))
         minutes = (time.time() - self.started) / 60
-        return (f"Measured {when} ({minutes:.1f} min) at commit {commit()}; load average (1/5/15 min) "
+        return (f"Measured {when} ({minutes:.1f} min) at commit {self.commit}; load average (1/5/15 min) "
                 f"{self.load_start} at the start, {_load()} at the end; machine: {machine()}.\n"
                 f"Command: `{self.command}`")

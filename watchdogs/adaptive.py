@@ -235,11 +235,16 @@ def rank_progress(before: Mark | None, after: Mark, quiet_at: float) -> Observed
     done = after.step - before.step
     shaped: tuple[tuple[int, float], ...] = ()
     if done > 0 and usable(after.last_step_s):
-        samples.append(after.last_step_s)
         events += done
         steps = done
-        if after.last_step_tokens > 0:
-            shaped = ((bucket(after.last_step_tokens), after.last_step_s),)
+        # A process's first step is its warm-up (lazy initialisation, cold caches: 6 s for vLLM's first step on
+        # CPU, where the next take 0.1 s): counted as progress, never as a sample.  As the window's longest it
+        # would set the thresholds of every stall without a step size (an engine core stuck in its scheduling
+        # call waited 4x its cold first step).
+        if before.step > 0:
+            samples.append(after.last_step_s)
+            if after.last_step_tokens > 0:
+                shaped = ((bucket(after.last_step_tokens), after.last_step_s),)
     entered = after.coll_seq - before.coll_seq
     if entered > 0 and before.ts_coll > quiet_at and before.ts_coll > 0.0 and after.ts_coll > before.ts_coll:
         samples.append((after.ts_coll - before.ts_coll) / entered)

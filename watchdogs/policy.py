@@ -54,7 +54,13 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from tp_supervise.supervisor.rank.heartbeat import RENDEZVOUS_PHASE, ROLE_FRONTEND, SlotSnapshot
+from tp_supervise.supervisor.rank.heartbeat import (
+    RENDEZVOUS_PHASE,
+    ROLE_FRONTEND,
+    ROLE_SCHEDULER,
+    SCHEDULE_PHASE,
+    SlotSnapshot,
+)
 
 from . import adaptive
 from .progress import ExternalProgress
@@ -386,8 +392,16 @@ def observe(
             stall_s = now - state.stall_start  # a busy stall of at least one tick ended in progress
         if ext_progress and not hb_progress and state.progressed_at is not None:
             gap_s = now - state.progressed_at  # progress that no rank timestamped: tick resolution
+        steady = state.thresholds is not None and state.thresholds.learned
+        if not steady and any(s.instrumented for s in live):
+            # An engine that reports its steps: the stalls of its warm-up that ended in progress (a cold engine's
+            # first requests wait seconds for their first prefill: 3.3 s for vLLM on CPU) teach nothing either;
+            # as the window's longest they would set the bar of every stall whose step size is unknown (a rank
+            # stopped in a collective waited 14.6 s).  Its long steps later have classes of their own.  Without
+            # steps the window is all there is, and a first compile stays in it (the max term).
+            stall_s = None
         observed = adaptive.observation(before, marks, state.quiet_at, stall_s=stall_s, untimed_gap_s=gap_s)
-        if not (state.thresholds is not None and state.thresholds.learned):
+        if not steady:
             # Steps of the warm-up (a cold start's first decode steps take seconds) would stay in their size
             # class long after the window forgot them: the classes learn from the steady state only.
             observed = replace(observed, shaped=())
@@ -412,6 +426,11 @@ def observe(
     if derived.learned and not pending:
         # The step at hand judged by its own size (module docstring: "Steps judged by their shape").
         tokens = step_at_hand([*live, *plane])
+        if not tokens and any(c.role == ROLE_SCHEDULER and c.in_step and c.phase == SCHEDULE_PHASE for c in plane):
+            # The scheduler's scheduling call has not returned: no step size yet, but it is part of every step,
+            # the smallest included, so the smallest step class judges it (not the window, whose longest is a
+            # cold start's wait: a stuck scheduler waited 4x that, 43 s, in the drill's stuck_scheduler).
+            tokens = 1
         bars = adaptive.shape_thresholds(learned, config.adaptive, tokens)
         if bars is None:
             tokens = 0

@@ -220,6 +220,9 @@ def control_slot(role: int) -> int:
 # The phase text with a meaning to the watchdog: a rank inside init_process_group (the zero-code
 # hook, the built-in engine) has started and must report ready within --startup-timeout.
 RENDEZVOUS_PHASE = "rendezvous"
+# The scheduler's phase inside its scheduling call (engines: vLLM's ``Scheduler.schedule``): part of every step,
+# before its size is known (watchdogs.policy judges a stall there by the smallest step class)
+SCHEDULE_PHASE = "schedule"
 
 
 class HeartbeatLayoutError(RuntimeError):

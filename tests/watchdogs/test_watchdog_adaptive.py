@@ -170,6 +170,15 @@ def test_step_duration_is_a_sample_worth_its_steps():
     assert both.samples == pytest.approx((0.04, 0.005)) and (both.events, both.steps) == (9, 1)
 
 
+def test_a_processes_first_step_counts_as_progress_but_teaches_nothing():
+    # vLLM on CPU: the first step takes 6 s (lazy initialisation), the next ones 0.1 s; as the window's longest
+    # it would set the thresholds of a stall whose step size is unknown (a stuck scheduler's) at 4x it
+    first = adaptive.rank_progress(mark(step=0), Mark(7, 1, 0, 0.0, 5.9, 4), QUIET_NEVER)
+    assert first.samples == () and first.shaped == () and (first.events, first.steps) == (1, 1)
+    second = adaptive.rank_progress(Mark(7, 1, 0, 0.0, 5.9, 4), Mark(7, 2, 0, 0.0, 0.1, 4), QUIET_NEVER)
+    assert second.samples == (0.1,) and second.shaped == ((adaptive.bucket(4), 0.1),)
+
+
 @pytest.mark.parametrize(
     "before, after, quiet_at",
     [

@@ -148,6 +148,49 @@ def test_a_scheduler_inside_its_step_makes_the_group_busy_and_its_steps_are_prog
     assert hard.to_dict()["control"][0]["role"] == "scheduler"
 
 
+def test_a_scheduler_stuck_in_its_scheduling_call_is_judged_by_the_smallest_step_class():
+    """Decode steps learned (0.05 s), then one 3.3 s prefill in the window (its longest: the window's bar is
+    3x it), then the scheduler stops inside ``schedule()`` while the ranks wait for its next step: no step size
+    yet, but the scheduling call is part of every step, so the decode class rules it (3 s), not the window (9.9 s).
+    The same stall outside the scheduling call (its step's size unknown) keeps the window's bar."""
+    for phase, bar in ((hb.SCHEDULE_PHASE, 3.0), ("", 3 * PREFILL_S)):
+        clock, group = Clock(), ShapedGroup()
+        decode_for(clock, group, 30)
+        group.tokens = 512
+        for i in range(int(PREFILL_S / TICK)):
+            clock.tick(group.slots(extra=i // 10))
+        group.steps(PREFILL_S, 512)
+        clock.tick(group.slots(extra=4))
+        idle = group.slots(in_step=False, extra=4)
+        stuck = dataclasses.replace(control(40, True), phase=phase)
+        stopped_at = clock.now
+        for _ in range(120):
+            clock.tick(idle, control=[stuck])
+        hard = clock.first(K.HARD)
+        assert hard is not None and hard.hard_timeout == pytest.approx(bar, rel=0.1), (phase, hard and hard.message)
+        assert hard.at - stopped_at <= bar + 2 * TICK, hard.message
+
+
+def test_a_cold_engines_first_wait_is_not_the_bar_of_later_stalls():
+    """An engine that reports steps: its first requests wait 3.3 s inside the first step (a cold start, before
+    anything is learned), then decode steps are learned; a rank stopped later in a step of a size never seen
+    is ruled by the window of the steady state (its bars: 1.5 / 3 s floors), not by 3 x the cold wait."""
+    clock, group = Clock(), ShapedGroup()
+    for _ in range(int(PREFILL_S / TICK)):  # the cold start: inside step 0, no progress
+        clock.tick(group.slots())
+    group.steps(PREFILL_S, 4)
+    clock.tick(group.slots())
+    decode_for(clock, group, 30)
+    assert clock.verdicts[-1].adaptive.window_max_s < 1.0, clock.verdicts[-1].adaptive
+    group.tokens = 300  # a size with no class
+    stuck = group.step
+    stopped_at = clock.now
+    for _ in range(100):
+        clock.tick(group.slots(stuck=1, since_step=stuck))
+    hard = clock.first(K.HARD)
+    assert hard is not None and hard.at - stopped_at <= 3.0 + 2 * TICK, hard.message
+
+
 def test_a_scheduler_between_steps_with_idle_ranks_is_idle():
     clock = Clock(WatchdogConfig(soft_timeout=1.0, hard_timeout=2.0))
     idle = [snap(r, step=10) for r in range(2)]

@@ -357,7 +357,7 @@ def _wrap_idle(seam: Seam, fn: Any) -> Any:
 
 
 # -- the control plane: vLLM's engine core (scheduler) and front end, each in its control slot -------------
-SCHEDULE_PHASE = "schedule"
+SCHEDULE_PHASE = hb.SCHEDULE_PHASE
 EXECUTE_PHASE = "execute"
 _MISSING = object()
 
