@@ -19,7 +19,7 @@ second fault's::
 Besides the outcome, two times: *detected after*, from the start of the load
 to the fault's ruling (its log line), and *serving again*, from the ruling
 to the first successful completion of a request sent after it (a short probe
-goes out every ``PROBE_EVERY_S``; during the restart it waits in the port's
+goes out every ``clients.PROBE_EVERY_S``; during the restart it waits in the port's
 backlog and the new attempt answers it).
 
 Prints a table (rich) or ``--json``; exit 0 only when every kind passed.
@@ -31,11 +31,10 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -43,17 +42,15 @@ from tp_supervise.engine.inject import ALL_KINDS as INJECT_KINDS  # the engine o
 from tp_supervise.engine.inject import POISON_MARKER
 
 from ..rank.net import free_port
+from .clients import Clients, request
 
 FAULT_RANK = 1
 FAULT_STEP = 20
 DRILL_LIMIT_S = 120.0
 SLOW_OBSERVE_S = 60.0  # the straggler detector's warm-up and baseline (20 s), then its window (20 s)
 READY_TIMEOUT_S = 90.0
-LOAD_THREADS = 4
-REQUEST_TIMEOUT_S = 30.0
 HEALTH_POLL_S = 0.2
 READY_POLL_TIMEOUT_S = 5.0  # one readiness poll (the relay's /readyz asks the engine's /health, up to 2 s)
-PROBE_EVERY_S = 0.2
 PROBE_TOKENS = 2
 RETRY_PAUSE_S = 1.0  # a client whose request failed (503, connection error) sends it again after this
 SERVED_AFTER_S = 30.0  # poison: how long the other requests get to show they are served after the 400
@@ -88,87 +85,6 @@ class DrillResult:
     note: str = ""
     serving_again_s: float | None = None  # the ruling → the first request sent after it completed
     client_errors: int | None = None  # a COMMAND's drill: answers other than 200 the clients got (through the relay)
-
-
-def _post(port: int, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int | None, bytes]:
-    """One completion request: (status, body); status None when no answer came (refused, reset, timed out)."""
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        return None, repr(exc).encode()
-
-
-@dataclass
-class Traffic:
-    """The drill's clients: LOAD_THREADS threads of long completions, and a short probe every PROBE_EVERY_S whose
-    send and answer times (wall clock) say when the engine served again.  Every prompt is distinct: a request's
-    fingerprint is its content, and the quarantine must see each client's request as its own."""
-
-    port: int
-    model: str | None = None  # sent in every request when the engine wants it (an OpenAI server: /v1/models)
-    timeout_s: float = REQUEST_TIMEOUT_S  # a client's patience: behind the relay, longer than the engine's restart
-    probes: list[tuple[float, float, bool]] = field(default_factory=list)  # (sent, answered, ok)
-    errors: list[str] = field(default_factory=list)  # every answer that was not a 200: "STATUS body" or the error
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-
-    def start(self) -> Traffic:
-        for i in range(LOAD_THREADS):
-            self._threads.append(threading.Thread(target=self._load, args=(i,), name=f"drill-load-{i}", daemon=True))
-        self._threads.append(threading.Thread(target=self._probe, name="drill-probe", daemon=True))
-        for t in self._threads:
-            t.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _load(self, worker: int) -> None:
-        n = 0
-        while not self._stop.is_set():
-            n += 1
-            body = {"prompt": f"drill {worker}.{n}", "max_tokens": 64, "ignore_eos": True, "temperature": 0}
-            status, _ = self._send(body)
-            if status != 200:
-                self._stop.wait(HEALTH_POLL_S)
-
-    def _probe(self) -> None:
-        n = 0
-        while not self._stop.wait(PROBE_EVERY_S):
-            n += 1
-            sent = time.time()
-            status, _ = self._send({"prompt": f"probe {n}", "max_tokens": PROBE_TOKENS, "temperature": 0})
-            self.probes.append((sent, time.time(), status == 200))
-
-    def _send(self, body: dict) -> tuple[int | None, bytes]:
-        if self.model is not None:
-            body["model"] = self.model
-        status, answer = _post(self.port, body, self.timeout_s)
-        if status != 200 and not self._stop.is_set():
-            self.errors.append(f"{status} {answer[:200].decode(errors='replace')}")
-        return status, answer
-
-    def served_after(self, at: float) -> float | None:
-        """When the first probe answered 200 after ``at`` was answered (wall clock), or None.  A probe in flight at
-        the fault counts: the relay holds it across the restart and the new attempt answers it."""
-        return min((done for _sent, done, ok in self.probes if ok and done > at), default=None)
-
-    def wait_served_after(self, at: float, timeout_s: float) -> float | None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not self._stop.is_set():
-            done = self.served_after(at)
-            if done is not None:
-                return done
-            time.sleep(HEALTH_POLL_S)
-        return None
 
 
 def wait_answering(port: int, path: str, proc: subprocess.Popen, deadline: float) -> bool:
@@ -244,7 +160,7 @@ def _argv(port: int, tp: int, dump_dir: Path, plane: str, *extra: str) -> list[s
     ]
 
 
-def end_run(proc: subprocess.Popen, traffic: Traffic) -> None:
+def end_run(proc: subprocess.Popen, traffic: Clients) -> None:
     """The clients stop; the run too if it is still up (SIGKILL: the drill is done with it)."""
     traffic.stop()
     if proc.poll() is None:
@@ -284,7 +200,7 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
     plane = "replicated" if kind.startswith("diverge") else "broadcast"
     argv = _argv(port, tp, dump_dir, plane, "--max-restarts", "1", "--inject", f"{kind}@{FAULT_RANK}:{FAULT_STEP}")
     log_path = dump_root / f"{kind}.log"
-    traffic = Traffic(port)
+    traffic = Clients(port)
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
         try:
@@ -360,7 +276,7 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
     port = free_port()
     argv = _argv(port, tp, dump_dir, "broadcast", "--max-restarts", "3", "--inject", f"poison@{FAULT_RANK}")
     log_path = dump_root / "poison.log"
-    traffic = Traffic(port)
+    traffic = Clients(port)
     answer: tuple[int | None, bytes] = (None, b"")
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
@@ -376,7 +292,7 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
             deadline = time.monotonic() + DRILL_LIMIT_S
             body = {"prompt": f"drill {POISON_MARKER}", "max_tokens": PROBE_TOKENS, "temperature": 0}
             while time.monotonic() < deadline and proc.poll() is None:
-                answer = _post(port, body)
+                answer = request(port, "/v1/completions", body)
                 if answer[0] is not None and answer[0] < 500:
                     break
                 time.sleep(RETRY_PAUSE_S)
