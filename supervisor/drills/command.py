@@ -284,6 +284,7 @@ def run_trial(kind: Kind, trial: int, setup: Setup) -> Trial:
     show = setup.progress.phase
     with open(log_path, "w") as log_file:
         show("starting the engine")
+        launched = time.monotonic()
         proc = subprocess.Popen(
             [*prefix, *serve_argv(public, dump_dir, setup.serve_flags, setup.command)],
             stdout=log_file,
@@ -301,6 +302,7 @@ def run_trial(kind: Kind, trial: int, setup: Setup) -> Trial:
                     else f"the engine did not serve through the relay within {setup.ready_s:g} s"
                 )
                 return _finish(kind, trial, seen, code, log_path, token, shm_before)
+            seen.engine_start_s = round(time.monotonic() - launched, 2)
             clients = Clients(public, served_model(public), setup.ready_s + CLIENT_SLACK_S).start()
             show("load before the fault")
             time.sleep(setup.load_s)
@@ -520,6 +522,7 @@ def rows(trials: list[Trial]) -> list[dict]:
         ran = [t for t in ts if t.run]
         verdicts = [float(v) for t in ran if (v := t.observed.get("verdict_s")) is not None]
         serving = [float(v) for t in ran if (v := t.observed.get("serving_again_s")) is not None]
+        starts = [float(v) for t in ran if (v := t.observed.get("engine_start_s")) is not None]
         out.append({
             "kind": name,
             "expected": ts[0].expected,
@@ -529,6 +532,7 @@ def rows(trials: list[Trial]) -> list[dict]:
             "verdict_median_s": statistics.median(verdicts) if verdicts else None,
             "verdict_worst_s": max(verdicts) if verdicts else None,
             "serving_again_median_s": statistics.median(serving) if serving else None,
+            "engine_start_median_s": statistics.median(starts) if starts else None,
             "client_errors": sum(t.observed.get("client_errors", 0) + t.observed.get("streams_cut", 0) for t in ran),
             "leftovers": sum(len(t.observed.get("leftovers", [])) for t in ran),
             "why": "; ".join(dict.fromkeys(t.why for t in ts if t.why)),
@@ -538,13 +542,14 @@ def rows(trials: list[Trial]) -> list[dict]:
 
 def markdown(trials: list[Trial], title: str) -> str:
     lines = [f"**{title}**", "",
-             "| kind | expected | got | localised | passed | verdict (median / worst) | serving again | client errors | left | why not |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| kind | expected | got | localised | passed | verdict (median / worst) | serving again | engine start | client errors | left | why not |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows(trials):
         lines.append(
             f"| {r['kind']} | {r['expected']} | {r['got']} | {r['localised']} | {r['passed']} | "
             f"{_fmt(r['verdict_median_s'])} / {_fmt(r['verdict_worst_s'])} | {_fmt(r['serving_again_median_s'])} | "
-            f"{r['client_errors']} | {r['leftovers']} | {r['why'].replace('|', '/') or '-'} |"
+            f"{_fmt(r['engine_start_median_s'])} | {r['client_errors']} | {r['leftovers']} | "
+            f"{r['why'].replace('|', '/') or '-'} |"
         )
     ran = [t for t in trials if t.run]
     lines += ["", f"Localised {sum(t.localised for t in ran)} of {len(ran)} trials; passed {sum(t.passed for t in ran)} "
@@ -569,6 +574,7 @@ def report(trials: list[Trial], title: str, fmt: str) -> int:
             "localised",
             "verdict",
             "serving again",
+            "engine start",
             "client errors",
             "left",
             "result",
@@ -580,7 +586,7 @@ def report(trials: list[Trial], title: str, fmt: str) -> int:
             table.add_row(
                 r["kind"], r["expected"], r["got"], r["localised"],
                 f"{_fmt(r['verdict_median_s'])} / {_fmt(r['verdict_worst_s'])}", _fmt(r["serving_again_median_s"]),
-                str(r["client_errors"]), str(r["leftovers"]), result + (f" ({r['why']})" if r["why"] else ""),
+                _fmt(r["engine_start_median_s"]), str(r["client_errors"]), str(r["leftovers"]), result + (f" ({r['why']})" if r["why"] else ""),
             )  # fmt: skip
         Console(width=None if sys.stdout.isatty() else 220).print(table)
     ran = [t for t in trials if t.run]

@@ -267,6 +267,7 @@ class Observed:
     restarted: bool = False  # the supervisor started the group again and a request was served after the fault
     verdict_s: float | None = None  # fault → ruling
     serving_again_s: float | None = None
+    engine_start_s: float | None = None  # the trial's first start: supervise serve → the relay's /readyz 200
     client_errors: int = 0
     streams_cut: int = 0
     leftovers: list[str] = field(default_factory=list)
