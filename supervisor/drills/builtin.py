@@ -101,42 +101,76 @@ def wait_answering(port: int, path: str, proc: subprocess.Popen, deadline: float
     return False
 
 
-def first_ruling(log_path: Path) -> float | None:
-    """Wall-clock time of the supervisor's first fault ruling in its JSON log, or None."""
+def log_records(log_path: Path) -> list[dict]:
+    """The JSON lines of a supervisor's log (lines that are not JSON skipped)."""
     try:
         text = log_path.read_text(errors="replace")
     except OSError:
-        return None
+        return []
+    out = []
     for line in text.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def _wall(record: dict) -> float | None:
+    try:
+        return datetime.fromisoformat(str(record.get("timestamp", "")).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def rulings(log_path: Path, after: float = float("-inf")) -> list[tuple[float, dict]]:
+    """The supervisor's fault rulings (its log events of ``RULINGS``) at or after ``after`` (wall clock, 0.5 s of
+    slack for the two clocks' rounding), with their time."""
+    out = []
+    for record in log_records(log_path):
         if record.get("event") in RULINGS and str(record.get("logger", "")).startswith("tp_supervise.supervisor"):
-            return datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
-    return None
+            at = _wall(record)
+            if at is not None and at >= after - 0.5:
+                out.append((at, record))
+    return out
 
 
-def fatal_bundles(dump_dir: Path) -> list[dict]:
+def first_ruling(log_path: Path) -> float | None:
+    """Wall-clock time of the supervisor's first fault ruling in its JSON log, or None."""
+    found = rulings(log_path)
+    return found[0][0] if found else None
+
+
+SOFT_BUNDLES = ("hang_suspected", "straggler")  # bundles that stop nothing
+
+
+def bundles(dump_dir: Path, kinds: str = "fatal", after: float = float("-inf")) -> list[tuple[Path, dict]]:
+    """(folder, summary) of the bundles in ``dump_dir``, oldest first: ``fatal`` ones, or ``straggler`` ones;
+    detected at or after ``after`` (wall clock).  A summary that cannot be read is skipped."""
     if not dump_dir.is_dir():
         return []
     out = []
     for path in sorted(p for p in dump_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if not any(soft in path.name for soft in ("hang_suspected", "straggler")) and (path / "summary.json").is_file():
-            out.append(json.loads((path / "summary.json").read_text()))
+        soft = any(word in path.name for word in SOFT_BUNDLES)
+        if (kinds == "fatal" and soft) or (kinds == "straggler" and "straggler" not in path.name):
+            continue
+        try:
+            summary = json.loads((path / "summary.json").read_text())
+        except (OSError, ValueError):
+            continue
+        detected = _wall({"timestamp": summary.get("detected_at", "")})
+        if detected is None or detected >= after - 0.5:
+            out.append((path, summary))
     return out
 
 
+def fatal_bundles(dump_dir: Path) -> list[dict]:
+    return [summary for _path, summary in bundles(dump_dir)]
+
+
 def _straggler_bundles(dump_dir: Path) -> list[dict]:
-    if not dump_dir.is_dir():
-        return []
-    return [
-        json.loads((p / "summary.json").read_text())
-        for p in sorted(dump_dir.iterdir())
-        if p.is_dir() and "straggler" in p.name and (p / "summary.json").is_file()
-    ]
+    return [summary for _path, summary in bundles(dump_dir, "straggler")]
 
 
 def _argv(port: int, tp: int, dump_dir: Path, plane: str, *extra: str) -> list[str]:

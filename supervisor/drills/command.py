@@ -26,10 +26,13 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -39,7 +42,7 @@ from ..observers import control_socket as control
 from ..observers.status_view import fetch
 from ..rank.drill_lane import ENV_DRILL
 from . import host
-from .builtin import RULINGS, fatal_bundles, wait_answering
+from .builtin import bundles, log_records, rulings, wait_answering
 from .builtin import serve_argv as drill_serve_argv
 from .clients import Clients, served_model
 from .kinds import BY_NAME, KINDS, RUNS_ON, Kind, KindError, Observed, score, select
@@ -120,64 +123,30 @@ def target_pid(proc: subprocess.Popen, role: str, rank: int, deadline: float) ->
     return None
 
 
-def _records(log_path: Path) -> list[dict]:
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
-
-
-def _at(record: dict) -> float:
-    return datetime.fromisoformat(str(record.get("timestamp", "")).replace("Z", "+00:00")).timestamp()
-
-
-def ruling_after(log_path: Path, after: float) -> tuple[float, dict] | None:
-    """The supervisor's first fault ruling (a log event of ``RULINGS``) at or after ``after`` (wall clock)."""
-    for record in _records(log_path):
-        if record.get("event") in RULINGS and str(record.get("logger", "")).startswith("tp_supervise.supervisor"):
-            try:
-                at = _at(record)
-            except ValueError:
-                continue
-            if at >= after - 0.5:
-                return at, record
-    return None
-
-
-def _straggler(dump_dir: Path) -> dict | None:
-    if not dump_dir.is_dir():
-        return None
-    for path in sorted(dump_dir.iterdir()):
-        if path.is_dir() and "straggler" in path.name and (path / "summary.json").is_file():
-            return json.loads((path / "summary.json").read_text())
-    return None
-
-
 def _arm(folder: Path, token: str, pid: int, kind: str, seam: str) -> str:
-    """Write the lane's order for ``pid`` (atomically) and wait for its answer: '' when armed, else why not."""
+    """Write the lane's order for ``pid`` (atomically) and wait for its answer (this trial's token): '' when armed,
+    else why not.  An order nobody took is removed: a later process given the same pid never finds it."""
     order = folder / f"{pid}.json"
+    answer = folder / f"{pid}.armed"
+    answer.unlink(missing_ok=True)
     tmp = folder / f".{pid}.json.tmp"
     tmp.write_text(json.dumps({"token": token, "kind": kind, "seam": seam}))
     os.replace(tmp, order)
-    answer = folder / f"{pid}.armed"
     deadline = time.monotonic() + ARM_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            said = json.loads(answer.read_text())
-            return str(said.get("problem", ""))
-        except (OSError, ValueError):
-            time.sleep(0.05)
-    if not Path(f"/proc/{pid}").exists():
-        return ""  # gone at once: a fault that ends the process (exit0 at the next step) may beat the answer
-    return f"pid {pid} did not answer the drill's lane within {ARM_TIMEOUT_S:g} s (is the hook in that process?)"
+    try:
+        while time.monotonic() < deadline:
+            try:
+                said = json.loads(answer.read_text())
+            except (OSError, ValueError):
+                time.sleep(0.05)
+                continue
+            if said.get("token") == token:
+                return str(said.get("problem", ""))
+        if not Path(f"/proc/{pid}").exists():
+            return ""  # gone at once: a fault that ends the process (exit0 at the next step) may beat the answer
+        return f"pid {pid} did not answer the drill's lane within {ARM_TIMEOUT_S:g} s (is the hook in that process?)"
+    finally:
+        order.unlink(missing_ok=True)
 
 
 def _culprit(summary: dict) -> tuple[str | None, int | None]:
@@ -204,20 +173,34 @@ def _stacks_missing(bundle: Path) -> list[str]:
     return out
 
 
+def _carrying(needle: bytes, found: list[int]) -> None:
+    """Pids whose environment holds ``needle`` (each read takes the process's mmap lock: run on a thread)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+
+
 def leftovers(token: str, shm_before: set[str]) -> list[str]:
-    """Processes still carrying the trial's lane token, and /dev/shm entries made during the trial."""
-    out: list[str] = []
+    """Processes still carrying the trial's lane token (then SIGKILLed: the next trial needs the machine), and
+    /dev/shm entries made during the trial.  The scan of /proc has a deadline (a process stuck in the kernel holds
+    its mmap lock): what it did not reach by then is not reported."""
     deadline = time.monotonic() + LEFTOVER_WAIT_S
+    needle = f"{ENV_DRILL}={token}".encode()
     while True:
+        found: list[int] = []
+        scan = threading.Thread(target=_carrying, args=(needle, found), name="drill-leftovers", daemon=True)
+        scan.start()
+        scan.join(max(0.5, deadline - time.monotonic()))
         out = []
-        needle = f"{ENV_DRILL}={token}".encode()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
+        for pid in list(found):
             try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read():
-                        out.append(f"pid {entry} ({Path(f'/proc/{entry}/comm').read_text().strip()})")
+                out.append(f"pid {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
             except OSError:
                 continue
         try:
@@ -225,6 +208,11 @@ def leftovers(token: str, shm_before: set[str]) -> list[str]:
         except OSError:
             pass
         if not out or time.monotonic() >= deadline:
+            for pid in found:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             return out
         time.sleep(0.5)
 
@@ -267,88 +255,46 @@ class Setup:
 
 
 def run_trial(kind: Kind, trial: int, setup: Setup) -> Trial:
-    """One kind, once: start, load, fault, watch, stop, score."""
+    """One kind, once: start, load, fault, watch, stop, undo what the fault changed, score."""
     name = f"{kind.name}-{trial}"
     dump_dir = setup.dump_root / name
     log_path = setup.dump_root / f"{name}.log"
     token = secrets.token_hex(16)
-    lane_dir = setup.dump_root / f".lane-{name}"
-    lane_dir.mkdir(parents=True, exist_ok=True)
+    lane_dir = Path(tempfile.mkdtemp(prefix=f".lane-{name}-", dir=setup.dump_root))  # 0700, fresh every trial
     seen = Observed()
     undo: list = []
-    prefix = host.without_ptrace() if kind.environment == "ptrace_denied" else []
     public = _free_port()
     shm_before = set(os.listdir(host.SHM))
     env = dict(os.environ, **{ENV_DRILL: f"{token}:{lane_dir}"})
+    box: dict = {}  # the trial's clients, once started
     code = None
-    show = setup.progress.phase
-    with open(log_path, "w") as log_file:
-        show("starting the engine")
-        launched = time.monotonic()
-        proc = subprocess.Popen(
-            [*prefix, *serve_argv(public, dump_dir, setup.serve_flags, setup.command)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        clients = None
-        try:
-            if not wait_answering(public, "/readyz", proc, time.monotonic() + setup.ready_s):
-                ended = proc.poll() is not None
-                code = _stop(proc)
-                seen.problem = (
-                    f"supervise serve exited {code} before serving (its log says why)"
-                    if ended
-                    else f"the engine did not serve through the relay within {setup.ready_s:g} s"
-                )
-                return _finish(kind, trial, seen, code, log_path, token, shm_before)
-            seen.engine_start_s = round(time.monotonic() - launched, 2)
-            clients = Clients(public, served_model(public), setup.ready_s + CLIENT_SLACK_S).start()
-            show("load before the fault")
-            time.sleep(setup.load_s)
-            if kind.cpu_share is not None:
-                time.sleep(max(0.0, STRAGGLER_WAIT_S - setup.load_s))
-            pid = target_pid(proc, kind.role, 1, time.monotonic() + FIND_TIMEOUT_S)
-            if pid is None:
-                seen.problem = f"the supervisor's status names no live {kind.role} process"
-                code = _stop(proc)
-                return _finish(kind, trial, seen, code, log_path, token, shm_before)
-            show(f"fault: {kind.does[:60]}")
-            fault_at = time.time()
-            seen.problem = _inject(kind, pid, token, lane_dir, dump_dir, undo, name)
-            if seen.problem:
-                code = _stop(proc)
-                return _finish(kind, trial, seen, code, log_path, token, shm_before)
-            if kind.expect.outcome == RUNS_ON:
-                _watch_runs_on(kind, proc, dump_dir, log_path, fault_at, seen, show)
-            else:
-                show("waiting for the verdict")
-                ruled = None
-                deadline = time.monotonic() + VERDICT_LIMIT_S
-                while ruled is None and time.monotonic() < deadline and proc.poll() is None:
-                    time.sleep(POLL_S)
-                    ruled = ruling_after(log_path, fault_at)
-                if ruled is None:
-                    ruled = ruling_after(log_path, fault_at)
-                if ruled is not None:
-                    seen.verdict_s = round(ruled[0] - fault_at, 2)
-                    show("waiting for serving again")
-                    served = clients.wait_served_after(ruled[0], setup.ready_s)
-                    if served is not None and proc.poll() is None:
-                        seen.restarted = True
-                        seen.serving_again_s = round(served - ruled[0], 2)
-                    _read_bundle(dump_dir, seen, fatal=True, log_path=log_path, after=fault_at)
-            show("stopping")
-            clients.stop()
-            code = _stop(proc)
-        finally:
-            if clients is not None:
-                clients.stop()
-            for change in reversed(undo):
+    try:
+        with open(log_path, "w") as log_file:
+            setup.progress.phase("starting the engine")
+            launched = time.monotonic()
+            proc = subprocess.Popen(
+                [*(host.without_ptrace() if kind.environment == "ptrace_denied" else []),
+                 *serve_argv(public, dump_dir, setup.serve_flags, setup.command)],
+                stdout=log_file, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+            try:
+                code = _drive(kind, setup, proc, public, launched, seen, undo, box, lane_dir, token, dump_dir, log_path)
+            finally:
+                if "clients" in box:
+                    box["clients"].stop()
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    except (OSError, subprocess.SubprocessError, host.DrillEnvError) as exc:
+        seen.problem = seen.problem or f"the drill failed: {exc!r}"
+    finally:
+        for change in reversed(undo):
+            try:
                 change.undo()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            except (OSError, subprocess.SubprocessError, host.DrillEnvError) as exc:
+                seen.leftovers.append(f"not undone: {exc}")
+        shutil.rmtree(lane_dir, ignore_errors=True)
+    clients = box.get("clients")
     if clients is not None:
         seen.client_errors = len(clients.errors)
         seen.streams_cut = clients.streams_cut
@@ -357,85 +303,152 @@ def run_trial(kind: Kind, trial: int, setup: Setup) -> Trial:
     return _finish(kind, trial, seen, code, log_path, token, shm_before)
 
 
+def _drive(kind, setup, proc, public, launched, seen, undo, box, lane_dir, token, dump_dir, log_path) -> int:
+    """The trial once ``supervise serve`` runs; its exit code (after the drill's SIGTERM, or its own)."""
+    show = setup.progress.phase
+    if not wait_answering(public, "/readyz", proc, time.monotonic() + setup.ready_s):
+        ended = proc.poll() is not None
+        code = _stop(proc)
+        seen.problem = (
+            f"supervise serve exited {code} before serving (its log says why)"
+            if ended
+            else f"the engine did not serve through the relay within {setup.ready_s:g} s"
+        )
+        return code
+    seen.engine_start_s = round(time.monotonic() - launched, 2)
+    clients = box["clients"] = Clients(public, served_model(public), setup.ready_s + CLIENT_SLACK_S).start()
+    show("load before the fault")
+    time.sleep(setup.load_s)
+    if kind.cpu_share is not None:
+        time.sleep(max(0.0, STRAGGLER_WAIT_S - setup.load_s))
+    pid = target_pid(proc, kind.role, 1, time.monotonic() + FIND_TIMEOUT_S)
+    if pid is None:
+        seen.problem = f"the supervisor's status names no live {kind.role} process"
+        return _stop(proc)
+    show(f"fault: {kind.does[:60]}")
+    seen.problem, fault_at = _inject(kind, pid, token, lane_dir, dump_dir, undo, seen)
+    if seen.problem:
+        return _stop(proc)
+    if kind.expect.outcome == RUNS_ON:
+        _watch_runs_on(kind, proc, dump_dir, log_path, fault_at, seen, show)
+    else:
+        show("waiting for the verdict")
+        ruled = None
+        deadline = time.monotonic() + VERDICT_LIMIT_S
+        while ruled is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(POLL_S)
+            ruled = next(iter(rulings(log_path, fault_at)), None)
+        if ruled is None:
+            ruled = next(iter(rulings(log_path, fault_at)), None)
+        if ruled is not None:
+            seen.verdict_s = round(ruled[0] - fault_at, 2)
+            show("waiting for serving again")
+            served = clients.wait_served_after(ruled[0], setup.ready_s)
+            if served is not None and proc.poll() is None:
+                seen.restarted = True
+                seen.serving_again_s = round(served - ruled[0], 2)
+            _read_bundle(dump_dir, seen, log_path=log_path, after=fault_at)
+    show("stopping")
+    clients.stop()
+    return _stop(proc)
+
+
 def _free_port() -> int:
     from ..rank.net import free_port
 
     return free_port()
 
 
-def _inject(kind: Kind, pid: int, token: str, lane_dir: Path, dump_dir: Path, undo: list, name: str) -> str:
-    """The fault itself ('' when done, else why it could not be)."""
+def _inject(
+    kind: Kind, pid: int, token: str, lane_dir: Path, dump_dir: Path, undo: list, seen: Observed
+) -> tuple[str, float]:
+    """The fault itself: ('' when done, else why it could not be; when it was made, wall clock).  Every change it
+    makes around the run goes on ``undo`` the moment it exists; what it set is said in ``seen.setup``."""
+    group_name = f"tps-drill-{token[:12]}"
+    at = time.time()
     try:
         if kind.environment == "shm_full":
             undo.append(host.FullFilesystem(host.SHM, remount=True))
-            return ""
+            seen.setup = f"{host.SHM} remounted to what it holds + 4 MiB, filled"
+            return "", at
         if kind.environment == "dump_disk_full":
             dump_dir.mkdir(parents=True, exist_ok=True)
             undo.append(host.FullFilesystem(dump_dir, remount=False))
+            seen.setup = f"{dump_dir}: a 1 MiB tmpfs, filled"
         if kind.environment == "ptrace_denied":
             problem = _arm(lane_dir, token, pid, "not_dumpable", "now")
             if problem:
-                return problem
+                return problem, at
+            seen.setup = "supervise serve without CAP_SYS_PTRACE; the process made not dumpable"
         if kind.cpu_share is not None:
-            group, _what = host.cpu_quota(pid, kind.cpu_share, f"tps-drill-{name}")
+            used = host.cpu_used(pid)
+            group = host.Cgroup("cpu", pid, group_name)
             undo.append(group)
-            return ""
+            seen.setup = group.cpu_quota(kind.cpu_share, used)
+            return "", time.time()
         if kind.memory:
-            group, _what = host.memory_limit(pid, f"tps-drill-{name}")
+            group = host.Cgroup("memory", pid, group_name)
             undo.append(group)
+            seen.setup = group.memory_headroom()
+        at = time.time()
         if kind.lane is not None:
-            return _arm(lane_dir, token, pid, *kind.lane)
+            return _arm(lane_dir, token, pid, *kind.lane), at
         if kind.signum is not None:
             try:
                 os.kill(pid, kind.signum)
             except ProcessLookupError:
-                return f"pid {pid} ended before the signal"
-        return ""
-    except (host.DrillEnvError, OSError) as exc:
-        return f"the drill could not set up {kind.name}: {exc}"
+                return f"pid {pid} ended before the signal", at
+        return "", at
+    except (host.DrillEnvError, OSError, subprocess.SubprocessError) as exc:
+        return f"the drill could not set up {kind.name}: {exc}", at
 
 
 def _watch_runs_on(kind: Kind, proc, dump_dir: Path, log_path: Path, fault_at: float, seen: Observed, show) -> None:
     if kind.expect.reason == "straggler":
         show("waiting for the straggler to be named")
         deadline = time.monotonic() + STRAGGLER_LIMIT_S
-        named = None
-        while named is None and time.monotonic() < deadline and proc.poll() is None:
+        named: list = []
+        while not named and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(POLL_S)
-            named = _straggler(dump_dir)
-        if named is not None:
+            named = bundles(dump_dir, "straggler", after=fault_at)
+        if named:
+            path, summary = named[0]
             seen.reason = "straggler"
-            seen.culprit_role, seen.culprit_rank = _culprit(named)
-            seen.verdict = str(named.get("verdict", ""))
-            seen.verdict_s = round(time.time() - fault_at, 2)
+            seen.culprit_role, seen.culprit_rank = _culprit(summary)
+            seen.verdict = str(summary.get("verdict", ""))
+            detected = _detected(summary)
+            seen.verdict_s = round((detected if detected is not None else time.time()) - fault_at, 2)
     else:
         show(f"watching for {RUNS_ON_S:g} s: nothing may be ruled")
         end = time.monotonic() + RUNS_ON_S
         while time.monotonic() < end and proc.poll() is None:
             time.sleep(POLL_S)
-    ruled = ruling_after(log_path, fault_at)
-    if ruled is not None:  # a fatal verdict where none was due
-        seen.reason = str(ruled[1].get("event"))
-        _read_bundle(dump_dir, seen, fatal=True, log_path=log_path, after=fault_at)
-    seen.restarted = proc.poll() is None
+    if rulings(log_path, fault_at):  # a fatal verdict where none was due
+        _read_bundle(dump_dir, seen, log_path=log_path, after=fault_at)
+    seen.restarted = proc.poll() is None  # here: the run stayed up
 
 
-def _read_bundle(dump_dir: Path, seen: Observed, fatal: bool, log_path: Path, after: float) -> None:
-    """The first fatal bundle's reason, culprit and verdict; without a bundle (a full disk), the ruling's log
-    line (its event and the culprit it announced)."""
-    bundles = fatal_bundles(dump_dir) if fatal else []
-    if bundles:
-        summary = bundles[0]
+def _detected(summary: dict) -> float | None:
+    try:
+        return datetime.fromisoformat(str(summary.get("detected_at", "")).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _read_bundle(dump_dir: Path, seen: Observed, log_path: Path, after: float) -> None:
+    """The first fatal bundle since the fault: its reason, culprit, verdict and which live process's stack it lacks;
+    without one (a full disk), the ruling's log line (its event and the process it announced)."""
+    found = bundles(dump_dir, after=after)
+    if found:
+        path, summary = found[0]
         seen.reason = summary.get("reason")
         seen.culprit_role, seen.culprit_rank = _culprit(summary)
         seen.verdict = str(summary.get("verdict", ""))
-        path = next((p for p in sorted(dump_dir.iterdir()) if (p / "summary.json").is_file()), None)
-        if path is not None:
-            seen.stacks_missing = _stacks_missing(path)
+        seen.stacks_missing = _stacks_missing(path)
         return
-    ruled = ruling_after(log_path, after)
-    if ruled is not None:
-        record = ruled[1]
+    ruled = rulings(log_path, after)
+    if ruled:
+        record = ruled[0][1]
         seen.reason = {"rank_exited": "rank_exit"}.get(str(record.get("event")), str(record.get("event")))
         role = record.get("role")
         rank = record.get("rank")
@@ -609,11 +622,10 @@ def list_kinds() -> int:
 # -- the soak ------------------------------------------------------------------------------------------------
 def soak(setup: Setup, minutes: float, fmt: str) -> int:
     """Realistic load and no fault for ``minutes``: every ruling and every straggler named is a false alarm."""
-    token = secrets.token_hex(16)
     log_path = setup.dump_root / "soak.log"
     dump_dir = setup.dump_root / "soak"
     public = _free_port()
-    env = dict(os.environ, **{ENV_DRILL: f"{token}:{setup.dump_root}"})
+    env = {k: v for k, v in os.environ.items() if k != ENV_DRILL}  # no fault: the run as production has it
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
             serve_argv(public, dump_dir, setup.serve_flags, setup.command),
@@ -648,17 +660,17 @@ def soak(setup: Setup, minutes: float, fmt: str) -> int:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    rulings = [r for r in _records(log_path) if r.get("event") in RULINGS]
-    stragglers = [r for r in _records(log_path) if r.get("event") in ("straggler_named", "straggler_across_nodes")]
-    said = [str(r.get("message", ""))[:300] for r in rulings + stragglers]
+    ruled = [record for _at, record in rulings(log_path)]
+    stragglers = [r for r in log_records(log_path) if r.get("event") in ("straggler_named", "straggler_across_nodes")]
+    said = [str(r.get("message", ""))[:300] for r in ruled + stragglers]
     result: dict = {
         "minutes": round(hours * 60, 1),
         "served": clients.served,
         "client_errors": len(clients.errors),
         "streams_cut": clients.streams_cut,
-        "false_verdicts": len(rulings),
+        "false_verdicts": len(ruled),
         "false_stragglers": len(stragglers),
-        "false_verdicts_per_hour": round(len(rulings) / hours, 2) if hours else None,
+        "false_verdicts_per_hour": round(len(ruled) / hours, 2) if hours else None,
         "run_stayed_up": alive,
         "verdicts": said,
         "log": str(log_path),
@@ -673,7 +685,11 @@ def soak(setup: Setup, minutes: float, fmt: str) -> int:
         )
         for line in said:
             print(f"  {line}")
-    return 0 if alive and not rulings and not stragglers and not clients.errors else 1
+    return 0 if alive and not ruled and not stragglers and not clients.errors else 1
+
+
+def _interrupted(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(args, command: list[str]) -> int:
@@ -687,11 +703,14 @@ def main(args, command: list[str]) -> int:
         return 64
     trials = max(1, int(getattr(args, "trials", 1) or 1))
     fmt = "json" if args.json else ("markdown" if getattr(args, "markdown", False) else "table")
-    dump_root = Path(args.dump_dir)
+    dump_root = Path(args.dump_dir).resolve()  # the lane's folder is read by processes with another cwd
     dump_root.mkdir(parents=True, exist_ok=True)
     soak_minutes = getattr(args, "soak", None)
     progress = Progress(1 if soak_minutes else len(kinds) * trials, quiet=False)
     setup = Setup(command, serve_flags, dump_root, args.ready_timeout, args.load_before, progress)
+    # SIGTERM / SIGHUP end the drill through its finally clauses: every cgroup, mount and /dev/shm size put back
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupted)
     try:
         if soak_minutes:
             progress.kind("soak", 1, 1)
@@ -709,6 +728,11 @@ def main(args, command: list[str]) -> int:
                     t = run_trial(kind, trial, setup)
                 progress.done(t)
                 results.append(t)
+    except KeyboardInterrupt:
+        print(
+            "supervise drill: interrupted; the run was stopped and what the drill changed was put back", file=sys.stderr
+        )
+        return 130
     finally:
         progress.close()
     title = f"supervise drill -- {shlex.join(command)[:80]} ({trials} trial(s) a kind, behind the relay)"

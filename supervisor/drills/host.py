@@ -7,6 +7,7 @@ Every change is an object with ``undo()``; the drill undoes each in a ``finally`
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -39,13 +40,24 @@ def _controller_dir(controller: str) -> Path:
     return path
 
 
+def _cgroup_of(pid: int, controller: str) -> str:
+    """The process's cgroup (relative path) in ``controller``'s hierarchy (v2: the unified one)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        hier, controllers, rel = line.split(":", 2)
+        if (_v2() and hier == "0") or (not _v2() and controller in controllers.split(",")):
+            return rel
+    return "/"
+
+
 class Cgroup:
-    """A cgroup of its own for one process (``controller``: cpu or memory), removed by ``undo``."""
+    """A cgroup of its own for one process (``controller``: cpu or memory); ``undo`` puts the process back where
+    it was (its pod's, its slice's cgroup) and removes this one."""
 
     def __init__(self, controller: str, pid: int, name: str):
         self.controller = controller
         self.pid = pid
         self.root = _controller_dir(controller)
+        self.home = self.root / _cgroup_of(pid, controller).lstrip("/")
         self.path = self.root / name
         try:
             self.path.mkdir(exist_ok=True)
@@ -58,26 +70,67 @@ class Cgroup:
         except OSError as exc:
             raise DrillEnvError(f"cannot write {value!r} to {self.path / name}: {exc}") from None
 
+    def read(self, name: str) -> int:
+        return int((self.path / name).read_text().split()[0])
+
     def enter(self) -> None:
         self.write("cgroup.procs", str(self.pid))
 
+    def cpu_quota(self, share: float, used: float) -> str:
+        """The process held to ``share`` of ``used`` CPUs (what it used under load); what was set."""
+        quota_us = max(1000, int(share * max(used, 0.05) * CPU_PERIOD_US))
+        if _v2():
+            self.write("cpu.max", f"{quota_us} {CPU_PERIOD_US}")
+        else:
+            self.write("cpu.cfs_period_us", str(CPU_PERIOD_US))
+            self.write("cpu.cfs_quota_us", str(quota_us))
+        self.enter()
+        return f"CPU quota {quota_us / CPU_PERIOD_US:.2f} CPU ({share:.0%} of the {used:.2f} it used)"
+
+    def memory_headroom(self) -> str:
+        """The process in this memory cgroup with ``MEMORY_HEADROOM`` above what the cgroup holds once it is in
+        (what it held stays charged where it was), no swap; what was set."""
+        self.enter()
+        usage = self.read("memory.current" if _v2() else "memory.usage_in_bytes")
+        limit = usage + MEMORY_HEADROOM
+        if _v2():
+            self.write("memory.max", str(limit))
+            try:
+                self.write("memory.swap.max", "0")
+            except DrillEnvError:
+                pass
+        else:
+            self.write("memory.limit_in_bytes", str(limit))
+            if (self.path / "memory.memsw.limit_in_bytes").exists():
+                self.write("memory.memsw.limit_in_bytes", str(limit))
+        return f"memory limit {limit >> 20} MiB in {self.path.name}, no swap ({MEMORY_HEADROOM >> 20} MiB to grow)"
+
     def undo(self) -> None:
+        """Its processes back home, then the cgroup removed; raises DrillEnvError when that could not be."""
+        back = self.home if (self.home / "cgroup.procs").exists() else self.root
         try:
-            for line in (self.path / "cgroup.procs").read_text().split():
-                try:
-                    (self.root / "cgroup.procs").write_text(line)
-                except OSError:
-                    pass
-        except OSError:
-            pass
+            pids = (self.path / "cgroup.procs").read_text().split()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise DrillEnvError(f"cannot read {self.path / 'cgroup.procs'}: {exc}") from None
+        for pid in pids:
+            try:
+                (back / "cgroup.procs").write_text(pid)
+            except ProcessLookupError:
+                pass
+            except OSError as exc:
+                raise DrillEnvError(f"cannot move pid {pid} back to {back}: {exc}") from None
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
+        while True:
             try:
                 self.path.rmdir()
                 return
             except FileNotFoundError:
                 return
-            except OSError:
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise DrillEnvError(f"cannot remove {self.path}: {exc}") from None
                 time.sleep(0.05)
 
 
@@ -94,52 +147,11 @@ def cpu_used(pid: int, over_s: float = MEASURE_S) -> float:
     return (read() - start) / (time.monotonic() - t0)
 
 
-def cpu_quota(pid: int, share: float, name: str) -> tuple[Cgroup, str]:
-    """The process held to ``share`` of the CPU it used under load: (the cgroup, what was set)."""
-    used = max(cpu_used(pid), 0.05)
-    quota_us = max(1000, int(share * used * CPU_PERIOD_US))
-    group = Cgroup("cpu", pid, name)
-    try:
-        if _v2():
-            group.write("cpu.max", f"{quota_us} {CPU_PERIOD_US}")
-        else:
-            group.write("cpu.cfs_period_us", str(CPU_PERIOD_US))
-            group.write("cpu.cfs_quota_us", str(quota_us))
-        group.enter()
-    except DrillEnvError:
-        group.undo()
-        raise
-    return group, f"{quota_us / CPU_PERIOD_US:.2f} CPU ({share:.0%} of the {used:.2f} it used)"
-
-
-def memory_limit(pid: int, name: str) -> tuple[Cgroup, str]:
-    """The process in a memory cgroup with little room above what it holds now, no swap: (the cgroup, what)."""
-    rss = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) * 1024
-    limit = rss + MEMORY_HEADROOM
-    group = Cgroup("memory", pid, name)
-    try:
-        if _v2():
-            group.write("memory.max", str(limit))
-            try:
-                group.write("memory.swap.max", "0")
-            except DrillEnvError:
-                pass
-        else:
-            group.write("memory.limit_in_bytes", str(limit))
-            if (group.path / "memory.memsw.limit_in_bytes").exists():
-                group.write("memory.memsw.limit_in_bytes", str(limit))
-        group.enter()
-    except DrillEnvError:
-        group.undo()
-        raise
-    return group, f"memory limit {limit >> 20} MiB ({rss >> 20} MiB held, no swap)"
-
-
 def _run(argv: list[str]) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DrillEnvError(f"{' '.join(argv)}: {exc}") from None
     if done.returncode != 0:
         raise DrillEnvError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
 
@@ -156,14 +168,19 @@ class FullFilesystem:
             st = os.statvfs(path)
             self.size = st.f_blocks * st.f_frsize
             used = (st.f_blocks - st.f_bfree) * st.f_frsize
-            _run(["mount", "-o", f"remount,size={used + (4 << 20)}", str(path)])
         else:
             path.mkdir(parents=True, exist_ok=True)
-            _run(["mount", "-t", "tmpfs", "-o", "size=1m", "tps-drill", str(path)])
         try:
+            if remount:
+                _run(["mount", "-o", f"remount,size={used + (4 << 20)}", str(path)])
+            else:
+                _run(["mount", "-t", "tmpfs", "-o", "size=1m", "tps-drill", str(path)])
             self._fill()
         except BaseException:
-            self.undo()
+            try:  # a mount that timed out may still have been made: put it back whatever happened
+                self.undo()
+            except DrillEnvError:
+                pass
             raise
 
     def _fill(self) -> None:
@@ -176,22 +193,16 @@ class FullFilesystem:
             except OSError:
                 pass  # ENOSPC: full
 
-    def free_bytes(self) -> int:
-        st = os.statvfs(self.path)
-        return st.f_bavail * st.f_frsize
-
     def undo(self) -> None:
+        """The filling file removed, the size given back (or the tmpfs unmounted); DrillEnvError when not."""
         try:
             self.fill.unlink()
-        except OSError:
+        except FileNotFoundError:
             pass
-        try:
-            if self.remount:
-                _run(["mount", "-o", f"remount,size={self.size}", str(self.path)])
-            else:
-                _run(["umount", "-l", str(self.path)])
-        except (DrillEnvError, subprocess.TimeoutExpired):
-            pass
+        if self.remount:
+            _run(["mount", "-o", f"remount,size={self.size}", str(self.path)])
+        else:
+            _run(["umount", "-l", str(self.path)])
 
 
 def without_ptrace() -> list[str]:
@@ -204,4 +215,7 @@ def host_problems() -> list[str]:
     out = []
     if os.geteuid() != 0:
         out.append("not root: cgroup limits, a full /dev/shm or dump disk and dropping ptrace need root")
+    for tool in ("setpriv", "mount", "umount"):
+        if shutil.which(tool) is None:
+            out.append(f"no {tool} on PATH (util-linux): the environment kinds need it")
     return out

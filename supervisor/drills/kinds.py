@@ -78,7 +78,9 @@ def _signals() -> list[Kind]:
         ("frontend", "the API server"),
     ):
         for signum, (short, what) in names.items():
-            reason = "hang" if signum == signal.SIGSTOP else "rank_exit"
+            # A SIGSEGV sent with kill() is not a fault at an address: a process whose engine handles it (vLLM's
+            # workers do) survives and abandons its step, which is a hang naming it; either ruling is right
+            reason = {signal.SIGSTOP: "hang", signal.SIGSEGV: "fatal"}.get(signum, "rank_exit")
             out.append(
                 Kind(
                     f"{short}_{role}",
@@ -264,7 +266,9 @@ class Observed:
     culprit_role: str | None = None
     culprit_rank: int | None = None
     verdict: str = ""
-    restarted: bool = False  # the supervisor started the group again and a request was served after the fault
+    # restart kinds: the group was started again and a request was served after the fault; runs-on kinds: the run
+    # stayed up through the watch
+    restarted: bool = False
     verdict_s: float | None = None  # fault → ruling
     serving_again_s: float | None = None
     engine_start_s: float | None = None  # the trial's first start: supervise serve → the relay's /readyz 200
@@ -273,6 +277,7 @@ class Observed:
     leftovers: list[str] = field(default_factory=list)
     stacks_missing: list[str] = field(default_factory=list)
     problem: str = ""  # the drill could not do its part (no such process, the lane refused)
+    setup: str = ""  # what the drill set around the process (a quota, a limit, a full filesystem)
 
 
 def score(kind: Kind, seen: Observed) -> tuple[bool, bool, str]:
@@ -302,6 +307,8 @@ def score(kind: Kind, seen: Observed) -> tuple[bool, bool, str]:
         why.append(f"the verdict does not say {want.says!r}")
     if want.stacks and seen.stacks_missing:
         why.append(f"the bundle has no stack of {', '.join(seen.stacks_missing[:3])}")
+    if want.outcome == RUNS_ON and not seen.restarted:
+        why.append("the run did not stay up")
     if want.outcome == RESTART and not seen.restarted:
         why.append("no request was served after the fault")
     if seen.client_errors or seen.streams_cut:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,22 +145,39 @@ def engine_process_gone() -> ExitInfo:
 
 
 KMSG = "/dev/kmsg"
+KMSG_DEVICE = (1, 11)  # major, minor: the kernel's log (a container may put /dev/console there)
 KMSG_MAX_RECORDS = 20_000  # the kernel's ring holds a few thousand: one pass reads it all
-KMSG_SINCE_SLACK_S = 5.0  # the kernel's timestamps and CLOCK_MONOTONIC may differ slightly
 _OOM_KILLED = re.compile(r"[Oo]ut of memory: Killed process (\d+) \(([^)]*)\)")
 
 
-def kernel_oom_kill(pid: int, since: float, path: str = KMSG) -> str:
-    """The kernel's own line for an OOM kill of ``pid`` logged since ``since`` (monotonic), or ''.  The OOM
-    killer logs "Memory cgroup out of memory: Killed process PID (COMM)" (or "Out of memory: ...") before the
-    process dies, whichever cgroup or node ran out.  Reads /dev/kmsg without blocking, from its first record
-    (one pass, bounded); unreadable (no root, a container without it): ''."""
+def _in_initial_pid_namespace() -> bool:
+    """The kernel logs pids as the initial namespace numbers them: only there are they ours."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return len(line.split()) == 2
     except OSError:
-        return ""
-    found = ""
+        pass
+    return False
+
+
+def kernel_oom_kills(after_seq: int, path: str = KMSG) -> list[tuple[int, int, str]]:
+    """``(sequence number, pid, line)`` of the kernel's OOM-kill records after ``after_seq`` ("Memory cgroup out of
+    memory: Killed process PID (COMM)", or "Out of memory: ..." for the node), and, last, ``(the last sequence
+    number read, -1, "")``.  Reads /dev/kmsg without blocking, from its first record (one pass, bounded); where it
+    cannot be read or is not the kernel's log (no root, a container, another pid namespace): ``[]``."""
+    if not _in_initial_pid_namespace():
+        return []
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    out: list[tuple[int, int, str]] = []
+    last = after_seq
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != KMSG_DEVICE:
+            return []
         for _ in range(KMSG_MAX_RECORDS):
             try:
                 record = os.read(fd, 8192)
@@ -173,16 +190,17 @@ def kernel_oom_kill(pid: int, since: float, path: str = KMSG) -> str:
             if not record:
                 break
             head, _, message = record.decode(errors="replace").partition(";")
-            match = _OOM_KILLED.search(message)
-            if match is None or int(match.group(1)) != pid:
-                continue
             fields = head.split(",")
-            at_s = int(fields[2]) / 1e6 if len(fields) > 2 and fields[2].isdigit() else since
-            if at_s >= since - KMSG_SINCE_SLACK_S:
-                found = message.strip().split(" total-vm", 1)[0]
+            if len(fields) < 2 or not fields[1].isdigit():
+                continue
+            seq = int(fields[1])
+            last = max(last, seq)
+            match = _OOM_KILLED.search(message) if seq > after_seq else None
+            if match is not None:
+                out.append((seq, int(match.group(1)), message.strip().split(" total-vm", 1)[0]))
     finally:
         os.close(fd)
-    return found
+    return [*out, (last, -1, "")]
 
 
 class OomCounter:
@@ -191,14 +209,17 @@ class OomCounter:
     def __init__(self, pid: int | None = None):
         self.path = _memory_events_path(pid or os.getpid())
         self.baseline = self.read()
-        self.since = time.monotonic()
+        found = kernel_oom_kills(-1)
+        self.kmsg_after = found[-1][0] if found else -1  # the kernel's records before the supervisor are not its
+        self.kmsg_used: set[int] = set()  # records already given to a death (a pid reused later is not theirs)
 
     def said(self, pid: int) -> str:
         """What says ``pid`` (dead of SIGKILL) was the OOM killer's: the kernel's line for it (a limit of any
         cgroup, the node's memory), else this cgroup's count having risen; '' when nothing does."""
-        line = kernel_oom_kill(pid, self.since)
-        if line:
-            return f"the kernel: {line}"
+        for seq, killed, line in kernel_oom_kills(self.kmsg_after):
+            if killed == pid and seq not in self.kmsg_used:
+                self.kmsg_used.add(seq)
+                return f"the kernel: {line}"
         return "the cgroup's oom_kill count rose" if self.rose() else ""
 
     def read(self) -> int | None:

@@ -28,6 +28,8 @@ from collections.abc import Iterable
 
 import structlog
 
+from ..rank.runtime import REGISTERED_SHM_FILE
+
 log = structlog.get_logger("supervise.shm")
 
 SHM_DIR = "/dev/shm"
@@ -105,7 +107,6 @@ class Watch:
             return set(self._seen)
 
 
-REGISTERED_FILE = "registered-shm"  # rank.autohook.REGISTERED_FILE
 REGISTERED_MAX_BYTES = 1 << 20
 
 
@@ -114,7 +115,7 @@ def registered(run_dir: str | os.PathLike) -> set[str]:
     is ``sem.mp-x``, shared memory ``/psm_x`` is ``psm_x``.  Bounded read; anything odd is skipped."""
     out: set[str] = set()
     try:
-        with open(os.path.join(run_dir, REGISTERED_FILE), "rb") as f:
+        with open(os.path.join(run_dir, REGISTERED_SHM_FILE), "rb") as f:
             data = f.read(REGISTERED_MAX_BYTES)
     except OSError:
         return out

@@ -383,7 +383,7 @@ def patch_resource_tracker(module) -> None:
     register = getattr(module, "register", None)
     if not run_dir or register is None or getattr(register, "__tp_supervise_wrapped__", False):
         return
-    path = os.path.join(run_dir, REGISTERED_FILE)
+    path = os.path.join(run_dir, runtime.REGISTERED_SHM_FILE)
 
     @functools.wraps(register)
     def wrapper(name, rtype):
@@ -394,7 +394,6 @@ def patch_resource_tracker(module) -> None:
     module.register = wrapper
 
 
-REGISTERED_FILE = "registered-shm"  # in the run's folder: what its processes gave the resource tracker
 FUNCOL_MODULE = "torch.distributed._functional_collectives"
 _PATCHERS = {
     "torch.distributed": patch,

@@ -56,7 +56,7 @@ SEAM_KINDS = {
     "not_dumpable": ("now",),
 }
 
-_state: dict[str, Any] = {"token": None, "folder": None, "thread": None, "fired": None}
+_state: dict[str, Any] = {"token": None, "folder": None, "thread": None}
 
 
 class DrillFault(RuntimeError):
@@ -114,8 +114,12 @@ def drill_grow_memory() -> None:
         time.sleep(GROW_EVERY_S)
 
 
-def drill_not_dumpable() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+def drill_not_dumpable() -> str:
+    """'' once the process is not dumpable (ptrace and /proc's private files need CAP_SYS_PTRACE), else why not."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        return f"prctl(PR_SET_DUMPABLE, 0) failed: errno {ctypes.get_errno()}"
+    return ""
 
 
 _STUCK = {
@@ -126,7 +130,10 @@ _STUCK = {
     "raise": drill_raise,
     "exit0": drill_exit0,
 }
-_NOW = {"grow_memory": drill_grow_memory, "not_dumpable": drill_not_dumpable}
+# Faults with no seam, run by the lane's thread: those that return do so before the drill is answered (it acts on
+# the answer: a SIGSTOP once the process is not dumpable); one that never returns is answered first.
+_NOW_RETURNING = {"not_dumpable": drill_not_dumpable}
+_NOW_FOREVER = {"grow_memory": drill_grow_memory}
 
 
 # -- where a fault fires -------------------------------------------------------------------------------------
@@ -156,7 +163,6 @@ def _once(owner: Any, name: str, fire) -> None:
         if not taken.acquire(blocking=False):
             return original(*args, **kwargs)
         setattr(owner, name, original)
-        _state["fired"] = time.time()
         return fire(original, args, kwargs)
 
     drilled.__tp_supervise_wrapped__ = True  # type: ignore[attr-defined]
@@ -164,12 +170,12 @@ def _once(owner: Any, name: str, fire) -> None:
 
 
 def arm(kind: str, seam: str) -> str:
-    """Arm ``kind`` at ``seam`` in this process; '' when armed, else why not.  A ``now`` kind is not run here:
-    the lane's thread runs it once it has answered (``NOW``: it may never return)."""
+    """Arm ``kind`` at ``seam`` in this process; '' when armed (a ``now`` kind that returns: done), else why not.
+    A ``now`` kind that never returns is run by the lane's thread once it has answered."""
     if kind not in SEAM_KINDS or seam not in SEAM_KINDS[kind]:
         return f"kind {kind!r} does not fire at seam {seam!r}"
     if seam == "now":
-        return ""
+        return _NOW_RETURNING[kind]() if kind in _NOW_RETURNING else ""
     target = _seam_target(seam)
     if target is None:
         return f"no {seam} seam is wrapped in this process"
@@ -177,12 +183,16 @@ def arm(kind: str, seam: str) -> str:
     at = 1 if method else 0  # the tensor: after ``self`` in a method
     if kind == "skip_collective":
 
-        def fire(_original, args, _kwargs):
+        def fire(original, args, kwargs):
+            if kwargs.get("async_op") or len(args) <= at:
+                return original(*args, **kwargs)  # a call the lane cannot fake (async): the fault is spent
             return args[at] if method else None  # as if reduced; torch's all_reduce returns None
 
     elif kind == "misshaped_collective":
 
         def fire(original, args, kwargs):
+            if len(args) <= at:
+                return original(*args, **kwargs)
             args = list(args)
             args[at] = args[at].reshape(-1)[:-1].clone()  # one element fewer than the peers send
             return original(*args, **kwargs)
@@ -223,16 +233,15 @@ def _poll() -> None:
         except Exception as exc:  # the lane never raises into the engine
             problem = repr(exc)[:300]
         _answer(folder, pid, token, problem)
-        if seam == "now" and not problem:
-            _state["fired"] = time.time()
+        if seam == "now" and kind in _NOW_FOREVER and not problem:
             try:
-                _NOW[kind]()
+                _NOW_FOREVER[kind]()
             except Exception:
                 pass
 
 
 def _answer(folder: str, pid: int, token: str, problem: str) -> None:
-    """``<pid>.armed`` (atomically): the drill reads whether the fault is armed and when it fired."""
+    """``<pid>.armed`` (atomically, carrying the run's token): the drill reads whether the fault is armed."""
     try:
         tmp = os.path.join(folder, f".{pid}.armed.tmp")
         with open(tmp, "w") as f:

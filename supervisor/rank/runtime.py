@@ -62,6 +62,8 @@ ENV_DEATH_FD = "SUPERVISE_DEATH_FD"
 ENV_SUPERVISOR_PID = "SUPERVISE_SUPERVISOR_PID"
 ENV_STACK_SIGNAL = "SUPERVISE_STACK_SIGNAL"
 ENV_RUN_DIR = "SUPERVISE_RUN_DIR"
+# In the run's folder: the names its processes gave multiprocessing's resource tracker (autohook, processes.shm)
+REGISTERED_SHM_FILE = "registered-shm"
 ENV_SLOT_OWNER = "SUPERVISE_SLOT_OWNER"  # set by the rank that claimed its slot, inherited by its children
 # Exit code of a rank that leaves because its supervisor is gone (EX_SOFTWARE).
 EXIT_SUPERVISOR_GONE = 70

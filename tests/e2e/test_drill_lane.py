@@ -94,8 +94,9 @@ def test_a_rank_the_oom_killer_takes_is_named_with_the_kernels_own_words(supervi
     run = supervise(["--nproc-per-node", "2", "--kill-grace", "2"], [sys.executable, RANK, "--all", "sleep"],
                     env={"SUPERVISE_DRILL": f"{token}:{lane}"})  # fmt: skip
     pid = rank_pid(run, 1, script="rank.py")
-    group, _what = host.memory_limit(pid, f"tps-test-oom-{token[:8]}")
+    group = host.Cgroup("memory", pid, f"tps-test-oom-{token[:8]}")
     try:
+        group.memory_headroom()
         order(lane, pid, token, "grow_memory", "now")
         assert run.wait(90) == 80, run.stderr[-3000:]
     finally:
