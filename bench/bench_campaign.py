@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         done = drill(tmp / "campaign", model, "--kinds", kinds, "--trials", str(trials), timeout_s=6 * 3600)
         records = json.loads(done.stdout or "[]")
         soak = None
+        if args.json:  # the campaign's records are kept even if the soak does not end
+            args.json.write_text(json.dumps({"trials": records, "soak": None, "kinds": kinds, "n": trials,
+                                             "stamp": stamp.text()}, indent=1))  # fmt: skip
         if soak_minutes > 0:
             done = drill(tmp / "soak", model, "--soak", str(soak_minutes), timeout_s=soak_minutes * 60 + 900)
             soak = json.loads(done.stdout or "null")
