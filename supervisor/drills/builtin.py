@@ -225,6 +225,15 @@ def _since(start: float, at: float | None) -> float | None:
     return None if at is None else round(at - start, 2)
 
 
+def _not_ready(kind: str, proc: subprocess.Popen, port: int, expected_exit: int) -> DrillResult | None:
+    """None once the engine answers /health; else the run is killed and the kind failed."""
+    if wait_answering(port, "/health", proc, time.monotonic() + READY_TIMEOUT_S):
+        return None
+    proc.kill()
+    proc.wait()
+    return DrillResult(kind, False, proc.returncode, expected_exit, None, None, None, "", "engine never became ready")
+
+
 def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
     if kind == "poison":
         return run_poison(tp, dump_root)
@@ -238,12 +247,9 @@ def run_one(kind: str, tp: int, dump_root: Path) -> DrillResult:
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
         try:
-            if not wait_answering(port, "/health", proc, time.monotonic() + READY_TIMEOUT_S):
-                proc.kill()
-                proc.wait()
-                return DrillResult(
-                    kind, False, proc.returncode, expected_exit, None, None, None, "", "engine never became ready"
-                )
+            not_ready = _not_ready(kind, proc, port, expected_exit)
+            if not_ready is not None:
+                return not_ready
             started = time.time()
             traffic.start()
             limit = SLOW_OBSERVE_S if kind == "slow" else DRILL_LIMIT_S
@@ -315,12 +321,9 @@ def run_poison(tp: int, dump_root: Path) -> DrillResult:
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
         try:
-            if not wait_answering(port, "/health", proc, time.monotonic() + READY_TIMEOUT_S):
-                proc.kill()
-                proc.wait()
-                return DrillResult(
-                    "poison", False, proc.returncode, expected_exit, None, None, None, "", "engine never became ready"
-                )
+            not_ready = _not_ready("poison", proc, port, expected_exit)
+            if not_ready is not None:
+                return not_ready
             started = time.time()
             traffic.start()
             deadline = time.monotonic() + DRILL_LIMIT_S
