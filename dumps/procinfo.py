@@ -37,12 +37,41 @@ def _stat_fields(text: str) -> list[str]:
     return text[text.rindex(")") + 2 :].split()
 
 
+def _status_field(pid: int, name: str) -> str:
+    for line in _read(f"/proc/{pid}/status").splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def held_by_our_capture(pid: int) -> bool:
+    """Whether ``pid``'s tracer is this process or one of its children: the stack capture's py-spy, attached for
+    a moment (a tracing stop, state t, that is no fault of the process's)."""
+    try:
+        tracer = int(_status_field(pid, "TracerPid") or 0)
+        if tracer == 0:
+            return False
+        return tracer == os.getpid() or int(_status_field(tracer, "PPid") or 0) == os.getpid()
+    except (OSError, ValueError):
+        return False
+
+
+# What a process held in a tracing stop by our own capture is said to be: its state before is not known, and it
+# was running its program (a stop of its own would show as T, a debugger's as t).
+CAPTURE_HELD = "S"
+
+
+def _state(pid: int, letter: str) -> str:
+    return CAPTURE_HELD if letter == "t" and held_by_our_capture(pid) else letter
+
+
 def proc_state(pid: int | None) -> str | None:
-    """The scheduler state letter of ``pid`` (R, S, D, T, Z, ...), or None when it is gone."""
+    """The scheduler state letter of ``pid`` (R, S, D, T, Z, ...), or None when it is gone; a tracing stop of our
+    own stack capture is not the process's (``held_by_our_capture``)."""
     if not pid:
         return None
     try:
-        return _stat_fields(_read(f"/proc/{pid}/stat"))[_STAT_STATE]
+        return _state(pid, _stat_fields(_read(f"/proc/{pid}/stat"))[_STAT_STATE])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -92,7 +121,7 @@ def read_proc(pid: int) -> ProcInfo | None:
         fields = _stat_fields(_read(f"/proc/{pid}/stat"))
     except (OSError, ValueError):
         return None
-    state = fields[_STAT_STATE]
+    state = _state(pid, fields[_STAT_STATE])
     ticks_s = (int(fields[_STAT_UTIME]) + int(fields[_STAT_STIME])) / _CLK_TCK
     try:
         wchan = _read(f"/proc/{pid}/wchan").strip()

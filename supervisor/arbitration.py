@@ -78,11 +78,14 @@ def classify_exit(
     # its peers still run.
     said_finished = handle.slot >= 0 and read_slot(handle.slot).finished
     if status is None:
-        if handle.slot < LAUNCHER_SLOT:
-            return exits.engine_process_gone()
         if said_finished:
             return ExitInfo(None, exits.CLEAN, "finished (its launcher owns the exit status)")
-        return exits.lost()
+        # its parent read the status first (vLLM's engine core reaps its workers): the kernel may still say it
+        # was the OOM killer's
+        said = oom_said(handle.pid)
+        if said:
+            return exits.oom_killed_unseen(said)
+        return exits.engine_process_gone() if handle.slot < LAUNCHER_SLOT else exits.lost()
     return exits.classify(
         status,
         peers_running=bool(peers) and not said_finished,

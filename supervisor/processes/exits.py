@@ -133,6 +133,12 @@ def lost() -> ExitInfo:
     )
 
 
+def oom_killed_unseen(said: str) -> ExitInfo:
+    """A process whose exit status someone else read (its parent reaped it), killed by the OOM killer: ``said``
+    (``OomCounter.said``) says so."""
+    return ExitInfo(None, OOM_KILLED, f"was killed by the OOM killer ({said}); it was not our child")
+
+
 def engine_process_gone() -> ExitInfo:
     """A tree-mode process between the launcher and its ranks (vLLM's engine core) ended, and its own parent reaped
     it before its status could be read (the rank-side hook marks no clean exit for a process that is not a rank)."""

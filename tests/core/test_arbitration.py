@@ -214,3 +214,13 @@ def test_watchdog_reads_the_published_view_and_only_posts():
         again.add_rank(handle(slot, pid=2000 + slot))
     wd.tick(30.0)
     assert [type(p).__name__ for p in posted] == ["AllRanksReady", "AllRanksReady"], "a new attempt is watched afresh"
+
+
+def test_a_rank_reaped_by_its_parent_is_an_oom_kill_when_the_kernel_says_so_else_lost():
+    said = "the kernel: Memory cgroup out of memory: Killed process 11 (VLLM::Worker_TP)"
+    for oom, reason in ((said, exits.OOM_KILLED), ("", exits.LOST)):
+        attempt, _ = attempt_of(2)
+        h = attempt.ranks[1]
+        info = arbitration.classify_exit(attempt, h, None, read_slot=empty_slot, oom_said=lambda _pid, s=oom: s)
+        assert info.reason == reason and (not oom or "OOM killer" in info.description), info
+        assert arbitration.rule_exit(attempt, h, info, tearing_down=False).meaning is Meaning.FAILED
