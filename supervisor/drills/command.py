@@ -53,6 +53,7 @@ OWNED_FLAGS = ("--relay", "--dump-dir", "--log-format", "--inject", "--listen")
 ALIASES = {"kill": "kill_rank", "segfault": "segv_rank", "abort": "abort_rank", "stop": "stop_rank"}
 DEFAULT_KINDS = "kill_rank,stop_rank"
 POLL_S = 0.5
+SUPERVISOR_SHM = "tp-supervise-"  # a supervisor's own /dev/shm entries carry its run id
 STATUS_TIMEOUT_S = 3.0
 ARM_TIMEOUT_S = 10.0
 FIND_TIMEOUT_S = 30.0
@@ -186,9 +187,10 @@ def _carrying(needle: bytes, found: list[int]) -> None:
             continue
 
 
-def leftovers(token: str, shm_before: set[str]) -> list[str]:
+def leftovers(token: str, shm_before: set[str], run_ids: tuple[str, ...] | set[str] = ()) -> list[str]:
     """Processes still carrying the trial's lane token (then SIGKILLed: the next trial needs the machine), and
-    /dev/shm entries made during the trial.  The scan of /proc has a deadline (a process stuck in the kernel holds
+    /dev/shm entries made during the trial (another supervisor's own, ``tp-supervise-<its run id>``, excepted:
+    ``run_ids`` are the trial's).  The scan of /proc has a deadline (a process stuck in the kernel holds
     its mmap lock): what it did not reach by then is not reported."""
     deadline = time.monotonic() + LEFTOVER_WAIT_S
     needle = f"{ENV_DRILL}={token}".encode()
@@ -204,9 +206,12 @@ def leftovers(token: str, shm_before: set[str]) -> list[str]:
             except OSError:
                 continue
         try:
-            out += [f"/dev/shm/{n}" for n in sorted(set(os.listdir(host.SHM)) - shm_before)]
+            made = sorted(set(os.listdir(host.SHM)) - shm_before)
         except OSError:
-            pass
+            made = []
+        out += [
+            f"/dev/shm/{n}" for n in made if not n.startswith(SUPERVISOR_SHM) or any(run_id in n for run_id in run_ids)
+        ]
         if not out or time.monotonic() >= deadline:
             for pid in found:
                 try:
@@ -458,7 +463,8 @@ def _read_bundle(dump_dir: Path, seen: Observed, log_path: Path, after: float) -
 
 
 def _finish(kind: Kind, trial: int, seen: Observed, code, log_path: Path, token: str, shm_before: set[str]) -> Trial:
-    seen.leftovers = leftovers(token, shm_before)
+    run_ids = {str(r.get("run_id")) for r in log_records(log_path) if r.get("event") == "supervise_starting"}
+    seen.leftovers += leftovers(token, shm_before, run_ids)
     localised, passed, why = score(kind, seen)
     got = (
         "not ruled"
