@@ -117,9 +117,10 @@ def log_records(log_path: Path) -> list[dict]:
     return out
 
 
-def _wall(record: dict) -> float | None:
+def wall_time(stamp: object) -> float | None:
+    """A log line's ``timestamp`` or a summary's ``detected_at`` (ISO 8601, UTC) as wall-clock seconds, or None."""
     try:
-        return datetime.fromisoformat(str(record.get("timestamp", "")).replace("Z", "+00:00")).timestamp()
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
 
@@ -130,7 +131,7 @@ def rulings(log_path: Path, after: float = float("-inf")) -> list[tuple[float, d
     out = []
     for record in log_records(log_path):
         if record.get("event") in RULINGS and str(record.get("logger", "")).startswith("tp_supervise.supervisor"):
-            at = _wall(record)
+            at = wall_time(record.get("timestamp", ""))
             if at is not None and at >= after - 0.5:
                 out.append((at, record))
     return out
@@ -159,7 +160,7 @@ def bundles(dump_dir: Path, kinds: str = "fatal", after: float = float("-inf")) 
             summary = json.loads((path / "summary.json").read_text())
         except (OSError, ValueError):
             continue
-        detected = _wall({"timestamp": summary.get("detected_at", "")})
+        detected = wall_time(summary.get("detected_at", ""))
         if detected is None or detected >= after - 0.5:
             out.append((path, summary))
     return out

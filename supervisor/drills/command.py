@@ -35,14 +35,14 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 
 from ..observers import control_socket as control
 from ..observers.status_view import fetch
 from ..rank.drill_lane import ENV_DRILL
+from ..rank.net import free_port
 from . import host
-from .builtin import bundles, log_records, rulings, wait_answering
+from .builtin import bundles, log_records, rulings, wait_answering, wall_time
 from .builtin import serve_argv as drill_serve_argv
 from .clients import Clients, served_model
 from .kinds import BY_NAME, KINDS, RUNS_ON, Kind, KindError, Observed, score, select
@@ -268,7 +268,7 @@ def run_trial(kind: Kind, trial: int, setup: Setup) -> Trial:
     lane_dir = Path(tempfile.mkdtemp(prefix=f".lane-{name}-", dir=setup.dump_root))  # 0700, fresh every trial
     seen = Observed()
     undo: list = []
-    public = _free_port()
+    public = free_port()
     shm_before = set(os.listdir(host.SHM))
     env = dict(os.environ, **{ENV_DRILL: f"{token}:{lane_dir}"})
     box: dict = {}  # the trial's clients, once started
@@ -358,12 +358,6 @@ def _drive(kind, setup, proc, public, launched, seen, undo, box, lane_dir, token
     return _stop(proc)
 
 
-def _free_port() -> int:
-    from ..rank.net import free_port
-
-    return free_port()
-
-
 def _inject(
     kind: Kind, pid: int, token: str, lane_dir: Path, dump_dir: Path, undo: list, seen: Observed
 ) -> tuple[str, float]:
@@ -421,7 +415,7 @@ def _watch_runs_on(kind: Kind, proc, dump_dir: Path, log_path: Path, fault_at: f
             seen.reason = "straggler"
             seen.culprit_role, seen.culprit_rank = _culprit(summary)
             seen.verdict = str(summary.get("verdict", ""))
-            detected = _detected(summary)
+            detected = wall_time(summary.get("detected_at", ""))
             seen.verdict_s = round((detected if detected is not None else time.time()) - fault_at, 2)
     else:
         show(f"watching for {RUNS_ON_S:g} s: nothing may be ruled")
@@ -431,13 +425,6 @@ def _watch_runs_on(kind: Kind, proc, dump_dir: Path, log_path: Path, fault_at: f
     if rulings(log_path, fault_at):  # a fatal verdict where none was due
         _read_bundle(dump_dir, seen, log_path=log_path, after=fault_at)
     seen.restarted = proc.poll() is None  # here: the run stayed up
-
-
-def _detected(summary: dict) -> float | None:
-    try:
-        return datetime.fromisoformat(str(summary.get("detected_at", "")).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def _read_bundle(dump_dir: Path, seen: Observed, log_path: Path, after: float) -> None:
@@ -630,7 +617,7 @@ def soak(setup: Setup, minutes: float, fmt: str) -> int:
     """Realistic load and no fault for ``minutes``: every ruling and every straggler named is a false alarm."""
     log_path = setup.dump_root / "soak.log"
     dump_dir = setup.dump_root / "soak"
-    public = _free_port()
+    public = free_port()
     env = {k: v for k, v in os.environ.items() if k != ENV_DRILL}  # no fault: the run as production has it
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(

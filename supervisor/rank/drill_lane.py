@@ -29,7 +29,6 @@ is armed.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import sys
@@ -71,12 +70,16 @@ def drill_stuck_in_python() -> None:
 
 
 def drill_stuck_in_native_holding_the_gil() -> None:
+    import ctypes  # only where a fault needs it: the lane is imported by every process of every run
+
     libc = ctypes.PyDLL(None)  # a PyDLL call keeps the GIL: no other thread of the process runs Python
     while True:
         libc.pause()
 
 
 def drill_stuck_in_native_without_the_gil() -> None:
+    import ctypes
+
     libc = ctypes.CDLL(None)  # a CDLL call releases the GIL: the process's other threads go on
     while True:
         libc.pause()
@@ -116,6 +119,8 @@ def drill_grow_memory() -> None:
 
 def drill_not_dumpable() -> str:
     """'' once the process is not dumpable (ptrace and /proc's private files need CAP_SYS_PTRACE), else why not."""
+    import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         return f"prctl(PR_SET_DUMPABLE, 0) failed: errno {ctypes.get_errno()}"
