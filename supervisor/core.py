@@ -554,8 +554,9 @@ class Supervisor:
             ev = self.events.get()
             try:
                 self._dispatch(ev, self.handlers)
-            except Exception:
-                log.exception("event handling failed", kind=type(ev).__name__)
+            except Exception:  # a bug of ours: this attempt's state is not to be trusted, it ends here
+                log.exception("event handling failed: ending the attempt", kind=type(ev).__name__)
+                self._end_on_internal_error(type(ev).__name__)
         outcome = self.attempt.outcome
         self._teardown(immediate=self.hurry.is_set())
         return outcome
@@ -577,6 +578,18 @@ class Supervisor:
         self.attempt.finish(outcome)
         if first:
             self.node_rules.attempt_ended(outcome)
+
+    def _end_on_internal_error(self, during: str) -> None:
+        """A handler raised: the attempt ends with the internal-error exit and is torn down (not restarted),
+        whatever state the handler left it in (a hard hang moved to HUNG before its bundle, say): left running,
+        it would wait for a verdict no watchdog gives twice."""
+        outcome = Outcome(EXIT_INTERNAL, "internal_error", final=True)
+        try:
+            self._finish(outcome)
+        except Exception:  # telling the other nodes failed too: this node still ends its attempt
+            log.exception("ending the attempt after an internal error failed", during=during)
+            if self.attempt.outcome is None:
+                self.attempt.finish(outcome)
 
     # -- multi-node: this node's fate goes on the fault bus; the others' arrives as events
     def _announce_fault(

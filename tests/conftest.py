@@ -197,14 +197,14 @@ def supervisor_runs(tmp_path: Path):
         dump_dir = kw.pop("dump_dir", tmp_path / "dumps")
         default_linger = kw.pop("default_linger", False)
         drain = kw.pop("drain", False)
+        entry = kw.pop("entry", None)  # a wrapper of the CLI (tests/fakes/*.py) in place of the module
         full_env = dict(os.environ)
         full_env[MARK_VAR] = mark
         full_env["SUPERVISE_REGISTRY_DIR"] = str(tmp_path / "registry")
         full_env.update(env or {})
         argv = [
             sys.executable,
-            "-m",
-            "tp_supervise.supervisor.cli",
+            *(["-m", "tp_supervise.supervisor.cli"] if entry is None else [str(entry)]),
             "serve",
             "--log-format",
             "json",

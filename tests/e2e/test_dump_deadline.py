@@ -60,32 +60,16 @@ def blocked_dumps(request, tmp_path):
     blocker.close()
 
 
-def start(
-    supervise,
-    tmp_path: Path,
-    dump_dir: Path,
-    entry: Path | None,
-    args: list[str],
-    command: list[str],
-    env: dict | None = None,
-) -> Run:
-    """Like the ``supervise`` fixture, through ``entry`` (a wrapper of the CLI) when given."""
-    if entry is None:
-        return supervise(args, command, env=env, dump_dir=dump_dir)
-    full_env = dict(os.environ, **(env or {}))
-    full_env[MARK_VAR] = supervise.mark  # the fixture's leak check finds these processes too
-    full_env["SUPERVISE_REGISTRY_DIR"] = str(tmp_path / "registry")
-    argv = [sys.executable, str(entry), "serve", "--log-format", "json", "--metrics-addr", "127.0.0.1:0",
-            "--metrics-linger", "0", "--dump-dir", str(dump_dir), *args, "--", *command]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return Run(proc=proc, dump_dir=dump_dir, mark=supervise.mark, started=time.monotonic())
+def start(supervise, dump_dir: Path, entry: Path | None, args: list[str], command: list[str]) -> Run:
+    """The ``supervise`` fixture's run, through ``entry`` (a wrapper of the CLI) when given."""
+    return supervise(args, command, dump_dir=dump_dir, entry=entry)
 
 
 def start_blocked(supervise, tmp_path: Path, blocked_dumps: tuple, args: list[str], command: list[str]) -> Run:
     """``start`` with the ``blocked_dumps`` fixture's directory and entry point; its blocker armed once the
     supervisor registered (past the start-up check, which writes into the dump dir)."""
     dump_dir, blocker, entry = blocked_dumps
-    run = start(supervise, tmp_path, dump_dir, entry, args, command)
+    run = start(supervise, dump_dir, entry, args, command)
     wait_registry(tmp_path / "registry")
     blocker.arm()
     return run
