@@ -11,6 +11,7 @@ thread can touch.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -87,7 +88,9 @@ class WatchdogThread:
         # (slot pid, rank pid) -> whether the slot's writer descends from the rank
         # (a wrapper script's python); the process tree of a pid never changes that.
         self.descends: dict[tuple[int, int], bool] = {}
-        self._hang_query: tuple[int, int] | None = None  # (seq, node) another node asked about; any thread sets it
+        # (seq, node) other nodes asked about: put by the main thread, taken by this one (a queue: none is lost
+        # between a read and a clear, nor overwritten by another node's)
+        self._hang_queries: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = named_thread(self._run, "watchdog")
         self.adapter = (
@@ -175,19 +178,7 @@ class WatchdogThread:
         external = self._external(control)
         exited = {slot for slot, r in attempt.ranks.items() if not r.alive}
         self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited, control)
-        query, self._hang_query = self._hang_query, None
-        if query is not None and not self.state.hard_fired:
-            states = {s.pid: proc_state(s.pid) for s in snaps if s.claimed and not s.finished}
-            verdict, elsewhere = policy.answer_hang_query(query[0], query[1], verdict, snaps, states)
-            if not elsewhere:
-                log.info(
-                    "hang query of another node: every rank here is in that collective too",
-                    event_name="hang_query_not_here",
-                    node=query[1],
-                    seq=query[0],
-                )
-            if verdict.kind is policy.VerdictKind.HARD:
-                self.state = replace(self.state, hard_fired=True)
+        verdict = self._answer_hang_queries(verdict, snaps)
         if verdict.kind is policy.VerdictKind.HARD and not verdict.elsewhere_ranks:
             # a rank stopped by a signal is the culprit here, even inside a collective: no other node is asked
             stopped = tuple(s.rank for s in snaps if s.claimed and not s.finished and proc_state(s.pid) in ("T", "t"))
@@ -242,7 +233,28 @@ class WatchdogThread:
     def answer_hang_query(self, seq: int, node: int) -> None:
         """Multi-node: every rank of ``node`` waits in collective #``seq``.  On the next tick, rule a hard
         hang here if a rank of this node is elsewhere: stopped, outside collectives, or behind ``seq``."""
-        self._hang_query = (seq, node)
+        self._hang_queries.put((seq, node))
+
+    def _answer_hang_queries(self, verdict: policy.Verdict, snaps: list[SlotSnapshot]) -> policy.Verdict:
+        """Every query asked since the last tick, in order, until one rules a hard hang here."""
+        while True:
+            try:
+                seq, node = self._hang_queries.get_nowait()
+            except queue.Empty:
+                return verdict
+            if self.state.hard_fired:
+                continue  # ruled already: the other nodes hear of it as a fault
+            states = {s.pid: proc_state(s.pid) for s in snaps if s.claimed and not s.finished}
+            verdict, elsewhere = policy.answer_hang_query(seq, node, verdict, snaps, states)
+            if not elsewhere:
+                log.info(
+                    "hang query of another node: every rank here is in that collective too",
+                    event_name="hang_query_not_here",
+                    node=node,
+                    seq=seq,
+                )
+            if verdict.kind is policy.VerdictKind.HARD:
+                self.state = replace(self.state, hard_fired=True)
 
     def _post(self, verdict, snaps: list[SlotSnapshot], now: float, attempt: AttemptView) -> None:
         """Hand the verdicts that need action to the main loop (before anything
