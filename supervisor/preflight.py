@@ -6,9 +6,11 @@ Each failure is a ``UsageError`` (exit 64) that says what to change.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 
 def preflight(spec: LaunchSpec) -> None:
+    _check_torch(spec)
     _check_command(spec)
     _check_dump_dir(spec.dumps.dir)
     if spec.output.log_dir is not None:
@@ -58,6 +61,38 @@ def preflight(spec: LaunchSpec) -> None:
         # of this group, or something else): nodes/transport.py
     # The engine's --port (and --listen) are bound for the run by the CLI right after these checks (a taken port is a
     # usage error there): supervisor/processes/listen_socket.py
+
+
+ENGINE_MODULES = ("torch", "safetensors", "tokenizers")  # pyproject.toml's `engine` extra
+
+
+def missing_engine_modules() -> list[str]:
+    """What the built-in engine imports and this python lacks (its ranks run in this python)."""
+    return [name for name in ENGINE_MODULES if importlib.util.find_spec(name) is None]
+
+
+def builtin_engine_error() -> str | None:
+    missing = missing_engine_modules()
+    if not missing:
+        return None
+    return (
+        f"the built-in engine needs {', '.join(missing)}, which {sys.executable} does not have: "
+        "pip install 'tp-supervise[engine]' (or give your engine's COMMAND after --)"
+    )
+
+
+def _check_torch(spec: LaunchSpec) -> None:
+    """tp-supervise installs no torch (an engine's environment pins its own): the two runs that use one in this
+    python are refused here, before anything starts, rather than failing in a rank or a store child."""
+    if spec.builtin:
+        error = builtin_engine_error()
+        if error is not None:
+            raise UsageError(error)
+    if spec.nnodes > 1 and importlib.util.find_spec("torch") is None:
+        raise UsageError(
+            f"--nnodes {spec.nnodes}: the node supervisors share torch.distributed's TCPStore, and {sys.executable} "
+            "has no torch: install tp-supervise into the engine's environment (or pip install 'tp-supervise[engine]')"
+        )
 
 
 def _check_command(spec: LaunchSpec) -> None:

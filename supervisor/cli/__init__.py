@@ -328,6 +328,10 @@ def cmd_drill(args: argparse.Namespace) -> int:
         from ..drills import command as drill_command
 
         return drill_command.main(args, command)
+    error = host.builtin_engine_error()  # each kind's run would fail in its ranks, one by one
+    if error is not None:
+        say_error(error)
+        return EXIT_USAGE
     from ..drills import builtin
 
     return builtin.main(args)
