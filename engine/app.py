@@ -31,16 +31,15 @@ import sys
 import threading
 
 from tp_supervise.supervisor.rank.heartbeat import RENDEZVOUS_PHASE
+from tp_supervise.supervisor.rank.listen import RELAY_URL_ENV, ListenError, take_listen_socket
 
 from . import instrument
 from .args import DistEnv, EngineConfig
-from .listen import ListenError, take_listen_socket
 from .log import configure as configure_logging
 from .log import get_logger
 from .model_config import ModelConfig
 
 READY_PREFIX = "engine ready: "
-RELAY_URL_ENV = "SUPERVISE_RELAY_URL"  # set for rank 0 when a relay holds the public port
 SUBSCRIBE_TIMEOUT_S = 60.0
 SHUTDOWN_GRACE_S = 5.0
 STOP_ANSWER_WAIT_S = 2.0  # after a shutdown signal, how long the main path waits for the guard thread's 503s
@@ -129,7 +128,7 @@ class ShutdownGuard:
 def _print_ready(cfg: EngineConfig, host: str, port: int, world_size: int) -> None:
     host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    relay = os.environ.get(RELAY_URL_ENV)  # clients reach rank 0 through the supervisor's relay (engine/relay.py)
+    relay = os.environ.get(RELAY_URL_ENV)  # clients reach rank 0 through the supervisor's relay (supervisor/relay/)
     where = f" (through the relay; rank 0 serves {url})" if relay else ""
     url = relay or url
     print(
@@ -145,7 +144,7 @@ def _print_ready(cfg: EngineConfig, host: str, port: int, world_size: int) -> No
 
 
 class _Listen:
-    """The inherited listening socket of rank 0, or why it cannot be used (engine/listen.py)."""
+    """The inherited listening socket of rank 0, or why it cannot be used (supervisor/rank/listen.py)."""
 
     def __init__(self) -> None:
         self.sock: socket.socket | None = None

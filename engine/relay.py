@@ -46,7 +46,7 @@ capped at the engine's limit (413) and read within its read timeout (408).
 
 Run as ``python -m tp_supervise.engine.relay --upstream HOST:PORT
 [--engine builtin|vllm|openai] [--run-dir DIR]`` with the public socket named
-by ``SUPERVISE_LISTEN_FDS`` (engine/listen.py).  It ends with its parent (the
+by ``SUPERVISE_LISTEN_FDS`` (supervisor/rank/listen.py).  It ends with its parent (the
 parent-death signal its starter sets, and the end of its stdin).
 docs/engine.md, "The relay".
 """
@@ -65,10 +65,10 @@ import uuid
 import aiohttp
 from aiohttp import web
 
+from tp_supervise.supervisor.rank.listen import ListenError, take_listen_socket, warn_if_exposed
 from tp_supervise.supervisor.rank.net import listen_backlog
 
 from . import runfiles
-from .listen import ListenError, take_listen_socket, warn_if_exposed
 from .log import OneLineHttpLog, configure, get_logger
 from .openai_api import UNAVAILABLE_CODE, ApiError
 from .relay_engines import Adapter, Resumed, StreamSoFar, adapter, request_fingerprint
@@ -736,7 +736,7 @@ class Relay:
             hold_s=self.hold_s,
             max_held=self.max_held,
         )
-        warn_if_exposed(host, port)
+        warn_if_exposed(host, port, log.warning)
         publisher = asyncio.ensure_future(self._publish_loop())
         watcher = asyncio.ensure_future(self._incident_loop()) if self.run_dir else None
         await self.ending.wait()

@@ -9,7 +9,7 @@ outputs and applies stop strings (a matched stop string aborts the sequence
 in the engine).  A client that disconnects aborts its request.
 
 It listens on ``--host``/``--port``, or on a listening socket inherited from
-its parent (engine/listen.py).
+its parent (supervisor/rank/listen.py).
 
 Hostile input can only fail its own request: every error, including an
 oversized body (413), a slow body (408), a full queue (429 + Retry-After) and
@@ -41,11 +41,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from tp_supervise.supervisor.rank.listen import warn_if_exposed
 from tp_supervise.supervisor.rank.net import listen_backlog
 
 from .bridge import EngineBridge, EngineError
 from .chat_api import CHAT, PlainTemplate, parse_chat
-from .listen import warn_if_exposed
 from .log import OneLineHttpLog, get_logger
 from .openai_api import (
     COMPLETION,
@@ -117,7 +117,7 @@ def _error(exc: ApiError, headers: dict | None = None) -> web.Response:
 
 
 def _unavailable(message: str) -> ApiError:
-    """The engine stops serving (its group failed, or a shutdown): the relay (engine/relay.py) sends it again."""
+    """The engine stops serving (its group failed, or a shutdown): the relay (supervisor/relay/) sends it again."""
     return ApiError(503, message, None, "server_error", code=UNAVAILABLE_CODE, retry_after=RETRY_AFTER_S)
 
 
@@ -235,7 +235,7 @@ class Frontend:
             loop.close()
             return
         self._started.set()
-        warn_if_exposed(self.host, self.port)
+        warn_if_exposed(self.host, self.port, log.warning)
         try:
             loop.run_forever()
         finally:

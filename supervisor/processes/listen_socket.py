@@ -10,7 +10,8 @@ kernel grants); the next engine answers them.  Past the backlog the kernel
 drops new SYNs (``tcp_abort_on_overflow`` 0), so a client retransmits rather
 than being refused.
 
-Two ways to hand it to the rank (docs/engine.md, "Socket activation")::
+Two ways to hand it to the rank (docs/engine.md, "Socket activation"; the child's side, and the one
+definition of the variables: supervisor/rank/listen.py)::
 
     built-in engine   SUPERVISE_LISTEN_FDS=<fd>        the fd keeps the supervisor's number (pass_fds)
     --listen          LISTEN_FDS=1, LISTEN_PID=<pid>   systemd's sd_listen_fds(3): the socket is fd 3,
@@ -28,12 +29,11 @@ import errno
 import os
 import socket
 
+from ..rank.listen import LISTEN_FDNAMES, LISTEN_FDS, LISTEN_PID, SD_LISTEN_FDS_START, SUPERVISE_LISTEN_FDS
 from ..rank.net import listen_backlog
 from ..spec import UsageError
 
-SD_LISTEN_FDS_START = 3
 FD_NAME = "supervise"
-SUPERVISE_LISTEN_FDS = "SUPERVISE_LISTEN_FDS"
 # $1: the socket's fd in the child; the command follows.  sh keeps its pid across exec.
 SHIM = 'export LISTEN_PID=$$; if [ "$1" != 3 ]; then eval "exec 3<&$1 $1<&-" || exit 127; fi; shift; exec "$@"'
 
@@ -85,8 +85,8 @@ class ListenSocket:
             return argv, dict(env, **{SUPERVISE_LISTEN_FDS: str(fd)}), (fd,)
         if fd != SD_LISTEN_FDS_START and SD_LISTEN_FDS_START in keep:
             raise RuntimeError(f"{self.flag}: the ranks' fd 3 is taken (the death pipe): the socket cannot be fd 3")
-        env = dict(env, LISTEN_FDS="1", LISTEN_FDNAMES=FD_NAME)
-        env.pop("LISTEN_PID", None)  # the shim sets it to the rank's own pid
+        env = dict(env, **{LISTEN_FDS: "1", LISTEN_FDNAMES: FD_NAME})
+        env.pop(LISTEN_PID, None)  # the shim sets it to the rank's own pid
         return ("/bin/sh", "-c", SHIM, "supervise-listen", str(fd), *argv), env, (fd,)
 
     def close(self) -> None:

@@ -27,16 +27,18 @@ import time
 
 import structlog
 
-from .listen_socket import SUPERVISE_LISTEN_FDS, ListenSocket
+from ..rank.listen import RELAY_URL_ENV, SUPERVISE_LISTEN_FDS
+from .listen_socket import ListenSocket
 from .pidfds import OWN_HELPERS, named_thread, set_parent_death_signal
 
 log = structlog.get_logger("supervise")
+
+__all__ = ["RELAY_URL_ENV", "RelayProcess"]  # RELAY_URL_ENV: rank 0's ready line names this URL (engine/app.py)
 
 MODULE = "tp_supervise.engine.relay"
 COUNTS_FILE = "relay.json"  # the relay's counts in the run dir (docs/engine.md, "The relay")
 COUNT_KEYS = ("requests", "resent", "resumed_streams", "given_up", "quarantined")
 GAUGE_KEYS = ("held",)  # the current relay process's value, not summed over restarts
-RELAY_URL_ENV = "SUPERVISE_RELAY_URL"  # rank 0's ready line names this URL (engine/app.py)
 STOP_S = 3.0  # the relay's own drain is 2 s (engine/relay.py DRAIN_S)
 RESTART_PAUSE_S = 0.2
 MAX_RESTARTS = 5

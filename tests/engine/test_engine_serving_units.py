@@ -12,13 +12,6 @@ import pytest
 
 from tp_supervise.engine.chat_api import JinjaTemplate, PlainTemplate, load_chat_template, parse_chat
 from tp_supervise.engine.inject import ALL_KINDS, KINDS, POISON_MARKER, FaultInjector, InjectedFault, Injection
-from tp_supervise.engine.listen import (
-    SD_LISTEN_FDS_START,
-    VARIABLES,
-    ListenError,
-    inherited_fd,
-    take_listen_socket,
-)
 from tp_supervise.engine.openai_api import ApiError
 from tp_supervise.engine.runfiles import (
     HEADER,
@@ -32,6 +25,13 @@ from tp_supervise.engine.runfiles import (
     write_quarantine,
 )
 from tp_supervise.engine.tokenizer import ByteTokenizer
+from tp_supervise.supervisor.rank.listen import (
+    SD_LISTEN_FDS_START,
+    VARIABLES,
+    ListenError,
+    inherited_fd,
+    take_listen_socket,
+)
 
 MODEL = "random-tiny"
 

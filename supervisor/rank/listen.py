@@ -1,4 +1,9 @@
-"""Socket activation: rank 0 serves HTTP on a listening socket its parent bound (stdlib only).
+"""Socket activation, the child's side: a process serves HTTP on a listening socket its parent bound (stdlib only).
+
+Two children of ``supervise serve`` take one: rank 0 of the built-in engine
+(engine/app.py) and the relay (supervisor/relay/main.py).  The parent's side,
+which binds the socket and names it in the child's environment, is
+supervisor/processes/listen_socket.py; the variables are defined here, once.
 
 A parent that binds the port once and hands the socket to every attempt of
 the engine keeps the port alive across a restart: while no engine runs,
@@ -39,13 +44,18 @@ from __future__ import annotations
 import os
 import socket
 import stat
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
+
+from .net import is_loopback
 
 SD_LISTEN_FDS_START = 3
 LISTEN_PID = "LISTEN_PID"
 LISTEN_FDS = "LISTEN_FDS"
 LISTEN_FDNAMES = "LISTEN_FDNAMES"
 SUPERVISE_LISTEN_FDS = "SUPERVISE_LISTEN_FDS"
+# Set for the built-in engine's rank 0 when a relay holds the public port: the URL clients use, which its ready
+# line names (rank 0 itself serves a loopback port behind the relay).
+RELAY_URL_ENV = "SUPERVISE_RELAY_URL"
 VARIABLES = (LISTEN_PID, LISTEN_FDS, LISTEN_FDNAMES, SUPERVISE_LISTEN_FDS)
 FAMILIES = (socket.AF_INET, socket.AF_INET6)
 
@@ -117,14 +127,11 @@ def take_listen_socket(environ: MutableMapping[str, str], pid: int, use: bool) -
     return _socket(fd, variable)
 
 
-def warn_if_exposed(host: str, port: int) -> None:
-    """The completions API has no authentication: say so once when it listens beyond loopback."""
-    from tp_supervise.supervisor.rank.net import is_loopback
-
-    from .log import get_logger
-
+def warn_if_exposed(host: str, port: int, warn: Callable[..., None]) -> None:
+    """The completions API has no authentication: say so once (``warn(event, **fields)``, the caller's logger)
+    when it listens beyond loopback."""
     if not is_loopback(host):
-        get_logger().warning(
+        warn(
             "the completions API has no authentication and binds a non-loopback address; "
             "put it behind an authenticating proxy or bind 127.0.0.1",
             host=host,
