@@ -24,8 +24,11 @@ MAX_STOP_STRINGS = 4
 MAX_TEMPERATURE = 2.0
 SEED_RANGE = 2**63
 # error.code of every 503 the engine answers when it stops serving (its group failed, a shutdown): the
-# relay (engine/relay.py) sends such a request again to the next attempt
+# relay (supervisor/relay/) sends such a request again to the next attempt
 UNAVAILABLE_CODE = "engine_unavailable"
+# error.code of the 400 a quarantined request gets (engine/runfiles.py, quarantine.json): from the built-in
+# engine's frontend, or from the relay in front of a COMMAND's engine (:func:`quarantined`)
+QUARANTINED_CODE = "request_quarantined"
 
 
 class ApiError(Exception):
@@ -55,6 +58,17 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def quarantined(incidents: tuple[str, ...] | list[str]) -> ApiError:
+    """The refusal of a quarantined request, naming the incidents it was a suspect in (the one definition: the
+    built-in engine's frontend and the relay answer the same)."""
+    named = ", ".join(incidents) or "of an earlier attempt"
+    message = (
+        f"this request is quarantined: the engine's group failed while it was in flight (incidents {named}); "
+        "it will not be run again"
+    )
+    return ApiError(400, message, None, code=QUARANTINED_CODE)
 
 
 @dataclass(frozen=True)

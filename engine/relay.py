@@ -70,7 +70,7 @@ from tp_supervise.supervisor.rank.net import listen_backlog
 
 from . import runfiles
 from .log import OneLineHttpLog, configure, get_logger
-from .openai_api import UNAVAILABLE_CODE, ApiError
+from .openai_api import UNAVAILABLE_CODE, ApiError, quarantined
 from .relay_engines import Adapter, Resumed, StreamSoFar, adapter, request_fingerprint
 from .runfiles import read_incident
 
@@ -403,12 +403,7 @@ class Relay:
             return
         self._count("quarantined")
         log.warning("request quarantined", fingerprint=fp, incidents=list(incidents))
-        named = ", ".join(incidents) or "of an earlier attempt"
-        message = (
-            f"this request is quarantined: the engine's group failed while it was in flight (incidents {named}); "
-            "it will not be run again"
-        )
-        raise _Refused(400, _error_body(400, message, "request_quarantined"))
+        raise _Refused(400, quarantined(incidents).body())
 
     def _flight(self, path: str, body) -> _Flight:
         fp = None

@@ -69,8 +69,8 @@ supervisor atomically (temporary file + rename).  The frontend reads it at
 start and again whenever its inode, size or mtime changed (one ``stat`` per
 request); a file that does not parse keeps the previous list (logged once).
 A request whose fingerprint is listed under ``fingerprints`` is answered 400
-(code ``request_quarantined``) naming the incident ids, before it is
-scheduled.  A request listed under ``suspects`` (the supervisor suspects it
+(code ``request_quarantined``, engine/openai_api.py's ``quarantined``)
+naming the incident ids, before it is scheduled.  A request listed under ``suspects`` (the supervisor suspects it
 after one failure, not yet quarantined) is marked ``isolate``: the scheduler
 prefills it alone in its step (engine/scheduler.py), so if it fails the group
 again the failing step started nothing else.  Readers ignore keys they do
@@ -351,11 +351,6 @@ class Quarantine:
         log.info(
             "quarantine list loaded", path=str(path), fingerprints=len(self._entries), suspects=len(self._suspects)
         )
-
-
-def parse_quarantine(raw: bytes) -> dict[str, tuple[str, ...]]:
-    """The quarantined fingerprints of a ``quarantine.json`` (fingerprint -> incident ids)."""
-    return parse_quarantine_file(raw)[0]
 
 
 def parse_quarantine_file(raw: bytes) -> tuple[dict[str, tuple[str, ...]], frozenset[str]]:

@@ -57,6 +57,7 @@ from .openai_api import (
     check_prompt,
     parse_completion,
     parse_resume,
+    quarantined,
     usage_body,
 )
 from .runfiles import Quarantine, fingerprint, read_incident
@@ -376,14 +377,7 @@ class Frontend:
         incidents = self._quarantine.lookup(fp)
         if incidents is not None:
             log.warning("request quarantined", fingerprint=fp, incidents=list(incidents))
-            named = ", ".join(incidents) or "of an earlier attempt"
-            raise ApiError(
-                400,
-                f"this request is quarantined: the engine's group failed while it was in flight "
-                f"(incidents {named}); it will not be run again",
-                None,
-                code="request_quarantined",
-            )
+            raise quarantined(incidents)
         if not self.bridge.accepting:
             raise _unavailable(self.bridge.close_reason or SHUTDOWN_TEXT)
         if self._waiting.count >= self.limits.max_waiting:

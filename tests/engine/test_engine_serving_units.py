@@ -12,7 +12,7 @@ import pytest
 
 from tp_supervise.engine.chat_api import JinjaTemplate, PlainTemplate, load_chat_template, parse_chat
 from tp_supervise.engine.inject import ALL_KINDS, KINDS, POISON_MARKER, FaultInjector, InjectedFault, Injection
-from tp_supervise.engine.openai_api import ApiError
+from tp_supervise.engine.openai_api import ApiError, quarantined
 from tp_supervise.engine.runfiles import (
     HEADER,
     SLOT,
@@ -113,6 +113,13 @@ def test_quarantine_is_reread_when_the_file_changes(tmp_path):
     (tmp_path / "quarantine.json").unlink()
     assert q.lookup(fp()) is None
     assert Quarantine(None).lookup(fp()) is None
+
+
+def test_the_quarantine_refusal_names_its_incidents():
+    body = quarantined(("inc-1", "inc-2")).body()["error"]
+    assert body["code"] == "request_quarantined" and body["type"] == "invalid_request_error"
+    assert "incidents inc-1, inc-2" in body["message"]
+    assert "of an earlier attempt" in quarantined(()).body()["error"]["message"]
 
 
 def test_suspects_are_read_and_the_reader_is_forward_compatible(tmp_path):
