@@ -32,7 +32,6 @@ import os
 import queue
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -59,9 +58,12 @@ from .events import (
 )
 from .incidents.desk import IncidentDesk
 from .incidents.quarantine import RequestQuarantine
+from .loop import TICK_S as LOOP_TICK_S
+from .loop import Loop
 from .multinode import (
     Between,
     GroupOfNodes,
+    Hold,
     NodeRules,
     NodeRuling,
     PeerIncident,
@@ -113,7 +115,7 @@ ATTEMPT_EVENTS = (
     events.StragglerAcrossNodes,
     events.StragglerNamed,
     events.StragglerCleared,
-    events.ConsequenceChecked,
+    events.StderrCheck,
     events.ConsequenceWindowOver,
     ProcessExited,
     EarlyExitCheck,
@@ -150,6 +152,7 @@ class Supervisor:
         nodes: tuple[NodeTransport, handshake.NodeGroup] | None = None,
         listener: ListenSocket | None = None,
         public: ListenSocket | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.spec = spec
         self.listener = (
@@ -166,8 +169,10 @@ class Supervisor:
         # The other nodes (multi-node rules, decided there, acted on here); a run of one node has none.
         self.node_rules: NodeRules = SingleNode()
         self.case = AttemptCase()  # what the decider holds about the attempt that runs (a new one per launch)
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.post: Callable[[object], None] = self.events.put
+        # The one wait of the main thread: what other threads post, and the loop's own timers (supervisor/loop.py).
+        self.loop = Loop(clock)
+        self.clock = clock
+        self.post: Callable[[object], None] = self.loop.post
         self.state = EngineState.STARTING
         # What other threads may know of the attempt; only self.attempt changes it.
         self.attempt_view: Published[AttemptView] = Published(NOT_STARTED)
@@ -211,10 +216,11 @@ class Supervisor:
             events.PeerHangQuery: self._on_peer_hang_query,
             HangQueryUnanswered: self._on_hang_query_unanswered,
             events.NodeLost: self._on_node_lost,
-            events.ConsequenceChecked: self._on_consequence_checked,
+            events.StderrCheck: self._on_stderr_check,
             events.ConsequenceWindowOver: self._on_consequence_window_over,
         }
         self.between_handlers: dict[type, Callable[[Any], None]] = {
+            LoopTick: self._tick_between,
             SignalReceived: self._stop_between,
             ControlRequest: self._refuse_between,
             events.NodeLost: self._nodes_between,
@@ -419,6 +425,7 @@ class Supervisor:
             )
         try:
             self._setup()
+            self.loop.after(LOOP_TICK_S, LoopTick())  # re-armed by its handler: /livez beats while the loop turns
             return self._run_attempts()
         except Exception:
             log.exception("supervisor internal error: tearing down every rank")
@@ -469,15 +476,13 @@ class Supervisor:
         between-attempts handlers: a stop signal ends the run (``self.stopping``); multi-node, a lost node or a
         stop elsewhere ends it too (``node_rules.end``: a group cannot restart without it); a control request
         is refused; anything else belongs to the attempt that ended."""
-        deadline = time.monotonic() + seconds
+        deadline = self.clock() + seconds
         self._awaited = (key, None)
         try:
-            while time.monotonic() < deadline and self.stopping is None and self.node_rules.end is None:
-                try:
-                    ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                self.services.liveness.beat()  # restarting on purpose is alive
+            while self.clock() < deadline and self.stopping is None and self.node_rules.end is None:
+                ev = self.loop.next(until=deadline)
+                if ev is None:
+                    continue
                 self._dispatch(ev, self.between_handlers)
                 if self._awaited[1] is not None:
                     return self._awaited[1]
@@ -551,7 +556,9 @@ class Supervisor:
         for ev in self.node_rules.carried():  # what another node said of this attempt before this node launched it
             self.post(ev)
         while self.attempt.outcome is None:
-            ev = self.events.get()
+            ev = self.loop.next()
+            if ev is None:
+                continue
             try:
                 self._dispatch(ev, self.handlers)
             except Exception:  # a bug of ours: this attempt's state is not to be trusted, it ends here
@@ -675,11 +682,7 @@ class Supervisor:
             log.debug("rank exited during shutdown", rank=handle.rank, pid=handle.pid, cause=info.description)
         elif ruling.meaning is Meaning.RECHECK:
             # Peers of a finishing job exit within moments: check again shortly.
-            check = EarlyExitCheck(handle.slot, handle.pid, self.attempt.number)
-            timer = threading.Timer(EARLY_EXIT_WINDOW_S, self.post, args=(check,))
-            timer.name = f"early-exit-check-{handle.slot}"
-            timer.daemon = True
-            timer.start()
+            self.loop.after(EARLY_EXIT_WINDOW_S, EarlyExitCheck(handle.slot, handle.pid, self.attempt.number))
         elif ruling.meaning is Meaning.CLEAN:
             log.info(ruling.message, event_name="run_finished")
             self._finish(Outcome(EXIT_OK, "clean"))
@@ -702,10 +705,11 @@ class Supervisor:
     def _rank_failed(self, handle: RankHandle, info: ExitInfo) -> None:
         if self._divergence_was_first():
             return
-        if self.attempt.outcome is None and self.node_rules.hold_failure(
-            handle, info, self.case, self.attempt.number, self.post
-        ):
-            return  # multi-node: it may be a consequence of another node's failure
+        if self.attempt.outcome is None:  # multi-node: it may be a consequence of another node's failure
+            held = self.node_rules.hold_failure(handle, info, self.case, self.attempt.number, self.clock())
+            if held is not None:
+                self._act_on_nodes(held)
+                return
         self._rule_rank_failure(handle, info)
 
     def _rule_rank_failure(self, handle: RankHandle, info: ExitInfo) -> None:
@@ -799,8 +803,13 @@ class Supervisor:
         )
         self.monitor.watch(key, handle.proc, self.attempt.number, parent=parent)
 
+    def _tick_between(self, ev: LoopTick) -> None:
+        self.services.liveness.beat()  # restarting on purpose is alive
+        self.loop.after(LOOP_TICK_S, ev)
+
     def _on_loop_tick(self, ev: LoopTick) -> None:
         self.services.liveness.beat()
+        self.loop.after(LOOP_TICK_S, ev)
         # What the engine sets up in /dev/shm (vLLM's shm all-reduce buffers, made after the workers joined).
         self.attempt.look_at_shm(time.monotonic(), every_s=SHM_LOOK_EVERY_S)
         for handle in self.attempt.ranks.values():
@@ -831,7 +840,11 @@ class Supervisor:
             if self.case.deferred_hang is not None:  # asked the other nodes, then progress came back: no hang
                 self.case.deferred_hang = self.case.hang_query = None
         elif kind is VerdictKind.HARD:
-            if self._divergence_was_first() or self.node_rules.ask_where(ev, self.case, self.attempt.number, self.post):
+            if self._divergence_was_first():
+                return
+            asked = self.node_rules.ask_where(ev, self.case, self.attempt.number, self.clock())
+            if asked is not None:
+                self._act_on_nodes(asked)  # the verdict waits for the other nodes' answer
                 return
             self._rule_hang(ev)
         elif kind is VerdictKind.STARTUP_TIMEOUT:
@@ -943,16 +956,19 @@ class Supervisor:
         if self.attempt.outcome is None:
             self._act_on_nodes(self.node_rules.hang_query_unanswered(self.case))
 
-    def _on_consequence_checked(self, ev: events.ConsequenceChecked) -> None:
+    def _on_stderr_check(self, ev: events.StderrCheck) -> None:
         if self.attempt.outcome is None:
-            self._act_on_nodes(self.node_rules.consequence_checked(ev, self.case, self.post))
+            self._act_on_nodes(self.node_rules.stderr_check(ev, self.case, self.clock()))
 
     def _on_consequence_window_over(self, ev: events.ConsequenceWindowOver) -> None:
         if self.attempt.outcome is None:
             self._act_on_nodes(self.node_rules.consequence_window_over(ev, self.case))
 
     def _act_on_nodes(self, ruling: NodeRuling) -> None:
-        if isinstance(ruling, StopToo):
+        if isinstance(ruling, Hold):
+            if ruling.event is not None:
+                self.loop.at(ruling.when, ruling.event)
+        elif isinstance(ruling, StopToo):
             self._finish(Outcome(EXIT_OK, "shutdown"))
         elif isinstance(ruling, RuleFailure):
             self._rule_rank_failure(ruling.handle, ruling.info)

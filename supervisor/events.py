@@ -24,7 +24,7 @@ from .rank.heartbeat import SlotSnapshot
 
 @dataclass(frozen=True)
 class LoopTick:
-    """Posted every second: the main loop taking it proves it goes round (/livez)."""
+    """The main loop's own timer, every second: taking it proves the loop goes round (/livez)."""
 
 
 @dataclass(frozen=True)
@@ -171,12 +171,15 @@ class NodeLost:
 
 
 @dataclass(frozen=True)
-class ConsequenceChecked:
-    """Event (multi-node): the stderr of a rank that failed was read; ``why`` is the line that says it died
-    of a broken peer connection (a suspected consequence of another node's failure), or None."""
+class StderrCheck:
+    """Timer (multi-node): read the stderr of a failed rank whose ruling is held, once the output pump has all of
+    it or at ``until``: a line that says it died of a broken peer connection makes it a suspected consequence of
+    another node's failure.  ``signal``: the signal it died of, or None."""
 
     slot: int
-    why: str | None
+    rank: int
+    signal: int | None
+    until: float
     attempt: int = 0
 
 

@@ -14,8 +14,6 @@ in ``nodes/``; the keys are in docs/multinode.md.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -24,7 +22,7 @@ import structlog
 
 from . import events
 from .arbitration import killed_here, peer_consequence
-from .events import ConsequenceChecked, ConsequenceWindowOver, HangQueryUnanswered, WatchdogVerdict
+from .events import ConsequenceWindowOver, HangQueryUnanswered, StderrCheck, WatchdogVerdict
 from .nodes import messages
 from .outcome import EXIT_HANG, EXIT_OK, EXIT_PEER, Outcome, new_incident_id
 from .processes import output_pump
@@ -44,6 +42,7 @@ log = structlog.get_logger("supervise")
 # node's fault or loss before it is ruled as this node's own failure (docs/multinode.md).
 CONSEQUENCE_WAIT_S = 1.0
 STDERR_READ_S = 0.3  # how long the check waits for the pump to drain the rank's last stderr
+STDERR_LOOK_S = 0.02  # how often it looks whether the pump has drained it
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,16 @@ class RuleHang:
     verdict: WatchdogVerdict
 
 
-NodeRuling = PeerIncident | StopToo | RuleFailure | RuleHang | None
+@dataclass(frozen=True)
+class Hold:
+    """Nothing is ruled yet: ``event`` comes back to the decider at ``when`` (its loop's clock), unless the attempt
+    ended meanwhile (a timer of the main loop, supervisor/loop.py)."""
+
+    when: float
+    event: object
+
+
+NodeRuling = PeerIncident | StopToo | RuleFailure | RuleHang | Hold | None
 
 
 class NodeRules(Protocol):
@@ -117,13 +125,13 @@ class NodeRules(Protocol):
     def between(self, ev: object, attempt: int) -> None: ...
     def peer_failed(self, ev: events.PeerFailed, case: AttemptCase) -> NodeRuling: ...
     def node_lost(self, ev: events.NodeLost, case: AttemptCase) -> NodeRuling: ...
-    def ask_where(self, ev: WatchdogVerdict, case: AttemptCase, attempt: int, post: Callable) -> bool: ...
+    def ask_where(self, ev: WatchdogVerdict, case: AttemptCase, attempt: int, now: float) -> Hold | None: ...
     def hang_query_unanswered(self, case: AttemptCase) -> NodeRuling: ...
     def peer_hang_query(self, ev: events.PeerHangQuery, case: AttemptCase) -> bool: ...
     def hold_failure(
-        self, handle: RankHandle, info: ExitInfo, case: AttemptCase, attempt: int, post: Callable
-    ) -> bool: ...
-    def consequence_checked(self, ev: ConsequenceChecked, case: AttemptCase, post: Callable) -> NodeRuling: ...
+        self, handle: RankHandle, info: ExitInfo, case: AttemptCase, attempt: int, now: float
+    ) -> NodeRuling: ...
+    def stderr_check(self, ev: StderrCheck, case: AttemptCase, now: float) -> NodeRuling: ...
     def consequence_window_over(self, ev: ConsequenceWindowOver, case: AttemptCase) -> NodeRuling: ...
 
 
@@ -162,8 +170,8 @@ class SingleNode:
     def node_lost(self, ev: events.NodeLost, case: AttemptCase) -> NodeRuling:
         return None
 
-    def ask_where(self, ev: WatchdogVerdict, case: AttemptCase, attempt: int, post: Callable) -> bool:
-        return False
+    def ask_where(self, ev: WatchdogVerdict, case: AttemptCase, attempt: int, now: float) -> Hold | None:
+        return None
 
     def hang_query_unanswered(self, case: AttemptCase) -> NodeRuling:
         return None
@@ -171,10 +179,12 @@ class SingleNode:
     def peer_hang_query(self, ev: events.PeerHangQuery, case: AttemptCase) -> bool:
         return False
 
-    def hold_failure(self, handle: RankHandle, info: ExitInfo, case: AttemptCase, attempt: int, post: Callable) -> bool:
-        return False
+    def hold_failure(
+        self, handle: RankHandle, info: ExitInfo, case: AttemptCase, attempt: int, now: float
+    ) -> NodeRuling:
+        return None
 
-    def consequence_checked(self, ev: ConsequenceChecked, case: AttemptCase, post: Callable) -> NodeRuling:
+    def stderr_check(self, ev: StderrCheck, case: AttemptCase, now: float) -> NodeRuling:
         return None
 
     def consequence_window_over(self, ev: ConsequenceWindowOver, case: AttemptCase) -> NodeRuling:
@@ -255,7 +265,7 @@ class GroupOfNodes:
                 "node 0 ends the group: no restart", event_name="group_restart_declined", restarts=decision.restarts
             )
             return None
-        policy.restarts = decision.restarts
+        policy.follow(decision.restarts)
         log.warning(
             "restarting the group with node 0",
             event_name="group_restart",
@@ -387,19 +397,19 @@ class GroupOfNodes:
         return PeerIncident(reason, node, rank, verdict, incident_id, final, kind or reason)
 
     # -- a hang here whose cause is elsewhere
-    def ask_where(self, ev: WatchdogVerdict, case: AttemptCase, attempt: int, post: Callable) -> bool:
+    def ask_where(self, ev: WatchdogVerdict, case: AttemptCase, attempt: int, now: float) -> Hold | None:
         """When every rank of this node waits inside a collective, the rank that is elsewhere is on another node,
         whose own watchdog may see nothing (a stopped rank outside collectives looks idle there).  Ask the
         others (nodes.HangQuery); the node that holds it raises the hang under this incident id and this node
-        follows it (81: the group hung).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence.  True: the hard
-        verdict waits for the answer."""
+        follows it (81: the group hung).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence.  A hold:
+        the hard verdict waits for the answer; None: rule it now."""
         v = ev.verdict
         if case.hang_query is not None or case.peer_hang_query is not None or v.outside_collective:
-            return False
+            return None
         if v.elsewhere_ranks:  # a rank of this node is stopped: the culprit is here
-            return False
+            return None
         if not v.in_collective:
-            return False
+            return None
         seq = max(c.coll_seq for c in v.in_collective)
         case.hang_query = messages.HangQuery(self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500])
         case.deferred_hang = ev
@@ -411,10 +421,7 @@ class GroupOfNodes:
             wait_s=messages.HANG_QUERY_WAIT_S,
             incident_id=case.hang_query.incident_id,
         )
-        timer = threading.Timer(messages.HANG_QUERY_WAIT_S, post, args=(HangQueryUnanswered(attempt),))
-        timer.daemon = True
-        timer.start()
-        return True
+        return Hold(now + messages.HANG_QUERY_WAIT_S, HangQueryUnanswered(attempt))
 
     def hang_query_unanswered(self, case: AttemptCase) -> NodeRuling:
         if case.deferred_hang is None:
@@ -441,55 +448,46 @@ class GroupOfNodes:
         return True
 
     # -- cause before consequence: a rank that died of a broken peer connection waits for the peer's news
-    def hold_failure(self, handle: RankHandle, info: ExitInfo, case: AttemptCase, attempt: int, post: Callable) -> bool:
-        """Hold the ruling of a failed rank until its stderr was read (off this thread); if it died of a broken
-        peer connection, until CONSEQUENCE_WAIT_S after its exit.  True: the ruling is held."""
+    def hold_failure(
+        self, handle: RankHandle, info: ExitInfo, case: AttemptCase, attempt: int, now: float
+    ) -> NodeRuling:
+        """Hold the ruling of a failed rank until its stderr was read (the pump drains it; at most STDERR_READ_S);
+        if it died of a broken peer connection, until CONSEQUENCE_WAIT_S after its exit.  None: rule it now."""
         if handle.rank < 0:
-            return False
+            return None
         if case.suspect is not None:
-            return True  # already waiting: the first failure decides, and root_cause names it
+            return Hold(now, None)  # already waiting: the first failure decides, and root_cause names it
         status_signal = info.status.signal if info.status is not None else None
         if killed_here(status_signal):
-            return False  # ruled now: no stderr makes it a consequence, so nothing is waited for
-        exited_at = handle.exited_at or time.monotonic()
+            return None  # ruled now: no stderr makes it a consequence, so nothing is waited for
+        exited_at = handle.exited_at or now
         case.suspect = (handle, info, exited_at, None)
-        slot, rank = handle.slot, handle.rank
+        return Hold(now, StderrCheck(handle.slot, handle.rank, status_signal, now + STDERR_READ_S, attempt))
 
-        def check() -> None:
-            why = None
-            try:
-                pump = output_pump.installed()
-                tail = pump.stderr_tail(rank) if pump is not None else None
-                if tail is not None:
-                    tail.wait_drained(STDERR_READ_S)
-                    why = peer_consequence(status_signal, tail.data()[-65536:].decode("utf-8", "replace"))
-            finally:
-                post(ConsequenceChecked(slot, why, attempt))
-
-        threading.Thread(target=check, name=f"consequence-check-{slot}", daemon=True).start()
-        return True
-
-    def consequence_checked(self, ev: ConsequenceChecked, case: AttemptCase, post: Callable) -> NodeRuling:
+    def stderr_check(self, ev: StderrCheck, case: AttemptCase, now: float) -> NodeRuling:
+        """The held rank's stderr, once the pump has all of it (or its time is up): a broken peer connection
+        waits for the other nodes' news; anything else is this node's own failure."""
         if case.suspect is None or ev.slot != case.suspect[0].slot:
             return None
+        pump = output_pump.installed()
+        tail = pump.stderr_tail(ev.rank) if pump is not None else None
+        if tail is not None and not tail.drained() and now < ev.until:
+            return Hold(now + STDERR_LOOK_S, ev)
+        why = peer_consequence(ev.signal, tail.data()[-65536:].decode("utf-8", "replace")) if tail is not None else None
         handle, info, exited_at, _ = case.suspect
-        if ev.why is None:
+        if why is None:
             case.suspect = None
             return RuleFailure(handle, info)
-        case.suspect = (handle, info, exited_at, ev.why)
-        wait_s = max(0.0, exited_at + CONSEQUENCE_WAIT_S - time.monotonic())
+        case.suspect = (handle, info, exited_at, why)
+        wait_s = max(0.0, exited_at + CONSEQUENCE_WAIT_S - now)
         log.warning(
             "rank died of a broken peer connection: waiting for the other nodes' news before ruling",
             event_name="rank_exit_suspected_consequence",
             rank=handle.rank,
             wait_s=round(wait_s, 3),
-            line=ev.why,
+            line=why,
         )
-        timer = threading.Timer(wait_s, post, args=(ConsequenceWindowOver(ev.slot, ev.attempt),))
-        timer.name = f"consequence-window-{ev.slot}"
-        timer.daemon = True
-        timer.start()
-        return None
+        return Hold(exited_at + CONSEQUENCE_WAIT_S, ConsequenceWindowOver(ev.slot, ev.attempt))
 
     def consequence_window_over(self, ev: ConsequenceWindowOver, case: AttemptCase) -> NodeRuling:
         if case.suspect is None or ev.slot != case.suspect[0].slot:

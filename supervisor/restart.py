@@ -36,6 +36,10 @@ class RestartPolicy:
         self.max_restarts = max_restarts
         self.restarts = 0  # restarts of the current crash loop
 
+    def follow(self, restarts: int) -> None:
+        """A group of nodes: node 0's policy decided this restart, and its count is the group's."""
+        self.restarts = restarts
+
     def after(self, outcome: Outcome, *, stopping: bool, uptime_s: float, group: bool = False) -> float | None:
         """Seconds to wait before launching again, or None: the run is over.
 

@@ -31,8 +31,7 @@ from tp_supervise.watchdogs.straggler import StragglerReport
 
 from .. import logs
 from .. import state as engine_state
-from ..events import ControlRequest, LoopTick
-from ..processes.pidfds import named_thread
+from ..events import ControlRequest
 from ..rank.heartbeat import SlotSnapshot
 from .http_server import HealthCell, HealthServer, HealthStatus, Liveness
 from .metrics import SupervisorMetrics
@@ -56,7 +55,6 @@ GPU_QUERY_TIMEOUT_S = 1.0
 # How long stop() waits for the sampler thread (it may be stuck in a driver call: then it is left behind).
 GPU_STOP_JOIN_S = 1.0
 CONTROL_DUMP_TIMEOUT_S = 60.0
-LOOP_TICK_S = 1.0
 LIVEZ_MARGIN_S = 30.0
 TEXTFILE_TIMEOUT_S = 2.0  # a --metrics-textfile write never holds the main thread longer
 
@@ -78,8 +76,6 @@ class Services:
         self._textfile_writer: threading.Thread | None = None
         # /livez: stale only past the longest legitimate pause of the loop (a teardown plus a fatal capture)
         self.liveness = Liveness(stale_after_s=spec.kill_grace + spec.dumps.timeout + LIVEZ_MARGIN_S)
-        self._ticking = threading.Event()
-        self._ticker = named_thread(self._tick, "loop-ticker")
         self.run_dir = run_dir
         self.post = post
         slot_ranks = [spec.rank_offset + i for i in range(spec.nproc_per_node)]
@@ -149,7 +145,6 @@ class Services:
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self.gpu.start()
-        self._ticker.start()
         if self.http is not None:
             self.http.start()
             log.info("metrics and health", url=self.http.url, endpoints="/metrics /healthz /readyz /livez")
@@ -174,13 +169,7 @@ class Services:
         if self.node_consensus is not None:
             self.node_consensus.start()
 
-    def _tick(self) -> None:
-        """Thread ``loop-ticker``: a LoopTick every second; the main loop beats /livez when it takes one."""
-        while not self._ticking.wait(LOOP_TICK_S):
-            self.post(LoopTick())
-
     def stop(self) -> None:
-        self._ticking.set()
         if self.consensus_thread is not None:
             self.consensus_thread.stop()
         if self.node_consensus is not None:

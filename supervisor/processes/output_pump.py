@@ -138,6 +138,10 @@ class StderrTail:
         """True once the pump saw EOF (everything the rank wrote is in ``text``)."""
         return self._stream.drained.wait(max(0.0, timeout_s))
 
+    def drained(self) -> bool:
+        """``wait_drained`` without the wait (the main loop looks again later)."""
+        return self._stream.drained.is_set()
+
     def data(self) -> bytes:
         return self._stream.tail()
 
