@@ -74,6 +74,7 @@ from .multinode import (
 )
 from .nodes import handshake, link, messages
 from .nodes.transport import NodeTransport
+from .observers import control_socket
 from .observers.services import Services
 from .observers.straggler_thread import StragglerThread
 from .observers.watchdog_thread import WatchdogThread
@@ -91,7 +92,7 @@ from .outcome import (
     new_run_id,
     run_dir_for,
 )
-from .processes import exits, shm
+from .processes import exits, shm, stale_runs
 from .processes import pidfds as procs
 from .processes import spawn as launch
 from .processes.attempt import ENGINE_PROCESS, LAUNCHER_SLOT, NOT_STARTED, Attempt, AttemptView, Published, RankView
@@ -349,6 +350,9 @@ class Supervisor:
                     gpu=self.services.gpu.latest,
                 )
             )
+        # What supervisors that died without a teardown left (escapees, cgroups, run dirs): ended before this run
+        # registers, by the decider, which kills (the registry, an observer's, only says which runs are dead).
+        stale_runs.sweep(control_socket.dead_runs())
         self.sources += [self.services, self.watchdog]
         for source in self.sources:
             source.start()

@@ -25,8 +25,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import signal
 import socket
 import stat
 import tempfile
@@ -38,8 +36,8 @@ from pathlib import Path
 import psutil
 import structlog
 
-from ..processes.cgroup import RunCgroup
 from ..processes.pidfds import named_thread
+from ..processes.stale_runs import DeadRun, unlink_own
 
 log = structlog.get_logger("supervise.control")
 
@@ -214,60 +212,11 @@ def _own_dir(path: Path) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
 
 
-def _unlink_own(path: Path) -> None:
-    try:
-        st = os.lstat(path)
-        if st.st_uid == os.geteuid() and not stat.S_ISDIR(st.st_mode):
-            os.unlink(path)
-    except OSError:
-        pass
-
-
-def _kill_run_orphans(run_id: str) -> set[int]:
-    """SIGKILL the processes a dead run left: they carry its marker AND run as this user (never anyone else's).
-
-    Each is held by a pidfd from the scan on (``procs.RunProcesses``: the
-    marker was read after the pidfd was opened) and killed through it; its
-    owner is read after that too, and the kill succeeds only if that very
-    process still held its pid, so a pid reused since the scan is never
-    signalled.  Returns the pids killed.
-    """
-    from ..processes import pidfds as procs
-
-    found = procs.RunProcesses(run_id, root_pid=os.getpid())
-    killed = set()
-    try:
-        found.scan()
-        ours = set(procs.descendants())  # our own children are no orphans of a dead run
-        for pid, proc in found.held.items():
-            if pid in ours or not _same_user(pid):
-                continue
-            if proc.send(signal.SIGKILL):
-                killed.add(pid)
-    finally:
-        found.close()
-    return killed
-
-
-def _same_user(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).uids().real == os.getuid()
-    except psutil.Error:
-        return False
-
-
-def sweep_stale() -> list[str]:
-    """Clean up after supervisors that died without a teardown (SIGKILL, OOM).
-
-    Their ranks died with them (parent-death signal), but a stopped rank of a
-    launcher's tree or a setsid escapee can remain, and so do the run's shared
-    memory directory, cgroup and registry entry.  Only what an entry provably
-    owns is touched: entries are our own regular files with valid fields, the
-    socket, run directory and cgroup are derived from the run id (never taken
-    from the entry), and only processes of this user carrying the run's
-    marker, or inside the run's cgroup, are killed.  Returns the run ids swept.
-    """
-    swept = []
+def dead_runs() -> list[DeadRun]:
+    """The registry's entries of supervisors that died without a teardown (SIGKILL, OOM), with what each
+    provably owns: its entry and socket (our own files), its run directories (our own), all derived from the
+    run id, never taken from the entry.  Killing what they left is the teardown's (processes/stale_runs.py)."""
+    out = []
     root = registry_dir()
     for path in sorted(root.glob("*.json")):
         entry = _read_entry(root, path)
@@ -276,22 +225,15 @@ def sweep_stale() -> list[str]:
             continue
         if entry.alive():
             continue
-        orphans = _kill_run_orphans(entry.run_id)
-        for cgroup in RunCgroup.existing(entry.run_id):
-            # Only our ranks' descendants can be in it, whatever they did to their environment.
-            orphans |= cgroup.pids()
-            cgroup.kill()
-            cgroup.remove()
-        for run_dir in run_dir_candidates(entry.run_id):
-            if _own_dir(run_dir):
-                shutil.rmtree(run_dir, ignore_errors=True)
-        _unlink_own(Path(entry.socket))
-        _unlink_own(path)
-        log.warning(
-            "swept a run whose supervisor died", stale_run_id=entry.run_id, pid=entry.pid, killed=sorted(orphans)
+        out.append(
+            DeadRun(
+                run_id=entry.run_id,
+                pid=entry.pid,
+                run_dirs=tuple(d for d in run_dir_candidates(entry.run_id) if _own_dir(d)),
+                files=(Path(entry.socket), path),
+            )
         )
-        swept.append(entry.run_id)
-    return swept
+    return out
 
 
 def list_jobs() -> list[JobEntry]:
@@ -309,7 +251,7 @@ def write_private_file(path: Path, text: str) -> None:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
-        _unlink_own(tmp)
+        unlink_own(tmp)
         raise
 
 

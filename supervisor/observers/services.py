@@ -151,9 +151,8 @@ class Services:
         if self.health_http is not None:
             self.health_http.start()
             log.info("health endpoints", url=self.health_http.url, endpoints="/healthz /readyz /livez")
-        from .control_socket import ControlServer, sweep_stale
+        from .control_socket import ControlServer
 
-        sweep_stale()
         self.control = ControlServer(
             self.run_key,
             self._control_request,

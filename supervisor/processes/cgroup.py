@@ -19,7 +19,7 @@ Mechanisms, best first (the log says which one a run uses):
 Each rank joins the run's cgroup in its pre-exec hook (after fork, before
 exec), so everything it starts is inside from its first instruction.  The
 next ``supervise serve`` on the host removes the cgroup of a run whose
-supervisor was SIGKILLed (``supervisor.observers.control_socket.sweep_stale``).  Every call
+supervisor was SIGKILLed (``supervisor.processes.stale_runs.sweep``).  Every call
 here is a small write or read of a kernel file: none of them blocks on a rank.
 """
 
