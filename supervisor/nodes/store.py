@@ -211,10 +211,6 @@ class TorchStore:
         return [bytes(v) for v in values]
 
 
-def default_store_port(master_port: int) -> int:
-    return master_port + 1
-
-
 def client(store_addr: str, timeout_s: float = STORE_TIMEOUT_S, connect_timeout_s: float | None = None) -> TorchStore:
     """One more client of node 0's store (``NodeGroup.store_addr``), for a thread that needs its own
     connection (the cross-node consensus, the incident exchange); every call has ``timeout_s``."""

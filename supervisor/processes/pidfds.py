@@ -434,16 +434,6 @@ class RunProcesses:
         self.held.clear()
 
 
-def run_processes(run_key: str, root_pid: int | None = None) -> set[int]:
-    """Pids of every live process of the run, excluding ``root_pid`` (for the sweep of a dead run)."""
-    found = RunProcesses(run_key, root_pid)
-    try:
-        found.scan()
-        return {pid for pid, proc in found.held.items() if not proc.exited()}
-    finally:
-        found.close()
-
-
 def descendants(pid: int | None = None) -> list[int]:
     try:
         return [c.pid for c in psutil.Process(pid or os.getpid()).children(recursive=True)]
