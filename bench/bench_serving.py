@@ -181,7 +181,7 @@ class Served:
         """CPU seconds (user + system) the relay process used so far, or None (no relay: the tree before)."""
         for pid in self.marked():
             try:
-                if b"tp_supervise.engine.relay" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if b"tp_supervise.supervisor.relay" not in Path(f"/proc/{pid}/cmdline").read_bytes():
                     continue
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:

@@ -141,7 +141,7 @@ class Cost:
 
 def relay_pid(srv: vr.Server) -> int | None:
     for p in psutil.Process(srv.proc.pid).children():
-        if "tp_supervise.engine.relay" in " ".join(p.cmdline()):
+        if "tp_supervise.supervisor.relay" in " ".join(p.cmdline()):
             return p.pid
     return None
 

@@ -102,7 +102,6 @@ ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
 QUARANTINE_FILE = "quarantine.json"
 INCIDENT_FILE = "incident"
 INFLIGHT_PREFIX = "inflight-rank"
-RELAY_INFLIGHT_FILE = "inflight-relay"  # the relay's record, same layout (engine/relay.py; step = the relay's epoch)
 FINGERPRINT_BYTES = 16
 FINGERPRINT_PERSON = b"tps-request-v1"
 QUARANTINE_VERSION = 1

@@ -401,13 +401,13 @@ RELAY_ENGINES = ("builtin", "vllm", "openai")
 
 @dataclass(frozen=True)
 class RelayOptions:
-    """The relay in front of the group (engine/relay.py; docs/engine.md, "The relay"): for a COMMAND, the public
+    """The relay in front of the group (supervisor/relay/; docs/engine.md, "The relay"): for a COMMAND, the public
     address (``--relay``) and the engine's own listener behind it (``upstream``: from the launcher's
     --host/--port, or ``--relay-upstream``); for both, how long and how many requests are held across a restart."""
 
     address: tuple[str, int] | None = None  # --relay HOST:PORT (a COMMAND); None: no relay for a COMMAND
     upstream: str | None = None  # http://HOST:PORT of the engine's own listener
-    engine: str = "openai"  # the relay's adapter for a COMMAND (engine/relay_engines.py)
+    engine: str = "openai"  # the relay's adapter for a COMMAND (supervisor/relay/engines.py)
     hold: float | None = None  # None: DEFAULT_RELAY_HOLD_S for a COMMAND, BUILTIN_RELAY_HOLD_S for the built-in
     max_held: int = DEFAULT_RELAY_MAX_HELD
 

@@ -13,7 +13,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("supervisor", "engine", "watchdogs", "consensus", "dumps")
 DECIDER = {"core", "multinode", "arbitration", "restart", "cli", "drills"}
-ROOMS = ("processes", "observers", "incidents", "nodes")
+ROOMS = ("processes", "observers", "incidents", "nodes", "relay")
+# The relay is a process the supervisor runs, not part of the engine: of engine/ it imports only the stdlib-only
+# definitions it shares with the built-in engine (the run dir's files, the OpenAI error vocabulary, the line format
+# of the run's processes; ``engine`` itself: its __init__, which imports nothing), never a module that could pull
+# torch or the engine's internals.
+RELAY_SHARES_WITH_THE_ENGINE = {"engine", "engine.runfiles", "engine.openai_api", "engine.log"}
 
 
 def _module(path: Path) -> str:
@@ -114,6 +119,16 @@ def test_arrows_point_down():
             if len(parts) > 2 and parts[1] in ROOMS and dep.split(".")[:2] in (["supervisor", d] for d in DECIDER):
                 wrong.append(f"{mod} -> {dep}")
     assert wrong == []
+
+
+def test_the_relay_uses_only_what_it_shares_with_the_engine():
+    graph = _graph()
+    used = {d for mod, deps in graph.items() if mod.startswith("supervisor.relay") for d in deps if d.startswith("engine")}
+    assert used <= RELAY_SHARES_WITH_THE_ENGINE
+    rank_side = {m for m in graph if m.startswith("supervisor.rank")}
+    for shared in RELAY_SHARES_WITH_THE_ENGINE:
+        assert graph[shared] <= RELAY_SHARES_WITH_THE_ENGINE | rank_side, shared
+    assert sorted(p.name for p in (ROOT / "engine").glob("*relay*")) == [], "the relay lives in supervisor/relay/"
 
 
 def test_the_spec_does_not_import_the_engine():

@@ -187,7 +187,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 @dataclasses.dataclass
 class ServingPorts:
     """The sockets bound once for the whole run: ``rank0`` is handed to rank 0 of every attempt; ``public``,
-    with the built-in engine, is the relay's (supervisor/processes/relay_process.py) and ``rank0`` is then on loopback."""
+    with the built-in engine, is the relay's (supervisor/relay/process.py) and ``rank0`` is then on loopback."""
 
     rank0: ListenSocket | None = None
     public: ListenSocket | None = None

@@ -64,6 +64,8 @@ import structlog
 
 from tp_supervise.engine import runfiles
 
+from ..relay.protocol import RELAY_INFLIGHT_FILE
+
 if TYPE_CHECKING:
     from ..processes.attempt import AttemptView
 
@@ -193,7 +195,7 @@ class RequestQuarantine:
     ):
         self.run_dir = Path(run_dir)
         # The relay's record (a COMMAND's engine behind --relay) instead of rank 0's: written by a process that
-        # outlives the attempts, its step is the relay's epoch (engine/relay.py).
+        # outlives the attempts, its step is the relay's epoch (supervisor/relay/hold.py).
         self.from_relay = from_relay
         self._relay_epoch: tuple[int, str] | None = None  # (the newest epoch blamed, for which incident)
         self.after = after  # 0: never quarantine (the in-flight requests still go into the bundles)
@@ -210,7 +212,7 @@ class RequestQuarantine:
     @property
     def inflight_path(self) -> Path:
         if self.from_relay:
-            return self.run_dir / runfiles.RELAY_INFLIGHT_FILE
+            return self.run_dir / RELAY_INFLIGHT_FILE
         return runfiles.inflight_path(self.run_dir, 0)
 
     def before_attempt(self) -> None:

@@ -7,10 +7,9 @@ pidfd, run-marker scans, orphan reaping), ``cgroup`` (one per run),
 status says), ``teardown`` (SIGTERM, one grace, SIGKILL, verified),
 ``output_pump`` (the ranks' stdout/stderr), ``attempt`` (the live state
 of one launch, published read-only to the other threads) and
-``listen_socket`` (the serving port, bound once for the run and inherited
-by rank 0 of every attempt) and ``relay_process`` (the built-in engine's
-relay, which holds the public port and the clients' requests across
-attempts).  It decides
+``listen_socket`` (the serving ports, bound once for the run: rank 0's,
+inherited by rank 0 of every attempt, and the relay's public one; the relay
+itself has its own room, ``supervisor/relay/``).  It decides
 nothing: it may import ``rank/``, the vocabulary (``events``, ``outcome``,
 ``spec``, ``signals``, ``logs``) and ``tp_supervise.dumps`` helpers, never the
 decider or another room.

@@ -5,7 +5,7 @@ in every step that prefills a ``TPS_POISON`` prompt), with ``slow@0:1`` so
 that every decode step lasts 200 ms: a long stream keeps the engine stepping,
 and a burst sent during a step is drained and scheduled in one step, so the
 co-arrival is made, not left to chance.  A poison request and three
-innocent ones arrive together; the relay (engine/relay.py) sends what was in
+innocent ones arrive together; the relay (supervisor/relay/) sends what was in
 flight at a failure again, so the four come back together too:
 
 * first failure: the four are scheduled in the failing step, all four are

@@ -3,7 +3,7 @@
 * Rank 0 SIGKILLed mid-run under 16 concurrent official ``openai`` clients
   (completions and chat, streamed and not, default retries), ``--tp 2
   --max-restarts 3``: every request completes, streams that were half sent
-  included (the relay resumes them on the new attempt: engine/relay.py); no
+  included (the relay resumes them on the new attempt: supervisor/relay/); no
   client ever meets a refused connection or an error status (the relay holds
   the port and the requests across the restart); ``/readyz`` is 503 from the
   ruling (state ``failed``, before the teardown) and 200 again only once the
@@ -114,7 +114,7 @@ class Served:
     def relay_pid(self) -> int:
         for pid in marked_pids(self.mark):
             try:
-                if b"tp_supervise.engine.relay" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if b"tp_supervise.supervisor.relay" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     return pid
             except OSError:
                 continue

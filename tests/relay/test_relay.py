@@ -1,4 +1,4 @@
-"""The relay (engine/relay.py) as a real process, in front of a scripted upstream that plays rank 0.
+"""The relay (supervisor/relay/) as a real process, in front of a scripted upstream that plays rank 0.
 
 The upstream here is a small aiohttp server in the test process on a socket the
 test bound once (as the supervisor binds rank 0's), whose answers the test
@@ -26,9 +26,10 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from tp_supervise.engine.relay_engines import request_fingerprint
-from tp_supervise.engine.runfiles import RELAY_INFLIGHT_FILE, read_inflight, write_quarantine
+from tp_supervise.engine.runfiles import read_inflight, write_quarantine
 from tp_supervise.supervisor.rank.net import listen_backlog
+from tp_supervise.supervisor.relay.engines import request_fingerprint
+from tp_supervise.supervisor.relay.protocol import RELAY_INFLIGHT_FILE
 
 STREAM_TOKENS = 10
 START_TIMEOUT_S = 30.0
@@ -128,7 +129,7 @@ def start_relay(tmp_path, upstream: Upstream, *args: str) -> tuple[subprocess.Po
     port = public.getsockname()[1]
     env = dict(os.environ, SUPERVISE_LISTEN_FDS=str(public.fileno()))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tp_supervise.engine.relay", "--upstream", f"127.0.0.1:{upstream.port}",
+        [sys.executable, "-m", "tp_supervise.supervisor.relay", "--upstream", f"127.0.0.1:{upstream.port}",
          "--run-dir", str(tmp_path), *args],
         pass_fds=(public.fileno(),), env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
     )
@@ -311,7 +312,7 @@ def test_a_request_whose_client_left_during_a_restart_is_withdrawn(tmp_path):
     public = socket.create_server(("127.0.0.1", 0), backlog=16)
     port = public.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tp_supervise.engine.relay", "--upstream",
+        [sys.executable, "-m", "tp_supervise.supervisor.relay", "--upstream",
          f"127.0.0.1:{upstream.getsockname()[1]}", "--run-dir", str(tmp_path)],
         pass_fds=(public.fileno(),), env=dict(os.environ, SUPERVISE_LISTEN_FDS=str(public.fileno())),
         stdin=subprocess.PIPE, stderr=subprocess.PIPE,

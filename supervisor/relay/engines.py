@@ -1,4 +1,4 @@
-"""What the relay (engine/relay.py) needs to know of the engine behind it: one small adapter per engine.
+"""What the relay needs to know of the engine behind it: one small adapter per engine.
 
 The relay's work is the same for every engine: hold a request the failing
 group answered, send it again once the next attempt is ready, continue a
@@ -21,7 +21,10 @@ Adapters: ``builtin`` (our engine: ``resume_token_ids`` on the same path),
 ``/v1/completions`` request whose prompt is the token ids, re-framed as the
 client's chat or completions chunks), ``openai`` (any other OpenAI-compatible
 server, SGLang included: no token ids, so a stream that already sent tokens
-ends with an error event naming the incident).  docs/engine.md, "The relay".
+ends with an error event naming the incident).  The names are ``--relay``'s
+engines (supervisor/spec.py ``RELAY_ENGINES``).  Errors the relay answers
+itself take the engine's format (``error_body``: engine/openai_api.py's).
+docs/engine.md, "The relay".
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from .openai_api import UNAVAILABLE_CODE
+from tp_supervise.engine.openai_api import UNAVAILABLE_CODE, ApiError
 
 FINGERPRINT_PERSON = b"tps-relay-req-v1"  # not the engine's (tps-request-v1): the relay sees text, not token ids
 # Keys that change how an answer is delivered, not what is generated: not part of a request's fingerprint.
@@ -82,6 +85,12 @@ def request_fingerprint(path: str, body: dict) -> str:
     kept = {k: v for k, v in body.items() if k not in DELIVERY_KEYS}
     canonical = json.dumps([path, kept], sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
     return hashlib.blake2b(canonical.encode("ascii"), digest_size=16, person=FINGERPRINT_PERSON).hexdigest()
+
+
+def error_body(status: int, message: str, code: str | None = None) -> dict:
+    """An OpenAI-format error body of the relay's own (a 5xx is a ``server_error``)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return ApiError(status, message, None, kind, code=code).body()
 
 
 def error_code(event) -> str | None:
