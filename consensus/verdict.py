@@ -12,8 +12,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tp_supervise.supervisor.rank import encoding
-
 from .compare import (
     MAJORITY,
     MISSING,
@@ -224,6 +222,3 @@ def build_verdict(
     )
 
 
-def decode_log(lines: Sequence[bytes]) -> list[tuple[str, Any]]:
-    """Decoded events of one log (for tools and tests)."""
-    return [encoding.decode_event(line) for line in lines]

@@ -41,10 +41,6 @@ class ModelRunner:
         self._injector = injector
         self._seqs: dict[str, _SeqState] = {}
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self._seqs)
-
     def release(self, seq_ids) -> None:
         for seq_id in seq_ids:
             state = self._seqs.pop(seq_id, None)

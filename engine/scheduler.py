@@ -100,10 +100,6 @@ class StepPlan:
     def has_decode(self) -> bool:
         return any(not it.is_prefill for it in self.items)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(it.token_ids) for it in self.items)
-
     def without_last(self) -> StepPlan:
         return replace(self, items=self.items[:-1])
 

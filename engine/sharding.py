@@ -52,10 +52,6 @@ class ShardPlan:
     vocab_rows: int  # padded rows per rank (equal on every rank, for the all-gather)
 
     @property
-    def inter_size(self) -> int:
-        return self.inter_end - self.inter_start
-
-    @property
     def vocab_real_rows(self) -> int:
         return self.vocab_end - self.vocab_start
 

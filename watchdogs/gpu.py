@@ -240,12 +240,6 @@ class GpuTelemetry:
                     out.append(sample)
             return out
 
-    def processes_holding_memory(self, pids: set[int]) -> list[tuple[int, int, int | None]]:
-        """(gpu index, pid, bytes or None) for each of ``pids`` still present on a GPU."""
-        if not pids:
-            return []
-        return holding_memory(self.sample(), pids)
-
     def close(self) -> None:
         with self._lock:
             if self.available:
@@ -382,7 +376,8 @@ class GpuSampler:
 
 
 def holding_memory(samples: Iterable[GpuSample], pids: set[int]) -> list[tuple[int, int, int | None]]:
-    """Pure part of ``processes_holding_memory``."""
+    """(gpu index, pid, bytes or None) for each of ``pids`` still present on a GPU in ``samples`` (the
+    teardown's check behind exit 85)."""
     return [(s.index, p.pid, p.used_bytes) for s in samples for p in s.processes if p.pid in pids]
 
 

@@ -30,7 +30,7 @@ docs/watchdogs.md ("Stragglers", across nodes) has the long form.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .straggler import StragglerConfig, StragglerReport, _median, _ms, sentence
@@ -153,11 +153,6 @@ def clock_offset(sent: float, remote: float, received: float) -> tuple[float, fl
     """From one round trip (local ``sent``, the remote clock's reading ``remote``, local ``received``):
     ``(offset, error)`` such that remote time = local time + offset, within +- error."""
     return remote - (sent + received) / 2, max(0.0, (received - sent) / 2)
-
-
-def best_offset(samples: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
-    """The ``(offset, error)`` of the round trip with the smallest error (NTP's minimum-delay filter)."""
-    return min(samples, key=lambda s: s[1], default=None)
 
 
 def merge_nodes(

@@ -98,10 +98,6 @@ class Gate:
         """Node 0 learnt that ``node`` is lost: the others hear it from the gate at once."""
         self._broadcast(f"lost {node} {detail}".encode()[:1024], skip=node)
 
-    def links_up(self) -> set[int]:
-        with self._lock:
-            return set(self._links)
-
     def departed(self) -> set[int]:
         """The other nodes whose link is down (their supervisor exited) or said goodbye."""
         with self._lock:

@@ -6,7 +6,7 @@ import json
 
 from tp_supervise.supervisor.rank import encoding
 from tp_supervise.consensus.compare import MAJORITY, PLURALITY, TIE
-from tp_supervise.consensus.verdict import build_verdict, decode_log, render_path
+from tp_supervise.consensus.verdict import build_verdict, render_path
 
 
 def enc(*events):
@@ -90,7 +90,7 @@ def test_to_dict_and_bundle_files_are_json():
     files = v.bundle_files()
     assert json.loads(files["consensus/verdict.json"])["verdict"] == v.verdict
     lines = files["consensus/step-20-rank-1.jsonl"].splitlines()
-    assert decode_log([x.encode() for x in lines])[1] == ("sample", {"tokens": [17, 5]})
+    assert encoding.decode_event(lines[1].encode()) == ("sample", {"tokens": [17, 5]})
 
 
 def test_keep_lines_bounds_the_logs_but_not_the_diff():

@@ -41,7 +41,7 @@ def test_without_nvml_is_quiet_and_empty():
         t = GpuTelemetry()
         assert t.available is False
         assert t.sample() == []
-        assert t.processes_holding_memory({os.getpid()}) == []
+        assert holding_memory(t.sample(), {os.getpid()}) == []
         t.close()
         t.close()
     assert [(e["event"], e["log_level"]) for e in logs] == [("gpu telemetry unavailable", "info")]
@@ -92,13 +92,13 @@ def test_process_holding_gpu_memory_is_found_and_released():
     try:
         if proc.stdout.readline().strip() != "held":
             pytest.skip("torch cannot allocate on the GPU here")
-        held = t.processes_holding_memory({proc.pid})
+        held = holding_memory(t.sample(), {proc.pid})
         if not held:
             pytest.skip("NVML lists no PIDs of this namespace (container)")
         assert {pid for _gpu, pid, _b in held} == {proc.pid}
         proc.stdin.close()
         proc.wait(timeout=60)
-        assert t.processes_holding_memory({proc.pid}) == []
+        assert holding_memory(t.sample(), {proc.pid}) == []
     finally:
         t.close()
         if proc.poll() is None:

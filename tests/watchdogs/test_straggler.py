@@ -28,7 +28,6 @@ from tp_supervise.watchdogs.straggler_nodes import (
     NodeBaselines,
     NodeEpisodes,
     NodeSummary,
-    best_offset,
     clock_offset,
     merge_nodes,
     summarize,
@@ -416,8 +415,6 @@ def test_node_episodes_learn_a_node_uneven_by_design_and_announce_a_sustained_on
 
 def test_clock_offset_from_a_round_trip():
     assert clock_offset(10.0, 110.5, 11.0) == (100.0, 0.5)
-    assert best_offset([(1.0, 0.4), (1.2, 0.1), (0.9, 0.3)]) == (1.2, 0.1)
-    assert best_offset([]) is None
 
 
 def test_a_node_summary_that_is_not_one_is_refused():
