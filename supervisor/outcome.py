@@ -1,8 +1,13 @@
-"""Events and outcomes of the supervisor's main loop, and the exit codes of
-``supervise serve`` (docs/supervisor.md, "Exit codes").
+"""How a run ends and what names it: the exit codes of ``supervise serve``
+(docs/supervisor.md, "Exit codes"); ``Outcome``, an attempt's end (its code,
+bundle reason, culprit, and whether it ends the run whatever --max-restarts
+says); the run id (``new_run_id``, ``valid_run_id``); the incident id every
+node's bundle of one incident carries (``new_incident_id``); and the run's
+scratch directory (``run_dir_for``).
 
-Per-attempt state is in ``attempt``, what an exit means in ``arbitration``,
-the restart policy in ``restart``."""
+Events are in ``events``, the live state of an attempt in
+``processes/attempt``, what an exit means in ``arbitration``, the restart
+policy in ``restart``."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 ::
 
-    restartable outcome (rank exit, hang,      ─▶ restart at once the first time (a client of the
-    divergence, startup timeout), no stop          built-in engine's relay is waiting), then after
+    restartable outcome (rank exit, hang,      ─▶ restart at once the first time (clients held by
+    divergence, startup timeout), no stop          the relay are waiting), then after
                                                    min(BASE · 2^(restarts-1), MAX) seconds: 1, 2, 4 ...
     signal, restarts < --max-restarts
     an attempt that stayed up RESTART_STABLE_S ─▶ was no crash loop: the count starts over

@@ -1,11 +1,20 @@
-"""Observer threads: the watchdog tick and the consensus poller.
+"""The watchdog's threads.
 
-They read shared memory only (never a socket or a pipe of a rank), run the
-pure policies of ``watchdogs/`` and ``consensus/``, update metrics, and post
-events for the main loop.  Neither kills or dumps anything, and neither
-holds the supervisor: each gets what it reads (a heartbeat reader, the
-published ``AttemptView``) and ``post``, so the constructors say what a
-thread can touch.
+``WatchdogThread`` ticks every ``TICK_S``: it reads every heartbeat and
+control slot, runs the pure policy of ``watchdogs/policy.py``, feeds the
+metrics through ``on_tick``, and posts what needs action (verdicts, the
+claims of tree-mode ranks and control-plane processes, every rank ready).
+``AdapterThread`` scrapes an engine's own Prometheus endpoint
+(``--engine-metrics-url``) on its own thread, so a slow scrape never delays
+a tick.
+
+Neither kills or dumps anything, and neither holds the supervisor: each
+gets what it reads (a heartbeat reader, the published ``AttemptView``, a
+URL) and ``post``, so the constructors say what a thread can touch.  The
+watchdog thread never reads a rank's socket or pipe (shared memory and
+/proc only); the adapter's one socket is the engine's /metrics, with a
+timeout.  The consensus poller is ``consensus_thread``, the straggler
+detector ``straggler_thread``.
 """
 
 from __future__ import annotations
