@@ -46,6 +46,11 @@ engine that reads no ``suspects`` schedules co-arrivals together again, and
 a bystander scheduled in the very same step as the poison request, in each
 of the failures, is then quarantined with it.
 
+**The relay** (in front of the group) is told what these files say, as
+they change (``on_change``: the incident ruled or cleared, the quarantine;
+supervisor/relay/protocol.py), so it polls none of them; the built-in
+engine's frontend reads the files.
+
 Main thread only (the ruling, the end of an attempt, the next launch); the
 desk's dump threads read ``evidence()``'s frozen dicts.
 """
@@ -192,6 +197,7 @@ class RequestQuarantine:
         fresh_after_s: float,
         on_quarantined: Callable[[int], None],
         from_relay: bool = False,
+        on_change: Callable[[str | None, dict[str, list[str]], list[str]], None] | None = None,
     ):
         self.run_dir = Path(run_dir)
         # The relay's record (a COMMAND's engine behind --relay) instead of rank 0's: written by a process that
@@ -207,6 +213,10 @@ class RequestQuarantine:
         self.quarantined: dict[str, list[str]] = {}  # fingerprint → the incidents it was a suspect in
         self.decided: dict[str, list[str]] = {}  # incident id → fingerprints it quarantined
         self._written: tuple[dict[str, list[str]], list[str]] | None = None  # quarantine.json as last written
+        self._said: tuple[dict[str, list[str]], list[str]] = ({}, [])  # what the quarantine says now
+        # Called with (incident, quarantined, suspects) whenever one of them changes: the relay's notices
+        # (RelayProcess.tell), set once the relay runs.
+        self.on_change = on_change
         self._evidence: dict[str, dict] = {}
 
     @property
@@ -219,6 +229,7 @@ class RequestQuarantine:
         """The next attempt starts: its requests are not part of the last incident."""
         self.incident = self.failed = None
         clear_incident(self.run_dir)
+        self._tell()
 
     def fault(self, incident_id: str, view: AttemptView, now: float | None = None) -> None:
         """A fault was ruled (before the teardown signals anything): the incident file, then the requests in flight,
@@ -228,6 +239,7 @@ class RequestQuarantine:
             return  # the attempt already failed: its first incident is the one
         self.incident = incident_id
         write_incident(self.run_dir, incident_id)
+        self._tell()
         if view.started_at and now - view.started_at >= self.fresh_after_s:
             self.loop = []  # it stayed up: not a crash loop, what came before is no evidence against a request
         rank0 = next((r.pid for r in view.ranks.values() if r.rank == 0), None)
@@ -327,9 +339,17 @@ class RequestQuarantine:
         """The current crash loop's suspects not quarantined: the engine prefills each alone in its step."""
         return sorted({fp for f in self.loop for fp in f.suspects} - self.quarantined.keys())
 
+    def _tell(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.incident, *self._said)
+
     def _write(self) -> None:
-        """``quarantine.json`` when what it would say changed: before the next attempt starts."""
+        """``quarantine.json`` when what it would say changed: before the next attempt starts (the relay is told
+        at once)."""
         content = ({fp: list(ids) for fp, ids in self.quarantined.items()}, self.suspects())
+        if content != self._said:
+            self._said = content
+            self._tell()
         if content == self._written:
             return
         try:

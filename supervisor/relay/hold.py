@@ -13,7 +13,9 @@ answers 503 naming the incident).
 A request whose answer is a 5xx the engine did not call the group's failure
 (``is_failure(None)``) is held when the supervisor ruled a fault or the
 engine's ``/health`` does not answer 200 within ``GROUP_CHECK_S``; else the
-5xx is the request's own answer.
+5xx is the request's own answer.  What the supervisor ruled, and its
+quarantine, come as notices on the relay's stdin (``told``,
+supervisor/relay/protocol.py), never from files polled here.
 
 **The quarantine** (engines that do not check it themselves: the adapter's
 ``quarantines``).  ``Flight`` is one request's record in ``inflight-relay``
@@ -32,15 +34,16 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from collections.abc import Mapping
 
 import aiohttp
 
-from tp_supervise.engine import runfiles
 from tp_supervise.engine.log import get_logger
 from tp_supervise.engine.openai_api import quarantined
+from tp_supervise.engine.runfiles import InflightFile
 
 from .engines import Adapter, request_fingerprint
-from .protocol import RELAY_INFLIGHT_FILE, Counts
+from .protocol import RELAY_INFLIGHT_FILE, Counts, Notice
 
 HOLD_S = 90.0  # the built-in engine's default: a request waits this long at most for the next attempt
 DEFAULT_MAX_HELD = 1024  # requests held at once (waiting for the next attempt); past it a 503 with Retry-After
@@ -48,8 +51,6 @@ PROBE_TIMEOUT_S = 10.0  # one /health probe of a restarting group (it may wait i
 PROBE_PAUSE_S = 0.1  # between probes answered without a 200
 GROUP_CHECK_S = 2.0  # a 5xx the engine did not call the group's failure: /health must answer 200 within this
 CONNECT_TIMEOUT_S = 5.0  # loopback connect: the kernel completes it from the backlog
-INCIDENT_POLL_S = 0.1  # the incident file is read this often (tmpfs: ~20 us)
-INCIDENT_NAMED_POLL_S = 0.05  # while a stream's error waits for the incident to name
 # A suspect is sent alone: nothing else is sent until its first token or its answer (a whole answer: of the request
 # cut to one token, sent first).  Past this the turn passes on all the same (an engine that neither answers nor
 # fails must not stall every request); the suspect stays recorded until its first token.
@@ -114,13 +115,16 @@ class Group:
         self.ready.set()
         self.served = False  # an attempt answered /health or a request (before: "starting", after: "restarting")
         self._probe: asyncio.Future | None = None
-        # The incident of the failure the relay waits out: the supervisor removes its file before the next attempt
+        self.ruled: str | None = None  # the incident the supervisor ruled, until its next attempt starts
+        self._named = asyncio.Event()  # set while an incident is ruled
+        # The incident of the failure the relay waits out: the supervisor clears its ruling before the next attempt
         # starts, while the relay may still hold requests (their 503s name it).
         self.last_incident: str | None = None
         self.epoch = 1  # +1 each time a new attempt is seen serving after a failure (inflight-relay's step)
         self.held = 0  # requests waiting for the next attempt now
-        self.quarantine = runfiles.Quarantine(run_dir if engine.quarantines else None)
-        self.inflight: runfiles.InflightFile | None = None
+        self.quarantined: Mapping[str, tuple[str, ...]] = {}  # fingerprint -> incidents (engines that do not check)
+        self.suspects: frozenset[str] = frozenset()  # of the current crash loop: each is sent alone
+        self.inflight: InflightFile | None = None
         self.cleared: dict[str, int] = {}  # suspect fingerprint -> the epoch in which it ran alone unharmed
         self.turn = asyncio.Lock()  # the suspect being sent alone holds it
         self.turn_free = asyncio.Event()
@@ -132,9 +136,7 @@ class Group:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         if self.engine.records_requests and self.run_dir:
             try:
-                self.inflight = runfiles.InflightFile(
-                    os.path.join(self.run_dir, RELAY_INFLIGHT_FILE), INFLIGHT_SLOTS, 0
-                )
+                self.inflight = InflightFile(os.path.join(self.run_dir, RELAY_INFLIGHT_FILE), INFLIGHT_SLOTS, 0)
             except OSError as exc:
                 log.warning("in-flight record not made: no quarantine evidence from the relay", error=str(exc))
 
@@ -142,29 +144,36 @@ class Group:
         if self.session is not None:
             await self.session.close()
 
-    # -- the supervisor's incident ------------------------------------------------------
-    def ruled(self) -> str | None:
-        """The incident the supervisor ruled and has not cleared yet (its next attempt did not start)."""
-        return runfiles.read_incident(self.run_dir)
+    # -- what the supervisor tells ------------------------------------------------------
+    def told(self, notice: Notice) -> None:
+        """A notice from the supervisor: the incident it ruled (a SIGKILLed rank: ruled for half a second, until
+        the next attempt starts; the relay keeps the last one it saw for the 503s of what it still holds), and
+        its quarantine (kept only for an engine that does not check it itself)."""
+        self.ruled = notice.incident
+        if notice.incident is not None:
+            self.last_incident = notice.incident
+            self._named.set()
+        else:
+            self._named.clear()
+        if not self.engine.quarantines:
+            return
+        quarantine = (dict(notice.quarantined), notice.suspects)
+        if quarantine != (self.quarantined, self.suspects):
+            self.quarantined, self.suspects = quarantine
+            log.info("quarantine list received", fingerprints=len(self.quarantined), suspects=len(self.suspects))
 
     def incident(self) -> str | None:
         """The incident a 503 names: the one ruled now, or while the group is down the last one seen."""
-        return self.ruled() or (None if self.ready.is_set() else self.last_incident)
-
-    async def watch_incidents(self) -> None:
-        """The supervisor's incident file lives from its ruling until the next attempt starts (a SIGKILLed rank:
-        half a second); the relay keeps the id of the last one it saw, for the 503s of what it still holds."""
-        while True:
-            self.last_incident = self.ruled() or self.last_incident
-            await asyncio.sleep(INCIDENT_POLL_S)
+        return self.ruled or (None if self.ready.is_set() else self.last_incident)
 
     async def incident_named(self, limit_s: float) -> None:
-        """Until the supervisor's incident is known (a stream's error names it), at most ``limit_s``."""
-        deadline = asyncio.get_running_loop().time() + limit_s
-        while not self.ruled() and not self.ending.is_set():
-            if asyncio.get_running_loop().time() >= deadline or not self.run_dir:
-                return
-            await asyncio.sleep(INCIDENT_NAMED_POLL_S)
+        """Until the supervisor's incident is known (a stream's error names it), at most ``limit_s``, or the end."""
+        waits = [asyncio.ensure_future(self._named.wait()), asyncio.ensure_future(self.ending.wait())]
+        try:
+            await asyncio.wait(waits, timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     # -- the group's state --------------------------------------------------------------
     def failed(self) -> None:
@@ -197,7 +206,7 @@ class Group:
     async def _failing(self) -> bool:
         """A 5xx the engine did not name: the group's failure when the supervisor ruled a fault or the engine's
         /health does not answer 200 at once; else it is the request's own answer."""
-        if not self.ready.is_set() or self.ruled():
+        if not self.ready.is_set() or self.ruled:
             return True
         return not await self.health_ok(GROUP_CHECK_S)
 
@@ -263,7 +272,7 @@ class Group:
         return Flight(self, fp)
 
     def quarantine_check(self, fp: str) -> None:
-        incidents = self.quarantine.lookup(fp)
+        incidents = self.quarantined.get(fp)
         if incidents is None:
             return
         self.counts.add("quarantined")
@@ -292,7 +301,7 @@ class Flight:
             return
         group.quarantine_check(self.fp)
         group.inflight.remove(self.key)
-        if group.quarantine.suspected(self.fp) and group.cleared.get(self.fp) != group.epoch:
+        if self.fp in group.suspects and group.cleared.get(self.fp) != group.epoch:
             await group.turn.acquire()
             while not group.ready.is_set():  # the group failed under the one before: its turn is the next attempt's
                 group.turn.release()
@@ -304,7 +313,7 @@ class Flight:
         else:
             while not group.turn_free.is_set():
                 await group.turn_free.wait()
-            if group.quarantine.suspects_listed():
+            if group.suspects:
                 return  # a crash loop is being sorted out: only a request sent alone is evidence against it
         group.inflight.add(self.key, self.fp, group.epoch)
 

@@ -126,7 +126,7 @@ class Relay:
         """200 only while the group answers /health; 503 ``restarting`` after a failure (the supervisor ruled
         one, or the relay saw one), ``starting`` before any attempt served."""
         group = self.group
-        incident = group.ruled()
+        incident = group.ruled
         if group.ready.is_set() and not incident and await group.health_ok(HEALTH_TIMEOUT_S):
             return web.json_response({"status": "ready"})
         status = "restarting" if group.served or incident else "starting"
@@ -153,7 +153,7 @@ class Relay:
             return await asyncio.wait_for(once(), limit_s)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, Ended):
             if health:
-                down = (group.served and not group.ready.is_set()) or group.ruled()
+                down = (group.served and not group.ready.is_set()) or group.ruled
                 return web.json_response({"status": "restarting" if down else "unavailable"}, status=503)
             return self._unavailable(error_body(503, self._unavailable_text(), UNAVAILABLE_CODE))
 

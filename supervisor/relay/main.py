@@ -1,12 +1,14 @@
 """The relay process: ``python -m tp_supervise.supervisor.relay``, started by the supervisor (process.py).
 
     python -m tp_supervise.supervisor.relay --upstream HOST:PORT|URL [--engine builtin|vllm|openai]
-        [--run-dir DIR] [--read-timeout S] [--hold S] [--max-held N]
+        [--run-dir DIR] [--counts-fd FD] [--read-timeout S] [--hold S] [--max-held N]
 
 The public socket is inherited, named by ``SUPERVISE_LISTEN_FDS``
-(supervisor/rank/listen.py).  The relay serves it until SIGTERM or SIGINT,
-or the end of its stdin (the supervisor closed it, or died); then what it
-still holds gets its 503 (``DRAIN_S``), its counts are published a last
+(supervisor/rank/listen.py).  Its stdin carries the supervisor's notices
+(the incident it ruled, its quarantine); ``--counts-fd`` is the pipe its
+counts go to (supervisor/relay/protocol.py).  The relay serves until SIGTERM
+or SIGINT, or the end of its stdin (the supervisor closed it, or died); then
+what it still holds gets its 503 (``DRAIN_S``), its counts are sent a last
 time and ``relay_stopped`` says them.  The parent-death signal its starter
 sets ends it with the supervisor too.
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -30,11 +31,11 @@ from tp_supervise.supervisor.rank.net import listen_backlog
 from .engines import adapter
 from .hold import DEFAULT_MAX_HELD, HOLD_S, Group
 from .http import DEFAULT_READ_TIMEOUT_S, Relay
-from .protocol import COUNT_KEYS, COUNTS_FILE, MODULE, Counts
+from .protocol import COUNT_KEYS, COUNTS_EVERY_S, MODULE, Counts, Notice
 
 LINGER_S = 1.0
 DRAIN_S = 2.0  # at SIGTERM: handlers answering their 503 get this long
-COUNTS_EVERY_S = 0.5  # the counts are written at most this often, when they changed
+MAX_NOTICE_BYTES = 1 << 20  # a line on stdin longer than this is no notice: dropped
 RELAY_RANK = -1  # not a rank
 LOGGER = MODULE  # the ``logger`` of its JSON lines (docs/logs.md)
 
@@ -81,37 +82,77 @@ class _StopSignals:
         self._write.close()
 
 
-class _CountsFile:
-    """``relay.json`` in the run dir (temporary file + rename: a reader never sees half of it); tmpfs, so cheap."""
+class _CountsPipe:
+    """The counts, one line on the supervisor's pipe (``--counts-fd``) when they changed, at most every
+    ``COUNTS_EVERY_S``, and once more at the end.  Never blocks: a line the pipe has no room for is dropped, as
+    the counts are cumulative and the next line supersedes it."""
 
-    def __init__(self, counts: Counts, run_dir: str | None):
+    def __init__(self, counts: Counts, fd: int | None, loop: asyncio.AbstractEventLoop):
         self.counts = counts
-        self.run_dir = run_dir
-        self._write_failed = False
+        self.fd = fd
+        self._loop = loop
+        self._timer: asyncio.TimerHandle | None = None
+        self._last = 0.0
+        if fd is not None:
+            os.set_blocking(fd, False)
+            counts.on_change = self.changed
 
-    def publish(self) -> None:
-        record = self.counts.record(os.getpid())
-        if not self.run_dir:
+    def changed(self) -> None:
+        if self._timer is None and self.fd is not None:
+            delay = max(0.0, self._last + COUNTS_EVERY_S - self._loop.time())
+            self._timer = self._loop.call_later(delay, self.send)
+
+    def send(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.fd is None:
             return
-        path = os.path.join(self.run_dir, COUNTS_FILE)
-        tmp = f"{path}.{os.getpid()}.tmp"
+        self._last = self._loop.time()
         try:
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, path)
-        except OSError as exc:
-            if not self._write_failed:
-                log.warning("relay counts not written", path=path, error=str(exc))
-            self._write_failed = True
-
-    async def loop(self) -> None:
-        while True:
-            await asyncio.sleep(COUNTS_EVERY_S)
-            if self.counts.dirty:
-                self.publish()
+            os.write(self.fd, self.counts.line(os.getpid()))
+        except BlockingIOError:
+            pass  # the supervisor has not read the last ones yet: the next line says it all
+        except OSError as exc:  # the supervisor is gone
+            log.warning("relay counts not sent", fd=self.fd, error=str(exc))
+            self.fd = None
 
 
-async def serve(relay: Relay, sock: socket.socket, run_dir: str | None) -> None:
+class _Notices:
+    """The supervisor's notices, one line each on stdin; its end ends the relay."""
+
+    def __init__(self, group: Group, loop: asyncio.AbstractEventLoop):
+        self.group = group
+        self._loop = loop
+        self._fd = sys.stdin.fileno()
+        self._pending = b""
+        loop.add_reader(self._fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self._fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the supervisor closed it, or died
+            self._loop.remove_reader(self._fd)
+            self.group.ending.set()
+            return
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        if len(self._pending) > MAX_NOTICE_BYTES:
+            log.warning("notice dropped: too long", bytes=len(self._pending))
+            self._pending = b""
+        for line in lines:
+            try:
+                notice = Notice.parse(line)
+            except ValueError as exc:
+                log.warning("notice unreadable", error=str(exc)[:200])
+                continue
+            self.group.told(notice)
+
+
+async def serve(relay: Relay, sock: socket.socket, counts_fd: int | None = None) -> None:
     """Serve the public socket until SIGTERM, SIGINT or the end of stdin; then drain and say the counts."""
     group = relay.group
     runner = web.AppRunner(
@@ -128,17 +169,8 @@ async def serve(relay: Relay, sock: socket.socket, run_dir: str | None) -> None:
     await site.start()
     loop = asyncio.get_running_loop()
     stop_signals = _StopSignals(loop, group.ending.set)
-
-    def stdin_readable() -> None:
-        try:
-            data = os.read(sys.stdin.fileno(), 4096)
-        except OSError:
-            data = b""
-        if not data:  # the supervisor closed it, or died
-            loop.remove_reader(sys.stdin.fileno())
-            group.ending.set()
-
-    loop.add_reader(sys.stdin.fileno(), stdin_readable)
+    _Notices(group, loop)
+    counts = _CountsPipe(relay.counts, counts_fd, loop)
     host, port = runner.addresses[0][:2]
     log.info(
         "relay serving",
@@ -149,16 +181,10 @@ async def serve(relay: Relay, sock: socket.socket, run_dir: str | None) -> None:
         max_held=group.max_held,
     )
     warn_if_exposed(host, port, log.warning)
-    counts_file = _CountsFile(relay.counts, run_dir)
-    publisher = asyncio.ensure_future(counts_file.loop())
-    watcher = asyncio.ensure_future(group.watch_incidents()) if run_dir else None
     await group.ending.wait()
-    publisher.cancel()
-    if watcher is not None:
-        watcher.cancel()
     await site.stop()  # closes our copy; the supervisor's copy keeps the port until the run ends
     await runner.cleanup()  # handlers get DRAIN_S to write their 503s
-    counts_file.publish()
+    counts.send()
     log.info("relay stopped", **{k: relay.counts.values[k] for k in COUNT_KEYS})
     # The supervisor's SIGTERM follows its closing our stdin and may come at any point of the exit from here on.
     stop_signals.ignore()
@@ -175,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}")
     parser.add_argument("--upstream", required=True, help="HOST:PORT (or URL) of the engine's own listener")
     parser.add_argument("--engine", default="builtin", help="the engine's adapter: builtin, vllm or openai")
-    parser.add_argument("--run-dir", default=os.environ.get("SUPERVISE_RUN_DIR"))
+    parser.add_argument("--run-dir", default=os.environ.get("SUPERVISE_RUN_DIR"), help="where inflight-relay goes")
+    parser.add_argument("--counts-fd", type=int, help="the inherited pipe the counts go to (none: not sent)")
     parser.add_argument("--read-timeout", type=_positive, default=DEFAULT_READ_TIMEOUT_S, help="the engine's")
     parser.add_argument("--hold", type=_positive, default=HOLD_S, help="seconds a request is held after a failure")
     parser.add_argument("--max-held", type=int, default=DEFAULT_MAX_HELD, help="requests held at once")
@@ -197,5 +224,5 @@ def main(argv: list[str] | None = None) -> int:
     counts = Counts()
     group = Group(args.upstream, engine, counts, args.run_dir, args.hold, max(1, args.max_held))
     relay = Relay(group, counts, args.read_timeout)
-    asyncio.run(serve(relay, sock, args.run_dir))
+    asyncio.run(serve(relay, sock, args.counts_fd))
     return 0

@@ -13,11 +13,16 @@ meanwhile.  At the end of the run ``stop()`` sends SIGTERM (the relay answers
 what it still holds with 503s naming the incident), waits ``STOP_S``, then
 SIGKILL.  It also ends with the supervisor: parent-death signal, and the end
 of its stdin.
+
+What the relay must know of the run goes over its stdin (``tell``: the
+incident ruled, the quarantine; the latest notice again to every relay
+process started), its counts come back over a pipe made once for the run
+(``counts()``: drained without waiting, summed over relay restarts by pid);
+supervisor/relay/protocol.py.  Neither side ever waits for the other.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -30,7 +35,7 @@ import structlog
 from ..processes.listen_socket import ListenSocket
 from ..processes.pidfds import OWN_HELPERS, named_thread, set_parent_death_signal
 from ..rank.listen import RELAY_URL_ENV, SUPERVISE_LISTEN_FDS
-from .protocol import COUNT_KEYS, COUNTS_FILE, GAUGE_KEYS, MODULE
+from .protocol import COUNT_KEYS, GAUGE_KEYS, MODULE, Notice, parse_counts
 
 log = structlog.get_logger("supervise")
 
@@ -45,6 +50,33 @@ RESTART_WINDOW_S = 60.0
 def _dies_with_us() -> None:
     """Between fork and exec: the relay never outlives the supervisor (as the ranks, processes/spawn.py)."""
     set_parent_death_signal(signal.SIGKILL)
+
+
+class _Counts:
+    """The relay's counts as the supervisor sees them: every line of the pipe, summed over relay processes."""
+
+    def __init__(self) -> None:
+        self.pid = 0
+        self.last: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)  # the current relay process's
+        self.base: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)  # earlier relay processes' (restarts)
+        self.gauges: dict[str, int] = dict.fromkeys(GAUGE_KEYS, 0)  # the current relay process's
+        self._pending = b""  # a line not complete yet
+
+    def take(self, data: bytes) -> None:
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        for line in lines:
+            try:
+                pid, values, self.gauges = parse_counts(line)
+            except ValueError:
+                continue  # not a counts line: the last ones stay
+            if pid != self.pid:
+                for key in COUNT_KEYS:
+                    self.base[key] += self.last[key]
+                self.pid = pid
+            self.last = values
+
+    def now(self) -> dict[str, int]:
+        return {**{key: self.base[key] + self.last[key] for key in COUNT_KEYS}, **self.gauges}
 
 
 class RelayProcess:
@@ -68,55 +100,98 @@ class RelayProcess:
         self.run_dir = run_dir
         self.log_format = log_format
         self.proc: subprocess.Popen | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the process, its stdin and what it is told
         self._stopping = threading.Event()
         self._restarts: list[float] = []
         self._watcher: threading.Thread | None = None
-        self._counts_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the file last read
-        self._counts_pid = 0
+        self._stdin: int | None = None  # the write end of the current relay's stdin (non-blocking)
+        self._notice = b""  # the latest notice line (every relay process started is told it)
+        self._rest = b""  # what the pipe did not take of a line it took part of (finished before anything else)
+        self._next = b""  # the latest notice line, not begun on this relay's stdin
         self._counts_lock = threading.Lock()
-        self._counts_last: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)  # the current relay process's
-        self._counts_base: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)  # earlier relay processes' (restarts)
-        self._gauges: dict[str, int] = dict.fromkeys(GAUGE_KEYS, 0)  # the current relay process's
+        self._counts_read: int | None = None  # the pipe the relay processes' counts come through (the run's)
+        self._counts_write: int | None = None  # its write end, handed to every relay process
+        self._counts = _Counts()
 
+    # -- the relay's counts ---------------------------------------------------------------
     def counts(self) -> dict[str, int]:
-        """The relay's counts over the run, every relay process summed (tmpfs: one stat, a read when changed).
-        A file that does not parse keeps the last counts.  Any thread."""
+        """The relay's counts over the run, every relay process summed: what its pipe holds now, read without
+        waiting (a line that does not parse keeps the last counts).  Any thread."""
         with self._counts_lock:
-            return self._read_counts()
+            self._drain_counts()
+            return self._counts.now()
 
-    def _read_counts(self) -> dict[str, int]:
-        path = os.path.join(self.run_dir, COUNTS_FILE)
-        try:
-            st = os.stat(path)
-            stamp = (st.st_mtime_ns, st.st_size)
-            if stamp != self._counts_stamp:
-                self._counts_stamp = stamp
-                with open(path, "rb") as f:
-                    data = json.loads(f.read(4096))
-                pid = int(data["pid"])
-                values = {key: max(0, int(data.get(key, 0))) for key in COUNT_KEYS}
-                self._gauges = {key: max(0, int(data.get(key, 0))) for key in GAUGE_KEYS}
-                if pid != self._counts_pid:
-                    for key in COUNT_KEYS:
-                        self._counts_base[key] += self._counts_last[key]
-                    self._counts_pid = pid
-                self._counts_last = values
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        counts = {key: self._counts_base[key] + self._counts_last[key] for key in COUNT_KEYS}
-        return {**counts, **self._gauges}
+    def _drain_counts(self) -> None:
+        while self._counts_read is not None:
+            try:
+                data = os.read(self._counts_read, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                return
+            self._counts.take(data)
 
+    def _close_counts(self) -> None:
+        with self._counts_lock:
+            self._drain_counts()  # the last relay process's last line
+            for fd in (self._counts_read, self._counts_write):
+                if fd is not None:
+                    os.close(fd)
+            self._counts_read = self._counts_write = None
+
+    # -- what the relay is told ------------------------------------------------------------
+    def tell(self, incident: str | None, quarantined: dict[str, list[str]], suspects: list[str]) -> None:
+        """The incident ruled now (None: cleared, the next attempt starts) and the quarantine (quarantine.json's
+        content).  Never waits for the relay: what its stdin has no room for is written at the next notice."""
+        notice = Notice(incident, {fp: tuple(ids) for fp, ids in quarantined.items()}, frozenset(suspects))
+        line = notice.line()
+        with self._lock:
+            if line == self._notice:
+                return
+            self._notice = self._next = line
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write what waits, without waiting (held: ``_lock``); a line is finished before the next is begun."""
+        while self._stdin is not None and (self._rest or self._next):
+            if not self._rest:
+                self._rest, self._next = self._next, b""
+            try:
+                written = os.write(self._stdin, self._rest)
+            except BlockingIOError:
+                return
+            except OSError:  # the relay is gone: its successor is told the latest notice when it starts
+                self._rest = self._next = b""
+                return
+            self._rest = self._rest[written:]
+
+    def _close_stdin(self) -> None:
+        """The relay's end of the run (held: ``_lock``): EOF on its stdin."""
+        if self._stdin is not None:
+            os.close(self._stdin)
+            self._stdin = None
+        self._rest = self._next = b""
+
+    # -- its life -------------------------------------------------------------------------
     def start(self) -> None:
-        self._spawn()
+        self._counts_read, self._counts_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            self._spawn()
+        except BaseException:
+            self._close_counts()
+            raise
         self._watcher = named_thread(self._watch, "relay")
         self._watcher.start()
 
     def _spawn(self) -> None:
         fd = self.public.fd
+        counts_fd = self._counts_write
+        assert counts_fd is not None, "start() made the counts pipe"
         env = dict(os.environ, **{SUPERVISE_LISTEN_FDS: str(fd), "SUPERVISE_LOG_FORMAT": self.log_format})
         argv = [sys.executable, "-m", MODULE, "--upstream", self.upstream, "--run-dir", self.run_dir]
-        argv += ["--engine", self.engine]
+        argv += ["--engine", self.engine, "--counts-fd", str(counts_fd)]
         if self.read_timeout is not None:
             argv += ["--read-timeout", repr(self.read_timeout)]
         if self.hold_s is not None:
@@ -126,16 +201,26 @@ class RelayProcess:
         with self._lock:
             if self._stopping.is_set():  # stop() ran while the watcher was about to start it again
                 return
-            self.proc = subprocess.Popen(
-                argv,
-                pass_fds=(fd,),
-                stdin=subprocess.PIPE,
-                stdout=sys.stderr,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_dies_with_us,
-            )
+            stdin, self._stdin = os.pipe2(os.O_CLOEXEC)
+            try:
+                self.proc = subprocess.Popen(
+                    argv,
+                    pass_fds=(fd, counts_fd),
+                    stdin=stdin,
+                    stdout=sys.stderr,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_dies_with_us,
+                )
+            except BaseException:
+                self._close_stdin()
+                raise
+            finally:
+                os.close(stdin)
             OWN_HELPERS.add(self.proc.pid)
+            os.set_blocking(self._stdin, False)
+            self._rest, self._next = b"", self._notice  # what the run is now, for this relay process
+            self._flush()
         log.info(
             "relay started",
             pid=self.proc.pid,
@@ -151,6 +236,9 @@ class RelayProcess:
                 return
             code = proc.wait()
             OWN_HELPERS.discard(proc.pid)
+            with self._lock:
+                if proc is self.proc:
+                    self._close_stdin()
             if self._stopping.is_set():
                 return
             now = time.monotonic()
@@ -175,17 +263,15 @@ class RelayProcess:
                 return
 
     def stop(self) -> None:
-        """SIGTERM, ``STOP_S`` for its 503s, then SIGKILL (idempotent, never raises)."""
+        """EOF on its stdin, SIGTERM, ``STOP_S`` for its 503s, then SIGKILL; its last counts are read then
+        (idempotent, never raises)."""
         with self._lock:
             self._stopping.set()
             proc = self.proc
+            self._close_stdin()  # the relay's second way to learn the run ends
         if proc is None:
+            self._close_counts()
             return
-        if proc.stdin is not None:
-            try:
-                proc.stdin.close()  # the relay's second way to learn the run ends
-            except OSError:
-                pass
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -197,3 +283,4 @@ class RelayProcess:
                 except subprocess.TimeoutExpired:
                     log.warning("relay did not end after SIGKILL", pid=proc.pid)
         OWN_HELPERS.discard(proc.pid)
+        self._close_counts()

@@ -81,6 +81,33 @@ def test_only_the_request_the_failing_step_started_twice_is_quarantined(book, tm
     assert book.evidence("inc-2")["requests"]["quarantined"] == {POISON: ["inc-1", "inc-2"]}
 
 
+def test_the_relay_is_told_what_the_files_say_when_it_changes(book, tmp_path):
+    """The relay polls none of the files: ``on_change`` gets the incident at the ruling and None before the next
+    attempt, and the quarantine whenever quarantine.json's content changes (the same content)."""
+    told: list[tuple] = []
+    book.on_change = lambda incident, quarantined, suspects: told.append((incident, quarantined, suspects))
+    book.before_attempt()
+    in_flight(tmp_path, 0, (B1,), (POISON,)).close()
+    book.fault("inc-1", view(0), now=2.0)
+    book.attempt_ended()
+    book.before_attempt()
+    in_flight(tmp_path, 1, (POISON,)).close()
+    book.fault("inc-2", view(1), now=2.0)
+    book.attempt_ended()
+    book.before_attempt()
+    assert told == [
+        (None, {}, []),
+        ("inc-1", {}, []),
+        ("inc-1", {}, [POISON]),  # suspected at the ruling's first read
+        (None, {}, [POISON]),
+        ("inc-2", {}, [POISON]),
+        ("inc-2", {POISON: ["inc-1", "inc-2"]}, []),
+        (None, {POISON: ["inc-1", "inc-2"]}, []),
+    ], told
+    entries, suspects = listed(tmp_path)
+    assert (entries, suspects) == ({POISON: ("inc-1", "inc-2")}, [])
+
+
 def test_co_arrivals_are_suspects_once_and_only_the_poison_request_fails_alone_again(book, tmp_path):
     """The bystanders that arrived with the poison request share its step in the first failure; the engine then
     prefills each suspect alone, so the second failing step started only the poison request."""

@@ -26,10 +26,10 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from tp_supervise.engine.runfiles import read_inflight, write_quarantine
+from tp_supervise.engine.runfiles import read_inflight
 from tp_supervise.supervisor.rank.net import listen_backlog
 from tp_supervise.supervisor.relay.engines import request_fingerprint
-from tp_supervise.supervisor.relay.protocol import RELAY_INFLIGHT_FILE
+from tp_supervise.supervisor.relay.protocol import RELAY_INFLIGHT_FILE, Notice
 
 STREAM_TOKENS = 10
 START_TIMEOUT_S = 30.0
@@ -144,6 +144,27 @@ def start_relay(tmp_path, upstream: Upstream, *args: str) -> tuple[subprocess.Po
     return proc, port
 
 
+def tell(proc: subprocess.Popen, notice: Notice) -> None:
+    """What the supervisor tells the relay: a line on its stdin."""
+    proc.stdin.write(notice.line())
+    proc.stdin.flush()
+
+
+def wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 10.0) -> None:
+    """Until the relay's stderr has a line with ``text`` (read on a thread: a relay that never says it fails the
+    test rather than hanging it)."""
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            if text.encode() in line:
+                seen.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    assert seen.wait(timeout), f"the relay did not log {text!r}"
+
+
 @pytest.fixture
 def relay(tmp_path):
     upstream = Upstream()
@@ -243,10 +264,10 @@ def test_a_refusal_is_passed_on_before_and_after_the_stream_began(relay):
     assert status == 200 and got[-1] == "[DONE]" and got[-2]["error"]["code"] == "request_quarantined", got
 
 
-def test_requests_held_when_the_run_ends_get_a_503_naming_the_incident(relay, tmp_path):
+def test_requests_held_when_the_run_ends_get_a_503_naming_the_incident(relay):
     proc, port, upstream = relay
     upstream.plan = ["hold", "hold"]
-    (tmp_path / "incident").write_text("20261201T000000Z-rank_exit\n")
+    tell(proc, Notice(incident="20261201T000000Z-rank_exit"))  # the supervisor ruled it (its stdin, no file)
     results: dict = {}
 
     def send(kind: str, body: dict) -> None:
@@ -353,7 +374,8 @@ def test_a_suspect_is_alone_until_the_engine_answers_its_first_token_however_lon
         poison = {"model": "m", "prompt": "poison", "max_tokens": 8}
         bystander = {"model": "m", "prompt": "bystander", "max_tokens": 8}
         fp = {b["prompt"]: request_fingerprint("/v1/completions", b) for b in (poison, bystander)}
-        write_quarantine(tmp_path, {}, suspects=fp.values())
+        tell(proc, Notice(suspects=frozenset(fp.values())))
+        wait_for_line(proc, "quarantine list received")
         upstream.script = {"poison": ["wait-cut:3"]}
         answers: dict[str, int] = {}
 
@@ -411,3 +433,75 @@ def test_ctrl_c_alone_ends_the_relay_cleanly(relay):
     assert proc.wait(10) == 0
     stderr = proc.stderr.read().decode(errors="replace")
     assert "relay stopped" in stderr and "Traceback" not in stderr, stderr[-2000:]
+
+
+def test_the_supervisor_counts_and_tells_the_relay_through_pipes_across_a_relay_restart(tmp_path):
+    """The supervisor's side (RelayProcess) and the real relay: the counts come back over the counts pipe (no
+    relay.json, nothing polled), summed over relay processes; an incident told over stdin reaches the 503 of a
+    request held when the run ends, in a relay process started after it was told (the latest notice is told to
+    every relay process)."""
+    from tp_supervise.supervisor.processes.listen_socket import ListenSocket
+    from tp_supervise.supervisor.relay.process import RelayProcess
+
+    upstream = Upstream()
+    public = ListenSocket.bind("127.0.0.1", 0, "--port")
+    port = public.port
+    relay = RelayProcess(public, f"127.0.0.1:{upstream.port}", str(tmp_path), "json", None, engine="builtin")
+    fds = set(os.listdir("/proc/self/fd"))
+
+    def counts_reach(**want: int) -> dict:
+        deadline = time.monotonic() + 10
+        while True:
+            got = relay.counts()
+            if all(got[k] == v for k, v in want.items()) or time.monotonic() > deadline:
+                return got
+
+    def serving(pid: int | None = None) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while relay.proc is None or relay.proc.pid == pid or get_or_none(port, "/livez") != 200:
+            assert time.monotonic() < deadline, "the relay does not serve"
+            time.sleep(0.1)
+
+    try:
+        relay.start()
+        serving()
+        assert post(port, {"prompt": "p", "max_tokens": 4})[0] == 200
+        upstream.plan = ["unavailable"]  # the group's failure: resent, then answered
+        assert post(port, {"prompt": "p", "max_tokens": 4})[0] == 200
+        got = counts_reach(requests=2, resent=1)
+        assert (got["requests"], got["resent"], got["given_up"], got["held"]) == (2, 1, 0, 0), got
+
+        relay.tell("20261201T000000Z-rank_exit", {}, [])
+        first = relay.proc.pid
+        os.kill(first, signal.SIGKILL)  # started again at once, and told the incident again
+        serving(first)
+        assert post(port, {"prompt": "p", "max_tokens": 4})[0] == 200
+        assert counts_reach(requests=3)["requests"] == 3, "the counts of both relay processes, summed"
+
+        upstream.plan = ["hold"]
+        held: dict = {}
+        sender = threading.Thread(target=lambda: held.update(answer=post(port, {"prompt": "p", "max_tokens": 4})))
+        sender.start()
+        deadline = time.monotonic() + 10
+        while len(upstream.bodies) < 5:
+            assert time.monotonic() < deadline, "the held request did not reach the upstream"
+            time.sleep(0.05)
+        relay.stop()  # the run ends: what the relay holds gets its 503, naming the incident it was told
+        sender.join(15)
+        status, raw = held["answer"]
+        assert status == 503 and "20261201T000000Z-rank_exit" in json.loads(raw)["error"]["message"], raw
+        got = relay.counts()  # its last line, read at stop()
+        assert (got["requests"], got["given_up"]) == (4, 1), got
+        assert not (tmp_path / "relay.json").exists() and os.listdir(tmp_path) == [], os.listdir(tmp_path)
+        assert set(os.listdir("/proc/self/fd")) <= fds, "the pipes are closed with the relay"
+    finally:
+        relay.stop()
+        public.close()
+        upstream.close()
+
+
+def get_or_none(port: int, path: str) -> int | None:
+    try:
+        return get(port, path)[0]
+    except OSError:
+        return None
