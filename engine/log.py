@@ -80,9 +80,9 @@ def get_logger() -> Log:
 def configure(rank: int, environ=os.environ, process: str | None = None) -> None:
     """Send the engine's events to stderr in the format the supervisor asked for (once per process).
 
-    ``process``: a process of the engine that is not a rank (the relay) writes straight to the supervisor's
-    stderr, so its JSON records take the supervisor's shape (message, level, timestamp, logger ``process``,
-    event: the message in snake case; docs/logs.md).
+    ``process``: a process of the run that is not a rank (the supervisor's relay, supervisor/relay/) writes
+    straight to the supervisor's stderr, so its JSON records take the supervisor's shape (message, level,
+    timestamp, logger ``process``, event: the message in snake case; docs/logs.md).
     """
     logger = logging.getLogger(LOGGER_NAME)
     handler = logging.StreamHandler(sys.stderr)

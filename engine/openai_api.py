@@ -6,7 +6,7 @@ list of either), ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
 include_usage``), ``n`` (1 only), ``model`` (must match when given) and three
 extensions: ``ignore_eos``, ``return_token_ids`` (choices carry
 ``token_ids``) and ``resume_token_ids`` (:func:`parse_resume`: continue a
-generation the engine's relay already sent part of; docs/engine.md,
+generation the supervisor's relay already sent part of; docs/engine.md,
 "Serving through faults").  Unknown fields are ignored, as OpenAI clients
 send many.
 
