@@ -220,5 +220,3 @@ def build_verdict(
         log_notes=dict(notes),
         in_progress=in_progress,
     )
-
-

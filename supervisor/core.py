@@ -169,7 +169,6 @@ class Supervisor:
         self.nodes = nodes
         # The other nodes (multi-node rules, decided there, acted on here); a run of one node has none.
         self.node_rules: NodeRules = SingleNode()
-        self.case = AttemptCase()  # what the decider holds about the attempt that runs (a new one per launch)
         # The one wait of the main thread: what other threads post, and the loop's own timers (supervisor/loop.py).
         self.loop = Loop(clock)
         self.clock = clock
@@ -177,7 +176,7 @@ class Supervisor:
         self.state = EngineState.STARTING
         # What other threads may know of the attempt; only self.attempt changes it.
         self.attempt_view: Published[AttemptView] = Published(NOT_STARTED)
-        self.attempt = Attempt(self.attempt_view.set)
+        self.attempt: Attempt[AttemptCase] = Attempt(self.attempt_view.set, case=AttemptCase())
         self.restart = RestartPolicy(spec.max_restarts)
         self.stopping: SignalReceived | None = None
         self.stop_requested = False  # set by the signal handler itself: a second stop signal hurries
@@ -230,6 +229,18 @@ class Supervisor:
         }
         self._awaited: tuple[str | None, bytes | None] = (None, None)  # between attempts: the key waited for
         self.last_teardown: TeardownResult | None = None
+
+    @property
+    def case(self) -> AttemptCase:
+        """What the decider holds about the attempt that runs: the attempt's own (a new one per launch)."""
+        case = self.attempt.case
+        if case is None:  # an Attempt made without one (a test's): made on first use
+            case = self.attempt.case = AttemptCase()
+        return case
+
+    def _arm(self, when: float, event: object) -> None:
+        """A timer of the attempt that runs: its event comes back at ``when`` unless the attempt was torn down."""
+        self.attempt.timers.append(self.loop.at(when, event))
 
     # What _setup creates (run() calls it first): reading one before is a bug, said as one.
     @property
@@ -514,11 +525,11 @@ class Supervisor:
             started_at=time.monotonic(),
             restarts=self.restart.restarts,
             number=self.attempt.number + 1,
+            case=AttemptCase(),  # what the decider holds about it: dropped with it, never reset by hand
         )
         logs.bind_attempt(self.attempt.number)
         if self.attempt.number > 1:  # torch's own dump files of the attempt that ended are not this one's
             shutil.rmtree(self.run_dir / "fr-dump", ignore_errors=True)
-        self.case = AttemptCase()
         self.quarantine.before_attempt()
         extra_env = self.services.rank_env
         if self.spec.tree:
@@ -569,6 +580,8 @@ class Supervisor:
                 log.exception("event handling failed: ending the attempt", kind=type(ev).__name__)
                 self._end_on_internal_error(type(ev).__name__)
         outcome = self.attempt.outcome
+        for timer in self.attempt.timers:
+            timer.cancel()  # what it waited for is moot: the attempt is over
         self._teardown(immediate=self.hurry.is_set())
         return outcome
 
@@ -686,7 +699,7 @@ class Supervisor:
             log.debug("rank exited during shutdown", rank=handle.rank, pid=handle.pid, cause=info.description)
         elif ruling.meaning is Meaning.RECHECK:
             # Peers of a finishing job exit within moments: check again shortly.
-            self.loop.after(EARLY_EXIT_WINDOW_S, EarlyExitCheck(handle.slot, handle.pid, self.attempt.number))
+            self._arm(self.clock() + EARLY_EXIT_WINDOW_S, EarlyExitCheck(handle.slot, handle.pid, self.attempt.number))
         elif ruling.meaning is Meaning.CLEAN:
             log.info(ruling.message, event_name="run_finished")
             self._finish(Outcome(EXIT_OK, "clean"))
@@ -971,7 +984,7 @@ class Supervisor:
     def _act_on_nodes(self, ruling: NodeRuling) -> None:
         if isinstance(ruling, Hold):
             if ruling.event is not None:
-                self.loop.at(ruling.when, ruling.event)
+                self._arm(ruling.when, ruling.event)
         elif isinstance(ruling, StopToo):
             self._finish(Outcome(EXIT_OK, "shutdown"))
         elif isinstance(ruling, RuleFailure):

@@ -10,11 +10,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
 
 from ..events import ConsensusAgreed, DivergenceFound
+from ..processes.attempt import PerAttempt
 from ..processes.pidfds import named_thread
 
 if TYPE_CHECKING:
@@ -41,6 +43,16 @@ CONSENSUS_ERROR_BACKOFF_S = 0.5
 CONSENSUS_AGREE_STEPS = 20
 
 
+@dataclass
+class ConsensusWatch:
+    """What the consensus thread keeps of one attempt (a fresh one per attempt: ``PerAttempt``): an open
+    divergence's counts (its agreement belongs to this attempt only) and the divergences it posted."""
+
+    number: int
+    open_at: tuple[int, int] | None = None  # (comparisons, mismatches) at the last divergence
+    posted: list[DivergenceFound] = field(default_factory=list)  # in the order posted
+
+
 class ConsensusThread:
     """Polls the consensus monitor every few ms and posts divergences.
 
@@ -58,7 +70,8 @@ class ConsensusThread:
         self._stop = threading.Event()
         self._thread = named_thread(self._run, "consensus")
         self._lock = threading.Lock()
-        self._posted: list[DivergenceFound] = []  # this attempt's, in the order posted
+        self.watches: PerAttempt[ConsensusWatch] = PerAttempt(lambda view, _ended: ConsensusWatch(view.number))
+        self._watch = ConsensusWatch(0)  # the attempt being watched; the main thread reads its divergences
 
     def start(self) -> None:
         self._thread.start()
@@ -67,37 +80,36 @@ class ConsensusThread:
         """The divergences this thread posted for ``attempt``: one may still wait in the main loop's queue
         behind the exit it caused (gloo aborts a rank on a batch of another size the moment it is compared)."""
         with self._lock:
-            return [ev for ev in self._posted if ev.attempt == attempt]
+            watch = self._watch
+        return list(watch.posted) if watch.number == attempt else []
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=THREAD_JOIN_S)
 
     def _run(self) -> None:
-        open_at: tuple[int, int] | None = None  # (comparisons, mismatches) at the last divergence
-        watching = 0  # the attempt of the previous pass
         interval = CONSENSUS_IDLE_POLL_S
         while not self._stop.wait(interval):
             try:
-                number = self.attempt().number
-                if number != watching:
-                    watching, open_at = number, None
-                    with self._lock:
-                        self._posted.clear()
+                watch = self.watches.of(self.attempt())
+                with self._lock:
+                    self._watch = watch
+                number = watch.number
                 verdicts = self.monitor.poll(time.monotonic())
                 for verdict in verdicts:
                     found = DivergenceFound(verdict, time.monotonic(), number)
                     with self._lock:
-                        self._posted.append(found)
+                        watch.posted.append(found)
                     self.post(found)
                 comparisons, mismatches = self.monitor.counts()
+                open_at = watch.open_at
                 if verdicts:
-                    open_at = (comparisons, mismatches)
+                    watch.open_at = (comparisons, mismatches)
                 elif open_at is not None and mismatches > open_at[1]:
-                    open_at = (comparisons, mismatches)  # still disagreeing
+                    watch.open_at = (comparisons, mismatches)  # still disagreeing
                 elif open_at is not None and comparisons - open_at[0] >= CONSENSUS_AGREE_STEPS:
                     self.post(ConsensusAgreed(comparisons - open_at[0], time.monotonic(), number))
-                    open_at = None
+                    watch.open_at = None
                 interval = CONSENSUS_POLL_S if self.monitor.rings_open() else CONSENSUS_IDLE_POLL_S
             except Exception as exc:
                 log.error("consensus pass failed", error=repr(exc))

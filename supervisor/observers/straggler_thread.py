@@ -41,6 +41,7 @@ from tp_supervise.watchdogs.straggler import NAMED, StragglerConfig, StragglerDe
 from tp_supervise.watchdogs.straggler_nodes import NodeEpisodes, NodeSummary, summarize
 
 from ..events import StragglerAcrossNodes, StragglerCleared, StragglerNamed
+from ..processes.attempt import PerAttempt
 from ..processes.pidfds import named_thread
 
 if TYPE_CHECKING:
@@ -82,6 +83,20 @@ class NodeStragglers(Protocol):
 ERROR_BACKOFF_S = 0.5
 
 
+class StragglerWatch:
+    """What the straggler thread keeps of one attempt (a fresh one per attempt: ``PerAttempt``)."""
+
+    def __init__(self, config: StragglerConfig):
+        self.detector = StragglerDetector(config)
+        self.samples: deque[tuple[float, dict[int, SlownessSample]]] = deque()
+        self.refs: dict[int, dict[int, float]] = {}  # reference collective -> rank -> arrival (local clock)
+        self.refs_from: float | None = None  # references before this (the first collectives' warm-up) are not kept
+        # Cross-node findings already posted, by what they are about (("rank", node, rank) or ("node", node)) ->
+        # the last merge that still found them: one log line per episode, a new one after FORGET_MERGES without.
+        self.said: dict[tuple, int] = {}
+        self.episodes = NodeEpisodes(config)
+
+
 class StragglerThread:
     def __init__(
         self,
@@ -101,19 +116,12 @@ class StragglerThread:
         self.on_report = on_report
         self.nodes = nodes
         self._next_publish = 0.0
-        self._refs: dict[int, dict[int, float]] = {}  # reference collective -> rank -> arrival (local clock)
-        # Cross-node findings already posted, by what they are about (("rank", node, rank) or ("node", node)) ->
-        # the last merge that still found them: one log line per episode, a new one after FORGET_MERGES without.
-        self._said: dict[tuple, int] = {}
         self._merges = 0
-        self._episodes = NodeEpisodes(config)
-        self._refs_from: float | None = None  # references before this (the first collectives' warm-up) are not kept
-        self.detector = StragglerDetector(config)
-        self.watching: float | None = None  # started_at of the attempt watched
+        self.watches: PerAttempt[StragglerWatch] = PerAttempt(lambda _view, _ended: StragglerWatch(config))
+        self.watch = StragglerWatch(config)  # the attempt being watched (this tick's)
         self.step_s: float | None = None
         self._next_step = 0.0
         self._next_sample = 0.0
-        self._samples: deque[tuple[float, dict[int, SlownessSample]]] = deque()
         self._stop = threading.Event()
         self._thread = named_thread(self._run, "straggler")
 
@@ -137,16 +145,9 @@ class StragglerThread:
         attempt = self.attempt()
         if attempt.finished or not attempt.launched:
             return
-        if attempt.started_at != self.watching:
-            self.watching = attempt.started_at
-            self.detector = StragglerDetector(self.config)
-            self._samples.clear()
-            self._refs.clear()
-            self._said.clear()
-            self._episodes = NodeEpisodes(self.config)
-            self._refs_from = None
+        self.watch = self.watches.of(attempt)
         live = {slot: r for slot, r in attempt.ranks.items() if r.alive and r.rank >= 0}
-        windows = [self.heartbeat.arrivals(slot, since=self.detector.since(r.rank)) for slot, r in live.items()]
+        windows = [self.heartbeat.arrivals(slot, since=self.watch.detector.since(r.rank)) for slot, r in live.items()]
         if now >= self._next_step:
             self._next_step = now + STEP_EVERY_S
             steps = [s.last_step_s for s in self.heartbeat.read_all() if s.claimed and s.last_step_s > 0]
@@ -156,7 +157,7 @@ class StragglerThread:
             self._sample({r.rank: r.pid for r in live.values()}, now)
         if self.nodes is not None:
             self._keep_references(windows)
-        report = self.detector.observe(windows, now, self.step_s)
+        report = self.watch.detector.observe(windows, now, self.step_s)
         self.on_report(report)
         if self.nodes is not None and now >= self._next_publish:
             self._next_publish = now + PUBLISH_EVERY_S
@@ -170,9 +171,9 @@ class StragglerThread:
                 self.post(StragglerCleared(ev, attempt.number))
 
     def _sample(self, pids: dict[int, int], now: float) -> None:
-        self._samples.append((now, {rank: read_slowness(pid) for rank, pid in pids.items()}))
-        while self._samples and now - self._samples[0][0] > self.config.window_s + SLOWNESS_EVERY_S:
-            self._samples.popleft()
+        self.watch.samples.append((now, {rank: read_slowness(pid) for rank, pid in pids.items()}))
+        while self.watch.samples and now - self.watch.samples[0][0] > self.config.window_s + SLOWNESS_EVERY_S:
+            self.watch.samples.popleft()
 
     def _evidence(
         self, rank: int, pids: dict[int, int], since: float | None = None, lateness: float | None = None
@@ -195,7 +196,7 @@ class StragglerThread:
             # From the oldest reading of the run that named it, in the cgroup the rank is in now: a rank moved
             # into a CPU-limited cgroup during the window has its throttling counted since the move (counters
             # of two cgroups do not subtract).
-            readings = [sample[r] for _at, sample in self._samples if sample.get(r) is not None]
+            readings = [sample[r] for _at, sample in self.watch.samples if sample.get(r) is not None]
             in_run = [b for b in readings if since is None or b.at >= since - SLOWNESS_EVERY_S] or readings
             before = next((b for b in in_run if _cgroup_path(b) == _cgroup_path(now)), in_run[0] if in_run else None)
             if before is not None:
@@ -225,14 +226,14 @@ class StragglerThread:
         for w in windows:
             if w is None or not w.arrivals:
                 continue
-            if self._refs_from is None:
-                self._refs_from = w.arrivals[0] + self.config.warmup_s
+            if self.watch.refs_from is None:
+                self.watch.refs_from = w.arrivals[0] + self.config.warmup_s
             for i, arrival in enumerate(w.arrivals):
                 seq = w.first_seq + i
-                if arrival >= self._refs_from and is_reference(seq):
-                    self._refs.setdefault(seq, {})[w.rank] = arrival
-        for seq in sorted(self._refs)[:-REF_KEEP]:
-            del self._refs[seq]
+                if arrival >= self.watch.refs_from and is_reference(seq):
+                    self.watch.refs.setdefault(seq, {})[w.rank] = arrival
+        for seq in sorted(self.watch.refs)[:-REF_KEEP]:
+            del self.watch.refs[seq]
 
     def _across_nodes(self, report: StragglerReport, attempt: int) -> None:
         assert self.nodes is not None
@@ -243,7 +244,9 @@ class StragglerThread:
         # not diluted by minutes of its usual pace.
         since = report.at - self.config.window_s
         refs = {
-            seq: tuple(sorted(by_rank.items())) for seq, by_rank in self._refs.items() if max(by_rank.values()) >= since
+            seq: tuple(sorted(by_rank.items()))
+            for seq, by_rank in self.watch.refs.items()
+            if max(by_rank.values()) >= since
         }
         mine = summarize(report, refs, self.nodes.node_rank, offset[0], offset[1])
 
@@ -256,18 +259,18 @@ class StragglerThread:
                 continue  # not a summary (a stranger's value, an older format): ignored
             if summary.node == node:
                 summaries.append(summary)
-        judgement = self._episodes.judge(summaries, report.at)
+        judgement = self.watch.episodes.judge(summaries, report.at)
         self._merges += 1
         findings: dict[tuple, str] = {
             ("rank", node, rank): f"node {node}: {text}" for node, rank, text in judgement.named
         }
         findings.update({("node", late.node): late.sentence() for late in judgement.late_nodes})
-        fresh = {key: text for key, text in findings.items() if key not in self._said}
+        fresh = {key: text for key, text in findings.items() if key not in self.watch.said}
         for key in findings:
-            self._said[key] = self._merges
-        for key, seen in list(self._said.items()):
+            self.watch.said[key] = self._merges
+        for key, seen in list(self.watch.said.items()):
             if self._merges - seen > FORGET_MERGES:
-                del self._said[key]
+                del self.watch.said[key]
         if fresh:
             ranks = sorted(
                 {k[2] for k in fresh if k[0] == "rank"}

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import psutil
@@ -34,6 +34,7 @@ from tp_supervise.dumps.procinfo import proc_state
 from tp_supervise.watchdogs import policy
 
 from ..events import AllRanksReady, ControlClaimed, RankClaimed, WatchdogVerdict
+from ..processes.attempt import PerAttempt
 from ..processes.pidfds import named_thread
 from ..rank.engines import several_control
 from ..rank.heartbeat import CONTROL_SLOT_BASE, ROLE_FRONTEND, SlotSnapshot, empty_slot
@@ -55,6 +56,18 @@ ADAPTER_TIMEOUT_S = 2.0
 # as ready after this long.  Instrumented ranks are held back by the policy's
 # pending check until they call ready().
 UNCLAIMED_READY_GRACE_S = 2.0
+
+
+@dataclass
+class AttemptWatch:
+    """What the watchdog thread keeps of one attempt (a fresh one per attempt: ``PerAttempt``)."""
+
+    all_ready_posted: bool = False
+    known_pids: dict[int, int] = field(default_factory=dict)  # slot -> the pid whose claim was posted
+    known_control: dict[int, int] = field(default_factory=dict)  # control slot -> the pid whose claim was posted
+    # (slot pid, rank pid) -> whether the slot's writer descends from the rank (a wrapper script's python); the
+    # process tree of a pid never changes that.
+    descends: dict[tuple[int, int], bool] = field(default_factory=dict)
 
 
 class WatchdogThread:
@@ -89,14 +102,9 @@ class WatchdogThread:
         )
         # Only the watchdog thread touches what follows.
         self.state = policy.WatchdogState.initial(time.monotonic())
-        self.watching = 0.0  # started_at of the attempt being watched
-        self.all_ready_posted = False
-        self.known_pids: dict[int, int] = {}
-        self.known_control: dict[int, int] = {}  # control slot -> the pid whose claim was posted
+        self.watches: PerAttempt[AttemptWatch] = PerAttempt(self._begin)
+        self.watch = AttemptWatch()  # the attempt being watched (this tick's)
         self.retired: set[int] = set()  # pids that claimed a slot in an earlier attempt
-        # (slot pid, rank pid) -> whether the slot's writer descends from the rank
-        # (a wrapper script's python); the process tree of a pid never changes that.
-        self.descends: dict[tuple[int, int], bool] = {}
         # (seq, node) other nodes asked about: put by the main thread, taken by this one (a queue: none is lost
         # between a read and a clear, nor overwritten by another node's)
         self._hang_queries: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
@@ -129,15 +137,13 @@ class WatchdogThread:
         if self.adapter is not None:
             self.adapter.stop()
 
-    def _new_attempt(self, started_at: float) -> None:
-        """Forget progress history and claims; keep what was learned about step times."""
-        self.state = self.state.next_attempt(started_at)
-        self.watching = started_at
-        self.all_ready_posted = False
-        self.retired |= set(self.known_pids.values()) | set(self.known_control.values())
-        self.known_pids = {}
-        self.known_control = {}
-        self.descends = {}
+    def _begin(self, attempt: AttemptView, ended: AttemptWatch | None) -> AttemptWatch:
+        """A new attempt is watched: a fresh watch; the ended attempt's processes are retired (a slot still naming
+        one is stale), and the policy forgets progress history but keeps what it learned about step times."""
+        if ended is not None:
+            self.retired |= set(ended.known_pids.values()) | set(ended.known_control.values())
+        self.state = self.state.next_attempt(attempt.started_at)
+        return AttemptWatch()
 
     def _run(self) -> None:
         next_tick = time.monotonic()
@@ -177,8 +183,7 @@ class WatchdogThread:
         attempt = self.attempt()  # one read: this pass sees one consistent attempt
         if attempt.finished or not attempt.launched:
             return
-        if attempt.started_at != self.watching:
-            self._new_attempt(attempt.started_at)
+        self.watch = self.watches.of(attempt)
         raw = self.read_heartbeats()
         if self.spec.tree:
             self._discover(raw, attempt.number)
@@ -208,8 +213,8 @@ class WatchdogThread:
         for snap in self.read_control():
             if not snap.claimed or not snap.pid or snap.pid in self.retired:
                 continue
-            if self.known_control.get(snap.slot) != snap.pid and not _gone(snap.pid):
-                self.known_control[snap.slot] = snap.pid
+            if self.watch.known_control.get(snap.slot) != snap.pid and not _gone(snap.pid):
+                self.watch.known_control[snap.slot] = snap.pid
                 self.post(ControlClaimed(snap.role_name, snap.pid, attempt.number))
             view = attempt.process(snap.pid)
             if view is None or not view.alive or snap.finished:
@@ -281,13 +286,13 @@ class WatchdogThread:
             self.post(
                 WatchdogVerdict(kind, verdict.stalled_s, verdict.message, verdict, tuple(snaps), now, attempt.number)
             )
-        if not self.all_ready_posted and kind not in (
+        if not self.watch.all_ready_posted and kind not in (
             policy.VerdictKind.STARTUP_WAIT,
             policy.VerdictKind.STARTUP_TIMEOUT,
             policy.VerdictKind.STARTUP_OVERDUE,
         ):
             if self._have_ranks(snaps, now, attempt):
-                self.all_ready_posted = True
+                self.watch.all_ready_posted = True
                 self.post(AllRanksReady(tuple(snaps), now, attempt.number))
 
     def _have_ranks(self, snaps: list[SlotSnapshot], now: float, attempt: AttemptView) -> bool:
@@ -311,24 +316,24 @@ class WatchdogThread:
     def _descends(self, pid: int, ancestor: int) -> bool:
         """A slot claimed by a child of the rank (e.g. a wrapper script's python)."""
         key = (pid, ancestor)
-        if key not in self.descends:
+        if key not in self.watch.descends:
             try:
-                self.descends[key] = any(p.pid == ancestor for p in psutil.Process(pid).parents())
+                self.watch.descends[key] = any(p.pid == ancestor for p in psutil.Process(pid).parents())
             except psutil.Error:
                 return False
-        return self.descends[key]
+        return self.watch.descends[key]
 
     def _discover(self, raw: list[SlotSnapshot], attempt: int) -> None:
         """Claims as written (a restarted rank's new pid must be seen even
         though its slot still names the old one's handle)."""
         for snap in raw:
-            if snap.claimed and snap.pid and self.known_pids.get(snap.slot) != snap.pid:
+            if snap.claimed and snap.pid and self.watch.known_pids.get(snap.slot) != snap.pid:
                 if snap.pid in self.retired and _gone(snap.pid):
                     # The slot still names a rank of an earlier attempt (the teardown verified it gone) until this
                     # attempt's rank claims it: tree mode, where the launcher's ranks claim tens of seconds after
                     # the restart (vLLM).  A live process with that pid is a new one that reused it.
                     continue
-                self.known_pids[snap.slot] = snap.pid
+                self.watch.known_pids[snap.slot] = snap.pid
                 self.post(RankClaimed(snap.slot, snap.rank, snap.pid, attempt))
 
 

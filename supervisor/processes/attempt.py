@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from ..outcome import LAUNCHER_KEY, Outcome
 from ..rank.engines import role_from_title, role_words, serves_api
@@ -27,6 +27,7 @@ from .exits import ExitInfo
 from .spawn import RankHandle
 
 T = TypeVar("T")
+C = TypeVar("C")
 
 LAUNCHER_SLOT = -1
 ENGINE_PROCESS = "engine-process"  # exit-monitor key kind: (ENGINE_PROCESS, pid)
@@ -170,14 +171,41 @@ class AttemptView:
 NOT_STARTED = AttemptView(started_at=0.0, ranks=MappingProxyType({}), launcher=None, restarts=0, finished=False)
 
 
-class Attempt:
+class PerAttempt(Generic[T]):
+    """What an observer thread keeps of one attempt: ``of(view)`` is a fresh ``make(previous)`` for each attempt the
+    published view shows (``make(view, previous)``; ``previous``: the ended attempt's, for what the observer carries over on purpose), so
+    nothing of an attempt is reset field by field.  The observer's own thread only."""
+
+    def __init__(self, make: Callable[[AttemptView, T | None], T]):
+        self._make = make
+        self._key: tuple[int, float] | None = None
+        self._state: T | None = None
+
+    def of(self, view: AttemptView) -> T:
+        key = (view.number, view.started_at)
+        if key != self._key or self._state is None:
+            self._state = self._make(view, self._state)
+            self._key = key
+        return self._state
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Attempt(Generic[C]):
     """Live state of one launch of the group (a new one on restart).  Main thread only.
 
     ``publish`` receives a new ``AttemptView`` after every change.
     """
 
     def __init__(
-        self, publish: Callable[[AttemptView], None], started_at: float = 0.0, restarts: int = 0, number: int = 0
+        self,
+        publish: Callable[[AttemptView], None],
+        started_at: float = 0.0,
+        restarts: int = 0,
+        number: int = 0,
+        case: C | None = None,
     ):
         self.started_at = started_at
         self.restarts = restarts
@@ -190,6 +218,10 @@ class Attempt:
         self.shm_looked_at = 0.0
         self.first_failure: tuple[RankHandle, ExitInfo] | None = None
         self.outcome: Outcome | None = None
+        # The decider's own of this attempt (its suspicions, what it holds for the other nodes: state.AttemptCase)
+        # and the loop timers armed for it: dropped with the attempt, cancelled at its teardown.
+        self.case = case
+        self.timers: list[Cancellable] = []
         self._publish = publish
         self.view = self._snapshot()
         publish(self.view)
