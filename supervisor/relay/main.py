@@ -94,7 +94,6 @@ class _CountsPipe:
         self._timer: asyncio.TimerHandle | None = None
         self._last = 0.0
         if fd is not None:
-            os.set_blocking(fd, False)
             counts.on_change = self.changed
 
     def changed(self) -> None:
@@ -221,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     if sock is None:
         print("relay: no listening socket (SUPERVISE_LISTEN_FDS)", file=sys.stderr)
         return 2
+    if args.counts_fd is not None:
+        try:
+            os.set_blocking(args.counts_fd, False)  # a line the pipe has no room for is dropped, never waited on
+        except OSError as exc:
+            print(f"relay: --counts-fd {args.counts_fd}: {exc.strerror}", file=sys.stderr)
+            return 2
     counts = Counts()
     group = Group(args.upstream, engine, counts, args.run_dir, args.hold, max(1, args.max_held))
     relay = Relay(group, counts, args.read_timeout)
