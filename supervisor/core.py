@@ -71,6 +71,7 @@ from .multinode import (
     RuleHang,
     SingleNode,
     StopToo,
+    WaitForKey,
 )
 from .nodes import handshake, link, messages
 from .nodes.transport import NodeTransport
@@ -136,6 +137,7 @@ SHM_LOOK_EVERY_S = 2.0
 log = structlog.get_logger("supervise")
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def _set_up(value: T | None, name: str) -> T:
@@ -456,17 +458,16 @@ class Supervisor:
                 self.quarantine.attempt_ended()  # quarantine.json before any next attempt
             between = Between(
                 number=self.attempt.number,
-                uptime_s=time.monotonic() - self.attempt.started_at,
+                uptime_s=self.clock() - self.attempt.started_at,
                 stopping=lambda: self.stopping is not None,
-                wait=self._between_attempts,
             )
             # The restart decision, in one place: this node's policy, or node 0's for a group of nodes.
-            delay = self.node_rules.restart_delay(outcome, self.restart, between)
+            delay = self._settle(self.node_rules.restart_delay(outcome, self.restart, between))
             if delay is None:
                 outcome = self.node_rules.end or outcome
                 break
             self._between_attempts(delay)  # the backoff
-            if self.node_rules.end is not None or not self.node_rules.meet(between):
+            if self.node_rules.end is not None or not self._settle(self.node_rules.meet(between)):
                 outcome = self.node_rules.end or Outcome(EXIT_OK, "shutdown")
                 break
             self.transition(Event.RESTART)
@@ -485,6 +486,13 @@ class Supervisor:
             linger = DEFAULT_FAULT_LINGER_S if code != EXIT_OK else 0.0
         self.services.linger(linger, self.hurry, until_scraped=self.spec.metrics.linger is None)
         return code
+
+    def _settle(self, ruling: R | WaitForKey[R]) -> R:
+        """A ruling between attempts, its waits done: each ``WaitForKey`` is waited for in the between-attempts
+        phase, and what the rules make of the value (or of its absence) is the next ruling."""
+        while isinstance(ruling, WaitForKey):
+            ruling = ruling.then(self._between_attempts(ruling.seconds, ruling.key))
+        return ruling
 
     def _between_attempts(self, seconds: float, key: str | None = None) -> bytes | None:
         """Read events for ``seconds`` (or, given ``key``, until the node link reports it: its value), with the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import structlog
 
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("supervise")
 
+R = TypeVar("R")
+
 # A rank of this node that died of a broken peer connection waits this long (from its exit) for another
 # node's fault or loss before it is ruled as this node's own failure (docs/multinode.md).
 CONSEQUENCE_WAIT_S = 1.0
@@ -48,13 +50,21 @@ STDERR_LOOK_S = 0.02  # how often it looks whether the pump has drained it
 @dataclass(frozen=True)
 class Between:
     """The supervisor between two attempts, as the rules see it: the attempt that ended (its number, how long it
-    ran), whether a stop signal came, and its event loop to wait in (``wait(seconds, key)``: for ``seconds``,
-    or until the node link reports ``key``: its value; None when the time ran out or the run is ending)."""
+    ran) and whether a stop signal came."""
 
     number: int
     uptime_s: float
     stopping: Callable[[], bool]
-    wait: Callable[[float, str | None], bytes | None]
+
+
+@dataclass(frozen=True)
+class WaitForKey(Generic[R]):
+    """A ruling between attempts: wait in the loop's between-attempts phase until the node link reports ``key`` (its
+    value) or ``seconds`` pass (None), or the run ends; then ``then(value)`` is the ruling."""
+
+    key: str
+    seconds: float
+    then: Callable[[bytes | None], R | WaitForKey[R]]
 
 
 # -- rulings: what the supervisor does with the other nodes' news
@@ -119,8 +129,10 @@ class NodeRules(Protocol):
     def stragglers(self) -> NodeStragglerLink | None: ...
     def publish_fault(self, fault: messages.Fault) -> None: ...
     def attempt_ended(self, outcome: Outcome) -> None: ...
-    def restart_delay(self, outcome: Outcome, policy: RestartPolicy, attempt: Between) -> float | None: ...
-    def meet(self, attempt: Between) -> bool: ...
+    def restart_delay(
+        self, outcome: Outcome, policy: RestartPolicy, attempt: Between
+    ) -> float | None | WaitForKey[float | None]: ...
+    def meet(self, attempt: Between) -> bool | WaitForKey[bool]: ...
     def carried(self) -> list: ...
     def between(self, ev: object, attempt: int) -> None: ...
     def peer_failed(self, ev: events.PeerFailed, case: AttemptCase) -> NodeRuling: ...
@@ -232,7 +244,9 @@ class GroupOfNodes:
         self.end = Outcome(EXIT_OK, "shutdown")
 
     # -- restarts: one group attempt on every node, node 0 decides
-    def restart_delay(self, outcome: Outcome, policy: RestartPolicy, attempt: Between) -> float | None:
+    def restart_delay(
+        self, outcome: Outcome, policy: RestartPolicy, attempt: Between
+    ) -> float | None | WaitForKey[float | None]:
         """After attempt n ended on this node: node 0 decides for the group (its restart policy, so the
         crash-loop limit counts group attempts) and publishes restart/<n>; the others wait for it."""
         if self.spec.max_restarts == 0:  # nothing to agree on: no node restarts
@@ -248,7 +262,12 @@ class GroupOfNodes:
             self.link.set(key, messages.RestartDecision(delay is not None, delay or 0.0, policy.restarts).encode())
             return delay
         self.link.watch(key, self._decided)
-        raw = attempt.wait(self.spec.nodes.rendezvous_timeout, key)
+        return WaitForKey(
+            key, self.spec.nodes.rendezvous_timeout, lambda raw: self._follow(raw, outcome, policy, attempt)
+        )
+
+    def _follow(self, raw: bytes | None, outcome: Outcome, policy: RestartPolicy, attempt: Between) -> float | None:
+        """Node 0's decision (``raw``; None: it never came) as this node's: the backoff, or no restart."""
         if raw is None:
             if attempt.stopping():
                 self._stop_everywhere()
@@ -289,7 +308,7 @@ class GroupOfNodes:
         its longest, a count within its --max-restarts (the handshake made both the same on every node)."""
         return messages.RestartDecision.decode(raw, RESTART_BACKOFF_MAX_S, self.spec.max_restarts)
 
-    def meet(self, attempt: Between) -> bool:
+    def meet(self, attempt: Between) -> bool | WaitForKey[bool]:
         """Every node is ready to launch attempt n+1 before any does (the ranks rendezvous across nodes)."""
         if self.spec.max_restarts == 0:
             return not attempt.stopping()
@@ -299,9 +318,15 @@ class GroupOfNodes:
         if not attempt.stopping() and self.end is None:
             self.link.add(key, 1)
             self.link.watch(key, lambda raw: messages.counter(raw) >= nnodes)  # junk: dropped by the link
-            if attempt.wait(self.spec.nodes.rendezvous_timeout, key) is not None:
-                log.info("every node is ready for the next attempt", event_name="group_restart_ready", attempt=n)
-                return True
+            return WaitForKey(key, self.spec.nodes.rendezvous_timeout, lambda raw: self._met(raw, attempt))
+        return self._met(None, attempt)
+
+    def _met(self, raw: bytes | None, attempt: Between) -> bool:
+        """The barrier's end: every node came (``raw``), or not by the rendezvous timeout, or the run is ending."""
+        n = attempt.number + 1
+        if raw is not None:
+            log.info("every node is ready for the next attempt", event_name="group_restart_ready", attempt=n)
+            return True
         if attempt.stopping():
             self._stop_everywhere()  # the others, waiting at the barrier, stop too
         elif self.end is None:
