@@ -94,10 +94,17 @@ def parse_pair(text: str | None, flag: str) -> tuple[float, float] | None:
         raise UsageError(f"{flag} {text!r}: expected SOFT,HARD in seconds, e.g. 1.5,3") from None
 
 
-def parse_hostport(text: str, flag: str) -> tuple[str, int] | None:
+ALL_INTERFACES = "0.0.0.0"
+
+
+def parse_hostport(text: str, flag: str, any_host: bool = False) -> tuple[str, int] | None:
+    """``HOST:PORT`` (or 'none'); with ``any_host``, ``:PORT`` is every interface (a serving port, as an engine's
+    own ``--host`` default; never for the supervisor's own endpoints, which say where they bind)."""
     if text == "none":
         return None
     host, sep, port = text.rpartition(":")
+    if any_host and sep and not host:
+        host = ALL_INTERFACES
     if not sep or not port.isdigit() or not host:
         raise UsageError(f"{flag} {text!r}: expected HOST:PORT or 'none', e.g. 127.0.0.1:9180")
     value = int(port)

@@ -94,7 +94,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         raise UsageError("--relay-upstream names the engine behind --relay: give --relay HOST:PORT too")
     upstream, relay_engine = specs.relay_upstream(args.relay_upstream, command) if args.relay else (None, "builtin")
     relay = specs.RelayOptions(
-        address=specs.parse_hostport(args.relay, "--relay") if args.relay else None,
+        address=specs.parse_hostport(args.relay, "--relay", any_host=True) if args.relay else None,
         upstream=upstream,
         engine=relay_engine,
         hold=args.relay_hold,

@@ -142,8 +142,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     r = serve.add_argument_group('serving through faults (the relay: docs/engine.md, "The relay")')
     r.add_argument(
         "--relay",
-        metavar="HOST:PORT",
-        help="with a COMMAND (vLLM, SGLang, any OpenAI-compatible server): hold HOST:PORT for the whole run and forward to the engine's own listener; requests and streams a failing group answered are held across the restart and sent again (streams resumed by token ids where the engine gives them)",
+        metavar="[HOST]:PORT",
+        help="with a COMMAND (vLLM, SGLang, any OpenAI-compatible server): hold HOST:PORT (:PORT: every interface) for the whole run and forward to the engine's own listener; requests and streams a failing group answered are held across the restart and sent again (streams resumed by token ids where the engine gives them)",
     )
     r.add_argument(
         "--relay-upstream",
@@ -226,7 +226,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "--metrics-addr",
         default=specs.DEFAULT_METRICS_ADDR,
         metavar="HOST:PORT|none",
-        help="HOST:PORT for /metrics /healthz /readyz, or 'none' (binding beyond loopback exposes run state: see docs/metrics.md)",
+        help="HOST:PORT for /metrics /healthz /readyz /livez, or 'none' (binding beyond loopback exposes run state: see docs/metrics.md)",
     )
     o.add_argument(
         "--health-addr",

@@ -311,7 +311,7 @@ class Liveness:
 
 
 class HealthServer:
-    """/metrics, /healthz and /readyz on a named daemon thread.
+    """/metrics, /healthz, /readyz and /livez on a named daemon thread.
 
     ``port`` 0 binds a free port; read the bound one from ``.port`` after
     ``start()``.  ``start()`` raises OSError when the address cannot be bound.

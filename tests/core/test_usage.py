@@ -180,3 +180,14 @@ def test_relay_port_in_use(supervise):
         launcher = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--tensor-parallel-size", "2"]
         run = supervise(["--tree", "--relay", f"127.0.0.1:{port}"], launcher)
         _assert_usage(run, "--relay", "already in use")
+
+
+def test_relay_port_alone_is_every_interface_and_the_supervisors_own_endpoints_need_a_host():
+    from tp_supervise.supervisor.cli import build_parser, spec_from_args
+    from tp_supervise.supervisor.spec import UsageError
+
+    launcher = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "-tp", "2", "--port", "8001"]
+    spec = spec_from_args(build_parser().parse_args(["serve", "--tree", "--relay", ":8000", "--", *launcher]))
+    assert spec.relay.address == ("0.0.0.0", 8000)
+    with pytest.raises(UsageError, match="--metrics-addr ':9180': expected HOST:PORT"):
+        spec_from_args(build_parser().parse_args(["serve", "--metrics-addr", ":9180", "--tree", "--", *launcher]))
