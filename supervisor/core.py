@@ -53,6 +53,7 @@ from .events import (
     LoopTick,
     ProcessExited,
     RankClaimed,
+    RelayRestart,
     SignalReceived,
     WatchdogVerdict,
 )
@@ -88,6 +89,7 @@ from .outcome import (
     EXIT_STARTUP,
     EXIT_TEARDOWN,
     LAUNCHER_KEY,
+    RELAY_KEY,
     Outcome,
     new_incident_id,
     new_run_id,
@@ -101,12 +103,13 @@ from .processes.cgroup import RunCgroup
 from .processes.exit_monitor import ExitMonitor
 from .processes.exits import ExitInfo
 from .processes.listen_socket import ListenSocket
-from .processes.relay_process import RELAY_URL_ENV, RelayProcess
 from .processes.spawn import RankHandle, RankSpec, RunContext
 from .processes.teardown import KillPolicy, TeardownResult, teardown
 from .rank.drill_lane import ENV_DRILL
 from .rank.heartbeat import CONTROL_SLOTS, HeartbeatSegment
+from .rank.listen import RELAY_URL_ENV
 from .rank.net import free_port
+from .relay.process import RelayProcess
 from .restart import RESTART_STABLE_S, RestartPolicy
 from .signals import Hurry
 from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
@@ -214,6 +217,7 @@ class Supervisor:
             ControlRequest: self._on_control,
             SignalReceived: self._on_signal_event,
             LoopTick: self._on_loop_tick,
+            RelayRestart: self._on_relay_restart,
             events.PeerFailed: self._on_peer_failed,
             events.PeerHangQuery: self._on_peer_hang_query,
             HangQueryUnanswered: self._on_hang_query_unanswered,
@@ -223,6 +227,7 @@ class Supervisor:
         }
         self.between_handlers: dict[type, Callable[[Any], None]] = {
             LoopTick: self._tick_between,
+            RelayRestart: self._on_relay_restart,
             SignalReceived: self._stop_between,
             ControlRequest: self._refuse_between,
             events.NodeLost: self._nodes_between,
@@ -381,8 +386,9 @@ class Supervisor:
                 hold_s=self.spec.relay.hold_s(builtin),
                 max_held=self.spec.relay.max_held,
             )
-            self.relay.start()
+            self._watch_relay(self.relay.start())
             self.services.relay_counts = self.relay.counts
+            self.quarantine.on_change = self.relay.tell  # the incident and the quarantine, told over its stdin
         for signum in signals.HANDLED:
             signal.signal(signum, self._on_signal)
 
@@ -395,7 +401,7 @@ class Supervisor:
         self.post(SignalReceived(signum))
 
     def _cleanup(self) -> None:
-        closers = [self.relay.stop] if self.relay is not None else []
+        closers = [self._stop_relay] if self.relay is not None else []
         closers += [source.stop for source in reversed(self.sources)]
         closers += [part.close for part in (self._desk, self._heartbeat, self._control) if part is not None]
         for closer in closers:
@@ -476,7 +482,7 @@ class Supervisor:
         if self.last_teardown is not None and not self.last_teardown.complete:
             code = EXIT_TEARDOWN
         if self.relay is not None:
-            self.relay.stop()  # no attempt follows: what it holds gets its 503 now, naming the incident
+            self._stop_relay()  # no attempt follows: what it holds gets its 503 now, naming the incident
             self.services.metrics.set_relay_counts(self.relay.counts())  # its last counts, for the final scrape
             if self.public is not None:
                 self.public.close()  # from now on a client is refused at once, not held in a backlog no one reads
@@ -593,9 +599,39 @@ class Supervisor:
         self._teardown(immediate=self.hurry.is_set())
         return outcome
 
+    # -- the relay: a process of the run, not of an attempt; restarted by the main loop (supervisor/relay/process.py)
+    def _watch_relay(self, pidfd: procs.Pidfd | None) -> None:
+        if pidfd is not None:
+            self.monitor.watch(RELAY_KEY, pidfd)
+
+    def _on_relay_exit(self) -> None:
+        relay = self.relay
+        if relay is None:
+            return
+        if relay.pidfd is not None:
+            self.monitor.release([relay.pidfd])
+        pause = relay.exited(self.clock())
+        if pause is not None:
+            self.loop.after(pause, RelayRestart())
+
+    def _on_relay_restart(self, ev: RelayRestart) -> None:
+        if self.relay is not None:
+            self._watch_relay(self.relay.respawn())
+
+    def _stop_relay(self) -> None:
+        relay = self.relay
+        if relay is None:
+            return
+        if relay.pidfd is not None:
+            self.monitor.release([relay.pidfd])
+        relay.stop()
+
     # ------------------------------------------------------------------ events
     def _dispatch(self, ev: object, handlers: Mapping[type, Callable[[Any], None]]) -> None:
         """The one dispatcher: ``handlers`` is the table of the phase the run is in."""
+        if isinstance(ev, ProcessExited) and ev.key == RELAY_KEY:
+            self._on_relay_exit()  # in every phase: the relay lives across attempts
+            return
         handler = handlers.get(type(ev))
         if handler is None:
             log.debug("ignored event", kind=type(ev).__name__)

@@ -23,6 +23,11 @@ from .rank.heartbeat import SlotSnapshot
 
 
 @dataclass(frozen=True)
+class RelayRestart:
+    """The main loop's timer: start the relay again (it died on its own a moment ago)."""
+
+
+@dataclass(frozen=True)
 class LoopTick:
     """The main loop's own timer, every second: taking it proves the loop goes round (/livez)."""
 

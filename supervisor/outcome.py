@@ -29,6 +29,7 @@ EXIT_PEER = 84  # multi-node: a peer node failed or was lost (the originating no
 EXIT_TEARDOWN = 85
 
 LAUNCHER_KEY = "launcher"
+RELAY_KEY = "relay"  # exit-monitor key of the relay process (a process of the run, not of an attempt)
 TEARDOWN_EXIT = "teardown"  # metrics reason of exits caused by our own teardown
 
 

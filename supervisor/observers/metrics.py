@@ -110,7 +110,7 @@ def _threshold(value: float | None) -> float:
     return math.nan if value is None or not math.isfinite(value) else float(value)
 
 
-RELAY = {  # relay.json key -> (metric name between supervise_relay_ and _total, help)
+RELAY = {  # counts line key (supervisor/relay/protocol.py) -> (metric name between supervise_relay_ and _total, help)
     "requests": (
         "requests",
         "Generation requests the relay (built-in engine, or a COMMAND's --relay) took from clients.",
@@ -310,7 +310,7 @@ class SupervisorMetrics:
         self.teardown_seconds = Gauge(
             name("teardown_seconds"), "Duration of the last teardown; NaN before the first.", registry=reg
         )
-        # the relay's counts (supervisor/processes/relay_process.py), by the key of its relay.json
+        # the relay's counts (supervisor/relay/process.py), by the key of its counts line
         self.relay = {
             key: Counter(name(f"relay_{metric}_total"), text, registry=reg) for key, (metric, text) in RELAY.items()
         }
@@ -496,7 +496,7 @@ class SupervisorMetrics:
             self._consensus_seen = (comparisons, mismatches)
 
     def set_relay_counts(self, counts: Mapping[str, int]) -> None:
-        """Feed the relay's cumulative counts (supervisor/processes/relay_process.py); counters advance by the difference."""
+        """Feed the relay's cumulative counts (supervisor/relay/process.py); counters advance by the difference."""
         with self._lock:
             self.relay_held.set(counts.get("held", 0))
             for key, counter in self.relay.items():

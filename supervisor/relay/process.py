@@ -6,8 +6,13 @@ HTTP; it accepts on the public socket (the built-in engine's
 serve``) and forwards to rank 0's loopback socket (bound once too, handed to
 rank 0 of every attempt) or to the COMMAND's engine's own listener.  It is not a rank: no teardown of
 an attempt signals it (``OWN_HELPERS``), it carries no run marker and joins
-no run cgroup.  If it dies on its own, it is started again at once (a
-bounded number of times: ``MAX_RESTARTS`` in ``RESTART_WINDOW_S``); the
+no run cgroup.  The supervisor's exit monitor watches it by pidfd like any
+process of the run; when it dies on its own, the main loop calls ``exited``
+(which reaps it and says whether and when to start it again: a bounded
+number of times, ``MAX_RESTARTS`` in ``RESTART_WINDOW_S``) and, after that
+pause, ``respawn``, on the main thread: the relay's parent-death signal is
+tied to the thread that forked it, and the main thread lives as long as the
+supervisor (a helper thread that forked it could end before it).  The
 public socket stays with the supervisor, so connections wait in its backlog
 meanwhile.  At the end of the run ``stop()`` sends SIGTERM (the relay answers
 what it still holds with 503s naming the incident), waits ``STOP_S``, then
@@ -28,12 +33,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import structlog
 
 from ..processes.listen_socket import ListenSocket
-from ..processes.pidfds import OWN_HELPERS, named_thread, set_parent_death_signal
+from ..processes.pidfds import OWN_HELPERS, Pidfd, set_parent_death_signal
 from ..rank.listen import RELAY_URL_ENV, SUPERVISE_LISTEN_FDS
 from .protocol import COUNT_KEYS, GAUGE_KEYS, MODULE, Notice, parse_counts
 
@@ -100,10 +104,10 @@ class RelayProcess:
         self.run_dir = run_dir
         self.log_format = log_format
         self.proc: subprocess.Popen | None = None
+        self.pidfd: Pidfd | None = None  # the current relay process, held for the exit monitor
         self._lock = threading.Lock()  # the process, its stdin and what it is told
         self._stopping = threading.Event()
         self._restarts: list[float] = []
-        self._watcher: threading.Thread | None = None
         self._stdin: int | None = None  # the write end of the current relay's stdin (non-blocking)
         self._notice = b""  # the latest notice line (every relay process started is told it)
         self._rest = b""  # what the pipe did not take of a line it took part of (finished before anything else)
@@ -175,17 +179,24 @@ class RelayProcess:
         self._rest = self._next = b""
 
     # -- its life -------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self) -> Pidfd | None:
+        """The first relay process (main thread): its pidfd, for the exit monitor."""
         self._counts_read, self._counts_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
-            self._spawn()
+            return self._spawn()
         except BaseException:
             self._close_counts()
             raise
-        self._watcher = named_thread(self._watch, "relay")
-        self._watcher.start()
 
-    def _spawn(self) -> None:
+    def respawn(self) -> Pidfd | None:
+        """Start it again after ``exited`` said so (main thread); None when the run is ending or it failed."""
+        try:
+            return self._spawn()
+        except OSError as exc:
+            log.error("relay could not be started again", error=repr(exc))
+            return None
+
+    def _spawn(self) -> Pidfd | None:
         fd = self.public.fd
         counts_fd = self._counts_write
         assert counts_fd is not None, "start() made the counts pipe"
@@ -199,8 +210,8 @@ class RelayProcess:
         if self.max_held is not None:
             argv += ["--max-held", str(self.max_held)]
         with self._lock:
-            if self._stopping.is_set():  # stop() ran while the watcher was about to start it again
-                return
+            if self._stopping.is_set():  # the run ended during the pause before a restart
+                return None
             stdin, self._stdin = os.pipe2(os.O_CLOEXEC)
             try:
                 self.proc = subprocess.Popen(
@@ -218,6 +229,8 @@ class RelayProcess:
             finally:
                 os.close(stdin)
             OWN_HELPERS.add(self.proc.pid)
+            # Our unreaped child: its pid cannot change hands before the pidfd is open.
+            self.pidfd = Pidfd(self.proc.pid, os.pidfd_open(self.proc.pid), child=True)
             os.set_blocking(self._stdin, False)
             self._rest, self._next = b"", self._notice  # what the run is now, for this relay process
             self._flush()
@@ -228,39 +241,39 @@ class RelayProcess:
             upstream=self.upstream,
             engine=self.engine,
         )
+        return self.pidfd
 
-    def _watch(self) -> None:
-        while not self._stopping.is_set():
-            proc = self.proc
-            if proc is None:
-                return
-            code = proc.wait()
-            OWN_HELPERS.discard(proc.pid)
-            with self._lock:
-                if proc is self.proc:
-                    self._close_stdin()
-            if self._stopping.is_set():
-                return
-            now = time.monotonic()
-            self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
-            if len(self._restarts) >= MAX_RESTARTS:
-                log.error(
-                    "relay keeps dying: not started again; the serving port is closed (clients are refused)",
-                    event_name="relay_given_up",
-                    code=code,
-                    restarts=len(self._restarts),
-                )
-                self.public.close()  # refused at once rather than held in a backlog no one reads
-                return
-            log.error("relay exited: starting it again", event_name="relay_exited", code=code)
-            self._restarts.append(now)
-            if self._stopping.wait(RESTART_PAUSE_S):
-                return
-            try:
-                self._spawn()
-            except OSError as exc:
-                log.error("relay could not be started again", error=repr(exc))
-                return
+    def exited(self, now: float) -> float | None:
+        """The relay process died on its own (main thread, told by the exit monitor): reap it; the pause before
+        ``respawn``, or None: the run is ending, or it keeps dying (the serving port is closed then)."""
+        with self._lock:
+            proc, self.proc = self.proc, None
+            self._close_stdin()
+        if proc is None:
+            return None
+        code = proc.wait()  # its exit was read: a zombie, reaped at once
+        OWN_HELPERS.discard(proc.pid)
+        self._close_pidfd()
+        if self._stopping.is_set():
+            return None
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
+        if len(self._restarts) >= MAX_RESTARTS:
+            log.error(
+                "relay keeps dying: not started again; the serving port is closed (clients are refused)",
+                event_name="relay_given_up",
+                code=code,
+                restarts=len(self._restarts),
+            )
+            self.public.close()  # refused at once rather than held in a backlog no one reads
+            return None
+        log.error("relay exited: starting it again", event_name="relay_exited", code=code)
+        self._restarts.append(now)
+        return RESTART_PAUSE_S
+
+    def _close_pidfd(self) -> None:
+        if self.pidfd is not None:
+            self.pidfd.close()
+            self.pidfd = None
 
     def stop(self) -> None:
         """EOF on its stdin, SIGTERM, ``STOP_S`` for its 503s, then SIGKILL; its last counts are read then
@@ -283,4 +296,5 @@ class RelayProcess:
                 except subprocess.TimeoutExpired:
                     log.warning("relay did not end after SIGKILL", pid=proc.pid)
         OWN_HELPERS.discard(proc.pid)
+        self._close_pidfd()
         self._close_counts()

@@ -441,6 +441,7 @@ class PoisonRun:
     metrics_after: str
     exit_code: int
     after_relay_killed: tuple[int, float]  # a request's status, and its latency, sent right after the relay died
+    threads_after_relay: list[str]  # the supervisor's thread names once the relay was started again
 
 
 @pytest.fixture(scope="module")
@@ -474,12 +475,23 @@ def poison_run(tmp_path_factory) -> PoisonRun:
         started = time.monotonic()
         status = post_status(served.port, {"prompt": "after the relay died", "max_tokens": 2})
         after_relay = (status, time.monotonic() - started)
+        threads = thread_names(served.proc.pid)
     finally:
         load.stop()
         code = served.stop()
     leaked = wait_no_marked(served.mark, timeout=5.0)
     assert not leaked, f"processes leaked: {leaked}"
-    return PoisonRun(served, load, error, attempts, answered_at, alive, metrics, code, after_relay)
+    return PoisonRun(served, load, error, attempts, answered_at, alive, metrics, code, after_relay, threads)
+
+
+def thread_names(pid: int) -> list[str]:
+    names = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:
+            continue
+    return names
 
 
 def test_a_poison_request_is_quarantined_after_at_most_two_group_failures(poison_run):
@@ -526,6 +538,9 @@ def test_a_relay_that_dies_is_started_again_and_no_client_is_refused(poison_run)
     assert status == 200, status  # sent the moment it died: it waited in the port's backlog for the new relay
     assert [e["code"] for e in run.served.events("relay_exited")] == [-signal.SIGKILL]
     assert len(run.served.events("relay_started")) == 2
+    # Started again by the main loop, not by a thread that watches it: its parent-death signal is tied to the thread
+    # that forked it, and only the main thread lives as long as the supervisor.
+    assert "tps-relay" not in run.threads_after_relay, run.threads_after_relay
     print(f"\nanswered {took:.2f} s after the relay was SIGKILLed")
 
 

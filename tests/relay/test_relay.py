@@ -473,7 +473,15 @@ def test_the_supervisor_counts_and_tells_the_relay_through_pipes_across_a_relay_
 
         relay.tell("20261201T000000Z-rank_exit", {}, [])
         first = relay.proc.pid
-        os.kill(first, signal.SIGKILL)  # started again at once, and told the incident again
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not relay.pidfd.exited():
+            assert time.monotonic() < deadline, "a SIGKILLed relay did not end"
+            time.sleep(0.01)
+        # What the supervisor's main loop does when its exit monitor reports the relay's death: reap it, and start it
+        # again after the pause (told the incident again).
+        assert relay.exited(time.monotonic()) is not None
+        assert relay.respawn() is not None
         serving(first)
         assert post(port, {"prompt": "p", "max_tokens": 4})[0] == 200
         assert counts_reach(requests=3)["requests"] == 3, "the counts of both relay processes, summed"
