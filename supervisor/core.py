@@ -110,7 +110,7 @@ from .rank.heartbeat import CONTROL_SLOTS, HeartbeatSegment
 from .rank.listen import RELAY_URL_ENV
 from .rank.net import free_port
 from .relay.process import RelayProcess
-from .restart import RESTART_STABLE_S, RestartPolicy
+from .restart import RestartPolicy, crash_loop_over
 from .signals import Hurry
 from .spec import DEFAULT_FAULT_LINGER_S, LaunchSpec
 from .state import AttemptCase, EngineState, Event, next_state
@@ -327,7 +327,7 @@ class Supervisor:
         self._quarantine = RequestQuarantine(
             self.run_dir,
             self.spec.quarantine_after,
-            fresh_after_s=RESTART_STABLE_S,
+            crash_loop_over=crash_loop_over,
             on_quarantined=self.services.metrics.record_quarantined,
             from_relay=self.spec.relay.address is not None and self.public is not None,
         )

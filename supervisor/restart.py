@@ -31,6 +31,12 @@ RESTART_BACKOFF_MAX_S = 30.0
 RESTART_STABLE_S = 300.0
 
 
+def crash_loop_over(uptime_s: float) -> bool:
+    """An attempt that ran this long before it failed was no crash loop: what came before is forgotten (the restart
+    count here, the quarantine's suspicions in incidents/quarantine.py).  The one definition of the window."""
+    return uptime_s >= RESTART_STABLE_S
+
+
 class RestartPolicy:
     def __init__(self, max_restarts: int):
         self.max_restarts = max_restarts
@@ -49,7 +55,7 @@ class RestartPolicy:
         unless that node said it is final (``--on-straggler kill`` there).
         """
         restartable = outcome.restartable or (group and outcome.reason == "peer_failed" and not outcome.final)
-        if restartable and uptime_s >= RESTART_STABLE_S:
+        if restartable and crash_loop_over(uptime_s):
             self.restarts = 0  # it ran long enough: not a crash loop, the budget starts over
         if not restartable or stopping or self.restarts >= self.max_restarts:
             if restartable and self.max_restarts > 0 and not stopping:

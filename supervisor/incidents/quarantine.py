@@ -35,8 +35,8 @@ started nothing else, and only it is a suspect twice.  A fingerprint that
 was a suspect in ``--quarantine-after`` failed attempts of one crash loop is
 quarantined for the run: ``request_quarantined`` in the log, the counter
 ``supervise_quarantined_requests_total``, ``quarantine.json`` rewritten
-before the next attempt.  An attempt that stayed up ``fresh_after_s`` before
-failing starts a new crash loop: older suspicions are forgotten (and leave
+before the next attempt.  An attempt that stayed up long enough before failing
+(``crash_loop_over``: the restart policy's window, given by the decider) starts a new crash loop: older suspicions are forgotten (and leave
 the file at the next failure).
 
 Limits: a request that fails the group later in its life than its first
@@ -194,7 +194,7 @@ class RequestQuarantine:
         self,
         run_dir: Path,
         after: int,
-        fresh_after_s: float,
+        crash_loop_over: Callable[[float], bool],
         on_quarantined: Callable[[int], None],
         from_relay: bool = False,
         on_change: Callable[[str | None, dict[str, list[str]], list[str]], None] | None = None,
@@ -205,7 +205,7 @@ class RequestQuarantine:
         self.from_relay = from_relay
         self._relay_epoch: tuple[int, str] | None = None  # (the newest epoch blamed, for which incident)
         self.after = after  # 0: never quarantine (the in-flight requests still go into the bundles)
-        self.fresh_after_s = fresh_after_s
+        self.crash_loop_over = crash_loop_over  # (seconds an attempt ran) -> it was no crash loop
         self.on_quarantined = on_quarantined
         self.loop: list[FailedAttempt] = []  # failed attempts of the current crash loop
         self.incident: str | None = None  # the incident that ended the current attempt
@@ -240,7 +240,7 @@ class RequestQuarantine:
         self.incident = incident_id
         write_incident(self.run_dir, incident_id)
         self._tell()
-        if view.started_at and now - view.started_at >= self.fresh_after_s:
+        if view.started_at and self.crash_loop_over(now - view.started_at):
             self.loop = []  # it stayed up: not a crash loop, what came before is no evidence against a request
         rank0 = next((r.pid for r in view.ranks.values() if r.rank == 0), None)
         if rank0 is None and not self.from_relay:

@@ -17,8 +17,8 @@ import pytest
 from tp_supervise.engine import runfiles
 from tp_supervise.supervisor.incidents.quarantine import RequestQuarantine
 from tp_supervise.supervisor.processes.attempt import AttemptView, RankView
+from tp_supervise.supervisor.restart import RESTART_STABLE_S, crash_loop_over
 
-STABLE_S = 300.0
 STEP_S = 0.03  # between two engine steps: a forward pass of the CPU engine
 POISON, B1, B2, B3 = "aa" * 16, "b1" * 16, "b2" * 16, "b3" * 16
 
@@ -51,7 +51,7 @@ def listed(run_dir) -> tuple[dict, list[str]]:
 @pytest.fixture
 def book(tmp_path):
     counted: list[int] = []
-    q = RequestQuarantine(tmp_path, after=2, fresh_after_s=STABLE_S, on_quarantined=counted.append)
+    q = RequestQuarantine(tmp_path, after=2, crash_loop_over=crash_loop_over, on_quarantined=counted.append)
     q.counted = counted
     return q
 
@@ -156,7 +156,7 @@ def test_an_attempt_that_stayed_up_starts_a_new_crash_loop(book, tmp_path):
     book.fault("inc-1", view(0, started_at=1.0), now=2.0)
     book.before_attempt()
     in_flight(tmp_path, 1, (POISON,)).close()
-    book.fault("inc-2", view(1, started_at=10.0), now=10.0 + STABLE_S)
+    book.fault("inc-2", view(1, started_at=10.0), now=10.0 + RESTART_STABLE_S)
     assert listed(tmp_path) == ({}, [POISON])  # suspected again in a new loop, not quarantined
     book.before_attempt()
     in_flight(tmp_path, 2, (POISON,)).close()
@@ -165,7 +165,7 @@ def test_an_attempt_that_stayed_up_starts_a_new_crash_loop(book, tmp_path):
 
 
 def test_zero_never_quarantines_and_a_missing_file_is_said(tmp_path):
-    q = RequestQuarantine(tmp_path, after=0, fresh_after_s=STABLE_S, on_quarantined=lambda n: None)
+    q = RequestQuarantine(tmp_path, after=0, crash_loop_over=crash_loop_over, on_quarantined=lambda n: None)
     for n in range(3):
         q.before_attempt()
         in_flight(tmp_path, n, (POISON,)).close()
