@@ -461,7 +461,7 @@ class Supervisor:
         while True:
             outcome = self._run_attempt()
             if outcome.code != EXIT_OK:
-                self.quarantine.attempt_ended()  # quarantine.json before any next attempt
+                self.quarantine.attempt_ended(self.case.requests)  # quarantine.json before any next attempt
             between = Between(
                 number=self.attempt.number,
                 uptime_s=self.clock() - self.attempt.started_at,
@@ -544,7 +544,7 @@ class Supervisor:
         logs.bind_attempt(self.attempt.number)
         if self.attempt.number > 1:  # torch's own dump files of the attempt that ended are not this one's
             shutil.rmtree(self.run_dir / "fr-dump", ignore_errors=True)
-        self.quarantine.before_attempt()
+        self.case.requests = self.quarantine.before_attempt()
         extra_env = self.services.rank_env
         if self.spec.tree:
             env = launch.rank_env(self.base_env, self.ctx, None, extra_env(None))
@@ -680,7 +680,7 @@ class Supervisor:
             )
         )
         # Before the teardown signals any rank: rank 0 names the incident in the 503s it answers.
-        self.quarantine.fault(incident_id, self.attempt.view)
+        self.quarantine.fault(self.case.requests, incident_id, self.attempt.view)
         return incident_id
 
     def _on_signal_event(self, ev: SignalReceived) -> None:
@@ -1038,7 +1038,7 @@ class Supervisor:
         elif isinstance(ruling, PeerIncident):
             self.transition(Event.RANK_EXIT)
             # before this node's teardown: its rank 0 names the incident in the 503s it answers
-            self.quarantine.fault(ruling.incident_id, self.attempt.view)
+            self.quarantine.fault(self.case.requests, ruling.incident_id, self.attempt.view)
             extra = {
                 "culprit_ranks": [ruling.rank] if ruling.rank is not None else [],
                 "verdict": ruling.verdict,

@@ -25,6 +25,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .incidents.quarantine import AttemptRequests
+
 if TYPE_CHECKING:
     from .events import WatchdogVerdict
     from .nodes.messages import HangQuery
@@ -112,3 +114,5 @@ class AttemptCase:
     hang_query: HangQuery | None = None  # this node asked the others where the missing rank is
     peer_hang_query: HangQuery | None = None  # another node asked this one
     deferred_hang: WatchdogVerdict | None = None  # the hard verdict waiting for the answer
+    # what its failure caught (its incident, its requests in flight): the quarantine's record of this attempt
+    requests: AttemptRequests = field(default_factory=AttemptRequests)

@@ -131,9 +131,6 @@ class InFlight:
         those first scheduled within SAME_STEP_S of the newest."""
         return suspects_of(self.started_ns, self.step)
 
-    def oldest_first(self) -> list[str]:
-        return sorted(self.started_ns, key=lambda fp: (self.started_ns[fp], fp))
-
 
 def suspects_of(started_ns: dict[str, int], step: dict[str, int]) -> set[str]:
     if not started_ns:
@@ -187,6 +184,15 @@ class FailedAttempt:
     note: str | None = None  # why nothing was read (no file, a stale file, ...)
 
 
+@dataclass
+class AttemptRequests:
+    """What one attempt's failure caught: its incident (the first ruled) and, when rank 0 (or the relay) is on this
+    node, its requests in flight."""
+
+    incident: str | None = None
+    failed: FailedAttempt | None = None
+
+
 class RequestQuarantine:
     """Per run: the suspects of each failed attempt, the fingerprints quarantined, the files the engine reads."""
 
@@ -208,8 +214,7 @@ class RequestQuarantine:
         self.crash_loop_over = crash_loop_over  # (seconds an attempt ran) -> it was no crash loop
         self.on_quarantined = on_quarantined
         self.loop: list[FailedAttempt] = []  # failed attempts of the current crash loop
-        self.incident: str | None = None  # the incident that ended the current attempt
-        self.failed: FailedAttempt | None = None  # its requests, when rank 0 is on this node
+        self._incident: str | None = None  # the incident the relay was told (the attempt that runs has none)
         self.quarantined: dict[str, list[str]] = {}  # fingerprint → the incidents it was a suspect in
         self.decided: dict[str, list[str]] = {}  # incident id → fingerprints it quarantined
         self._written: tuple[dict[str, list[str]], list[str]] | None = None  # quarantine.json as last written
@@ -225,19 +230,21 @@ class RequestQuarantine:
             return self.run_dir / RELAY_INFLIGHT_FILE
         return runfiles.inflight_path(self.run_dir, 0)
 
-    def before_attempt(self) -> None:
-        """The next attempt starts: its requests are not part of the last incident."""
-        self.incident = self.failed = None
+    def before_attempt(self) -> AttemptRequests:
+        """The next attempt starts: its requests are not part of the last incident.  Its record, owned by the
+        attempt (the decider's case): a new one per attempt, never reset."""
+        self._incident = None
         clear_incident(self.run_dir)
         self._tell()
+        return AttemptRequests()
 
-    def fault(self, incident_id: str, view: AttemptView, now: float | None = None) -> None:
+    def fault(self, requests: AttemptRequests, incident_id: str, view: AttemptView, now: float | None = None) -> None:
         """A fault was ruled (before the teardown signals anything): the incident file, then the requests in flight,
         read while rank 0 may still be answering them, then the quarantine."""
         now = time.monotonic() if now is None else now
-        if self.incident is not None:
+        if requests.incident is not None:
             return  # the attempt already failed: its first incident is the one
-        self.incident = incident_id
+        requests.incident = self._incident = incident_id
         write_incident(self.run_dir, incident_id)
         self._tell()
         if view.started_at and self.crash_loop_over(now - view.started_at):
@@ -245,17 +252,17 @@ class RequestQuarantine:
         rank0 = next((r.pid for r in view.ranks.values() if r.rank == 0), None)
         if rank0 is None and not self.from_relay:
             return  # rank 0 is on another node (or never started): its requests are that node's to read
-        failed = self.failed = FailedAttempt(incident_id, view.restarts, rank0 or 0)
+        failed = requests.failed = FailedAttempt(incident_id, view.restarts, rank0 or 0)
         self.loop.append(failed)
         self._read_into(failed)
         self._decide(failed)
 
-    def attempt_ended(self) -> None:
+    def attempt_ended(self, requests: AttemptRequests) -> None:
         """After the teardown, before the next attempt: the file once more (its writer is gone: requests it
         recorded after the ruling count too), then the quarantine, written before the next attempt starts."""
-        if self.failed is not None:
-            self._read_into(self.failed)
-            self._decide(self.failed)
+        if requests.failed is not None:
+            self._read_into(requests.failed)
+            self._decide(requests.failed)
 
     def evidence(self, incident_id: str) -> dict:
         """The bundle's ``requests`` field for an incident ruled here ({} when none)."""
@@ -341,7 +348,7 @@ class RequestQuarantine:
 
     def _tell(self) -> None:
         if self.on_change is not None:
-            self.on_change(self.incident, *self._said)
+            self.on_change(self._incident, *self._said)
 
     def _write(self) -> None:
         """``quarantine.json`` when what it would say changed: before the next attempt starts (the relay is told

@@ -58,24 +58,24 @@ def book(tmp_path):
 
 @pytest.mark.parametrize("record_steps", [True, False], ids=["step-index", "start-time"])
 def test_only_the_request_the_failing_step_started_twice_is_quarantined(book, tmp_path, record_steps):
-    book.before_attempt()
+    req = book.before_attempt()
     f = in_flight(tmp_path, 0, (B1, B2), (POISON,), record_steps=record_steps)  # bystanders decoding, the poison new
-    book.fault("inc-1", view(0), now=2.0)
+    book.fault(req, "inc-1", view(0), now=2.0)
     assert runfiles.read_incident(tmp_path) == "inc-1"
     f.close()
-    book.attempt_ended()
+    book.attempt_ended(req)
     assert listed(tmp_path) == ({}, [POISON])  # suspected, not yet quarantined: the engine prefills it alone
     evidence = book.evidence("inc-1")["requests"]
     assert evidence["suspects"] == [POISON] and evidence["in_flight"] == [B1, B2, POISON]
     assert evidence["started_ms_before_newest"][POISON] == 0.0
 
-    book.before_attempt()
+    req = book.before_attempt()
     assert runfiles.read_incident(tmp_path) is None
     # the clients retried all three: the next attempt's first step schedules them together
     f = in_flight(tmp_path, 1, (B1, B2, POISON), record_steps=record_steps)
-    book.fault("inc-2", view(1), now=2.0)
+    book.fault(req, "inc-2", view(1), now=2.0)
     f.close()
-    book.attempt_ended()
+    book.attempt_ended(req)
     assert listed(tmp_path) == ({POISON: ("inc-1", "inc-2")}, [B1, B2])  # suspects of inc-2 only: not quarantined
     assert book.counted == [1]
     assert book.evidence("inc-2")["requests"]["quarantined"] == {POISON: ["inc-1", "inc-2"]}
@@ -86,15 +86,15 @@ def test_the_relay_is_told_what_the_files_say_when_it_changes(book, tmp_path):
     attempt, and the quarantine whenever quarantine.json's content changes (the same content)."""
     told: list[tuple] = []
     book.on_change = lambda incident, quarantined, suspects: told.append((incident, quarantined, suspects))
-    book.before_attempt()
+    req = book.before_attempt()
     in_flight(tmp_path, 0, (B1,), (POISON,)).close()
-    book.fault("inc-1", view(0), now=2.0)
-    book.attempt_ended()
-    book.before_attempt()
+    book.fault(req, "inc-1", view(0), now=2.0)
+    book.attempt_ended(req)
+    req = book.before_attempt()
     in_flight(tmp_path, 1, (POISON,)).close()
-    book.fault("inc-2", view(1), now=2.0)
-    book.attempt_ended()
-    book.before_attempt()
+    book.fault(req, "inc-2", view(1), now=2.0)
+    book.attempt_ended(req)
+    req = book.before_attempt()
     assert told == [
         (None, {}, []),
         ("inc-1", {}, []),
@@ -111,14 +111,15 @@ def test_the_relay_is_told_what_the_files_say_when_it_changes(book, tmp_path):
 def test_co_arrivals_are_suspects_once_and_only_the_poison_request_fails_alone_again(book, tmp_path):
     """The bystanders that arrived with the poison request share its step in the first failure; the engine then
     prefills each suspect alone, so the second failing step started only the poison request."""
+    req = book.before_attempt()
     in_flight(tmp_path, 0, (B3,), (B1, B2, POISON)).close()
-    book.fault("inc-1", view(0), now=2.0)
-    book.attempt_ended()
+    book.fault(req, "inc-1", view(0), now=2.0)
+    book.attempt_ended(req)
     assert listed(tmp_path) == ({}, sorted([B1, B2, POISON]))
-    book.before_attempt()
+    req = book.before_attempt()
     in_flight(tmp_path, 1, (B3,), (B1,), (POISON,)).close()  # B1 ran alone and decodes; the poison fails alone
-    book.fault("inc-2", view(1), now=2.0)
-    book.attempt_ended()
+    book.fault(req, "inc-2", view(1), now=2.0)
+    book.attempt_ended(req)
     assert book.evidence("inc-2")["requests"]["suspects"] == [POISON]
     assert listed(tmp_path) == ({POISON: ("inc-1", "inc-2")}, sorted([B1, B2]))  # still suspected: still alone
     assert book.counted == [1]
@@ -127,59 +128,61 @@ def test_co_arrivals_are_suspects_once_and_only_the_poison_request_fails_alone_a
 def test_co_arrivals_scheduled_together_again_are_quarantined_with_it(book, tmp_path):
     """The limit the suspects list removes: an engine that ignores it schedules the retried co-arrivals together."""
     for n in range(2):
-        book.before_attempt()
+        req = book.before_attempt()
         in_flight(tmp_path, n, (B1, POISON)).close()
-        book.fault(f"inc-{n}", view(n), now=2.0)
-        book.attempt_ended()
+        book.fault(req, f"inc-{n}", view(n), now=2.0)
+        book.attempt_ended(req)
     assert listed(tmp_path) == ({B1: ("inc-0", "inc-1"), POISON: ("inc-0", "inc-1")}, [])
 
 
 def test_an_earlier_attempts_file_is_no_evidence(book, tmp_path):
+    req = book.before_attempt()
     f = in_flight(tmp_path, 0, (POISON,))
     f.close()
-    book.fault("inc-1", view(0), now=2.0)
-    book.before_attempt()
-    book.fault("inc-2", view(1), now=2.0)  # rank 0 of attempt 1 never wrote its file: attempt 0's is still there
-    book.attempt_ended()
+    book.fault(req, "inc-1", view(0), now=2.0)
+    req = book.before_attempt()
+    book.fault(req, "inc-2", view(1), now=2.0)  # rank 0 of attempt 1 never wrote its file: attempt 0's is still there
+    book.attempt_ended(req)
     evidence = book.evidence("inc-2")["requests"]
     assert evidence["in_flight"] == [] and "earlier attempt" in evidence["note"]
     assert listed(tmp_path) == ({}, [POISON])  # the suspect of inc-1 only
     f = in_flight(tmp_path, 2, (POISON,))
-    book.before_attempt()
-    book.fault("inc-3", view(2, rank0=os.getpid() + 1), now=2.0)  # right attempt, another writer
+    req = book.before_attempt()
+    book.fault(req, "inc-3", view(2, rank0=os.getpid() + 1), now=2.0)  # right attempt, another writer
     f.close()
     assert "earlier attempt" in book.evidence("inc-3")["requests"]["note"]
 
 
 def test_an_attempt_that_stayed_up_starts_a_new_crash_loop(book, tmp_path):
+    req = book.before_attempt()
     in_flight(tmp_path, 0, (POISON,)).close()
-    book.fault("inc-1", view(0, started_at=1.0), now=2.0)
-    book.before_attempt()
+    book.fault(req, "inc-1", view(0, started_at=1.0), now=2.0)
+    req = book.before_attempt()
     in_flight(tmp_path, 1, (POISON,)).close()
-    book.fault("inc-2", view(1, started_at=10.0), now=10.0 + RESTART_STABLE_S)
+    book.fault(req, "inc-2", view(1, started_at=10.0), now=10.0 + RESTART_STABLE_S)
     assert listed(tmp_path) == ({}, [POISON])  # suspected again in a new loop, not quarantined
-    book.before_attempt()
+    req = book.before_attempt()
     in_flight(tmp_path, 2, (POISON,)).close()
-    book.fault("inc-3", view(2, started_at=1000.0), now=1001.0)
+    book.fault(req, "inc-3", view(2, started_at=1000.0), now=1001.0)
     assert listed(tmp_path) == ({POISON: ("inc-2", "inc-3")}, [])
 
 
 def test_zero_never_quarantines_and_a_missing_file_is_said(tmp_path):
     q = RequestQuarantine(tmp_path, after=0, crash_loop_over=crash_loop_over, on_quarantined=lambda n: None)
     for n in range(3):
-        q.before_attempt()
+        req = q.before_attempt()
         in_flight(tmp_path, n, (POISON,)).close()
-        q.fault(f"inc-{n}", view(n), now=2.0)
+        q.fault(req, f"inc-{n}", view(n), now=2.0)
     assert not (tmp_path / runfiles.QUARANTINE_FILE).exists()
     os.unlink(runfiles.inflight_path(tmp_path, 0))
-    q.before_attempt()
-    q.fault("inc-9", view(9), now=2.0)
+    q.fault(q.before_attempt(), "inc-9", view(9), now=2.0)
     assert "no in-flight file" in q.evidence("inc-9")["requests"]["note"]
 
 
 def test_the_first_incident_of_an_attempt_stays_and_a_node_without_rank_0_reads_nothing(book, tmp_path):
+    req = book.before_attempt()
     node1 = AttemptView(1.0, MappingProxyType({1: RankView(1, 1, 1, 1.0)}), None, 0, finished=True, number=1)
-    book.fault("inc-1", node1, now=2.0)
-    book.fault("inc-2", view(0), now=2.0)
+    book.fault(req, "inc-1", node1, now=2.0)
+    book.fault(req, "inc-2", view(0), now=2.0)
     assert runfiles.read_incident(tmp_path) == "inc-1"
     assert book.evidence("inc-1") == {} and book.evidence("inc-2") == {}
