@@ -21,6 +21,8 @@ import pytest
 
 from tp_supervise.supervisor.rank.net import free_port
 
+pytestmark = pytest.mark.slow  # straggler runs: a rank named after a sustained window (make test-slow)
+
 RANK = textwrap.dedent(
     """
     import os, signal, socket, sys, time

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import MARK_VAR, ROOT, wait_no_marked
 from tp_supervise.supervisor.rank.net import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # tens of seconds of real time each: make test-slow
 
 
 def test_drill_crash_and_poison_kinds_pass_and_report_json(tmp_path):

@@ -33,7 +33,7 @@ from tests.live import wait_for
 from tests.netlab import DelayProxy, Lab, NetlabUnavailable, netlab
 from tests.support.nodes import Node, stop_nodes
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # tens of seconds of real time each: make test-slow
 
 NODE_LOST_S = 4.0  # docs/multinode.md: a node that stopped heartbeating this long is lost
 MARGIN_S = 5.0  # detection passes, teardown (--kill-grace 2), a loaded host

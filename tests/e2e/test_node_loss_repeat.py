@@ -24,7 +24,7 @@ from tests.e2e.test_multinode import wait_joined
 from tests.e2e.test_multinode_fate import _lines_until
 from tp_supervise.supervisor.rank.net import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # tens of seconds of real time each: make test-slow
 
 GLOO = str(Path(__file__).resolve().parents[1] / "fakes" / "gloo_loop.py")
 REPEAT = int(os.environ.get("NODE_LOSS_REPEAT", "3"))
