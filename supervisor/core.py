@@ -604,12 +604,17 @@ class Supervisor:
         if pidfd is not None:
             self.monitor.watch(RELAY_KEY, pidfd)
 
-    def _on_relay_exit(self) -> None:
+    def _unwatch_relay(self) -> RelayProcess | None:
+        """The relay, no longer watched by the exit monitor (its pidfd is closed next)."""
         relay = self.relay
+        if relay is not None and relay.pidfd is not None:
+            self.monitor.release([relay.pidfd])
+        return relay
+
+    def _on_relay_exit(self) -> None:
+        relay = self._unwatch_relay()
         if relay is None:
             return
-        if relay.pidfd is not None:
-            self.monitor.release([relay.pidfd])
         pause = relay.exited(self.clock())
         if pause is not None:
             self.loop.after(pause, RelayRestart())
@@ -619,12 +624,9 @@ class Supervisor:
             self._watch_relay(self.relay.respawn())
 
     def _stop_relay(self) -> None:
-        relay = self.relay
-        if relay is None:
-            return
-        if relay.pidfd is not None:
-            self.monitor.release([relay.pidfd])
-        relay.stop()
+        relay = self._unwatch_relay()
+        if relay is not None:
+            relay.stop()
 
     # ------------------------------------------------------------------ events
     def _dispatch(self, ev: object, handlers: Mapping[type, Callable[[Any], None]]) -> None:

@@ -31,7 +31,7 @@ from tp_supervise.supervisor.rank.net import listen_backlog
 from .engines import adapter
 from .hold import DEFAULT_MAX_HELD, HOLD_S, Group
 from .http import DEFAULT_READ_TIMEOUT_S, Relay
-from .protocol import COUNT_KEYS, COUNTS_EVERY_S, MODULE, Counts, Notice
+from .protocol import COUNT_KEYS, COUNTS_EVERY_S, MODULE, Counts, Notice, read_now
 
 LINGER_S = 1.0
 DRAIN_S = 2.0  # at SIGTERM: handlers answering their 503 get this long
@@ -128,12 +128,9 @@ class _Notices:
         loop.add_reader(self._fd, self._readable)
 
     def _readable(self) -> None:
-        try:
-            data = os.read(self._fd, 65536)
-        except BlockingIOError:
+        data = read_now(self._fd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:  # the supervisor closed it, or died
             self._loop.remove_reader(self._fd)
             self.group.ending.set()

@@ -39,7 +39,7 @@ import structlog
 from ..processes.listen_socket import ListenSocket
 from ..processes.pidfds import OWN_HELPERS, Pidfd, set_parent_death_signal
 from ..rank.listen import RELAY_URL_ENV, SUPERVISE_LISTEN_FDS
-from .protocol import COUNT_KEYS, GAUGE_KEYS, MODULE, Notice, parse_counts
+from .protocol import COUNT_KEYS, GAUGE_KEYS, MODULE, Notice, parse_counts, read_now
 
 log = structlog.get_logger("supervise")
 
@@ -127,12 +127,7 @@ class RelayProcess:
 
     def _drain_counts(self) -> None:
         while self._counts_read is not None:
-            try:
-                data = os.read(self._counts_read, 65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
+            data = read_now(self._counts_read)
             if not data:
                 return
             self._counts.take(data)

@@ -48,6 +48,7 @@ docs/engine.md, "The relay".
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ VERSION = 1
 COUNT_KEYS = ("requests", "resent", "resumed_streams", "given_up", "quarantined")  # cumulative per relay process
 GAUGE_KEYS = ("held",)  # the relay process's value now (requests waiting for the next attempt)
 COUNTS_EVERY_S = 0.1  # a counts line at most this often
+READ_BYTES = 65536  # one read of a pipe of either side
 RELAY_INFLIGHT_FILE = "inflight-relay"  # in the run dir: the relay's requests in flight (the quarantine's evidence)
 
 
@@ -125,3 +127,14 @@ def parse_counts(line: bytes) -> tuple[int, dict[str, int], dict[str, int]]:
     except (KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
         raise ValueError(str(exc)) from None
     return pid, counts, gauges
+
+
+def read_now(fd: int) -> bytes | None:
+    """What a non-blocking pipe holds now (either side's): b"" at its end (or when it cannot be read), None when
+    nothing is there yet."""
+    try:
+        return os.read(fd, READ_BYTES)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
