@@ -258,11 +258,19 @@ class InflightRequests:
 
 @dataclass(frozen=True)
 class InflightSnapshot:
+    """One read of an in-flight file, the one parser of its layout (the supervisor's quarantine reads it too)."""
+
     pid: int
     attempt: int
     generation: int
-    fingerprints: tuple[str, ...]  # hex, oldest first
+    started_ns: dict[str, int]  # fingerprint (hex) -> first scheduled (monotonic ns)
+    step: dict[str, int]  # fingerprint (hex) -> the engine step that first scheduled it (0: not recorded)
     settled: bool  # False: the writer died (or was read) in the middle of one change
+
+    @property
+    def fingerprints(self) -> tuple[str, ...]:
+        """In flight, oldest first."""
+        return tuple(sorted(self.started_ns, key=lambda fp: (self.started_ns[fp], fp)))
 
 
 class InflightFormatError(ValueError):
@@ -279,13 +287,14 @@ def _parse_inflight(data: bytes) -> InflightSnapshot:
         )
     if len(data) != HEADER.size + SLOT.size * nslots:
         raise InflightFormatError(f"{len(data)} bytes for {nslots} slots")
-    live = []
+    started: dict[str, int] = {}
+    steps: dict[str, int] = {}
     for i in range(nslots):
-        state, _step, since, fp = SLOT.unpack_from(data, HEADER.size + SLOT.size * i)
+        state, step, since, fp = SLOT.unpack_from(data, HEADER.size + SLOT.size * i)
         if state == SLOT_IN_FLIGHT:
-            live.append((since, fp.hex()))
-    live.sort()
-    return InflightSnapshot(pid, attempt, generation, tuple(fp for _, fp in live), generation % 2 == 0)
+            started[fp.hex()] = since
+            steps[fp.hex()] = step
+    return InflightSnapshot(pid, attempt, generation, started, steps, generation % 2 == 0)
 
 
 def read_inflight(path: str | os.PathLike) -> InflightSnapshot:

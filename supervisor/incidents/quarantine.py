@@ -58,7 +58,6 @@ desk's dump threads read ``evidence()``'s frozen dicts.
 from __future__ import annotations
 
 import os
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -143,33 +142,13 @@ def suspects_of(started_ns: dict[str, int], step: dict[str, int]) -> set[str]:
 
 
 def read_in_flight(path: Path) -> InFlight | None:
-    """The file's requests with their start times (``runfiles.read_inflight``'s rules: retried while a change is
-    being written).  None: no file.  Raises ``runfiles.InflightFormatError`` for a file that is not one."""
-    for _ in range(runfiles.READ_RETRIES):
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        if len(data) < runfiles.HEADER.size:
-            raise runfiles.InflightFormatError(f"{len(data)} bytes is shorter than the header")
-        magic, version, nslots, pid, attempt, generation = runfiles.HEADER.unpack_from(data, 0)
-        if magic != runfiles.MAGIC or version != runfiles.LAYOUT_VERSION:
-            raise runfiles.InflightFormatError(f"magic {magic!r}, version {version}")
-        if len(data) != runfiles.HEADER.size + runfiles.SLOT.size * nslots:
-            raise runfiles.InflightFormatError(f"{len(data)} bytes for {nslots} slots")
-        started: dict[str, int] = {}
-        steps: dict[str, int] = {}
-        for i in range(nslots):
-            state, step, since, fp = runfiles.SLOT.unpack_from(data, runfiles.HEADER.size + runfiles.SLOT.size * i)
-            if state == runfiles.SLOT_IN_FLIGHT:
-                started[fp.hex()] = since
-                steps[fp.hex()] = step
-        with open(path, "rb") as f:
-            f.seek(runfiles.GENERATION_OFFSET)
-            (after,) = struct.unpack("<Q", f.read(8))
-        if generation % 2 == 0 and after == generation:
-            break
-    return InFlight(pid, attempt, started, steps)  # a dead writer may have stopped mid-change: the state bytes hold
+    """The file's requests with their start times (``runfiles.read_inflight``, the one parser of its layout).
+    None: no file.  Raises ``runfiles.InflightFormatError`` for a file that is not one."""
+    try:
+        snap = runfiles.read_inflight(path)
+    except FileNotFoundError:
+        return None
+    return InFlight(snap.pid, snap.attempt, snap.started_ns, snap.step)
 
 
 # -- the quarantine ---------------------------------------------------------------------------------------------
