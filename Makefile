@@ -28,7 +28,7 @@ test: $(STAMP)
 
 # Runs whose subject needs tens of seconds of real time (a straggler is named after a sustained window, a minute of
 # load shows nothing diverges, a slow or idle rank is shown not to be a hang, a fuzzer's hundreds of bodies, a COMMAND
-# behind the relay, --on-straggler's actions, repeated node losses, network namespaces, drill runs), ~7.5 min:
+# behind the relay, --on-straggler's actions, repeated node losses, network namespaces, drill runs, dump deadlines, forged node frames), ~8.5 min:
 # their own tier, run by .ci/run after make test.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) -m "slow and not engines"

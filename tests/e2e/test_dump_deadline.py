@@ -32,7 +32,7 @@ from tests.conftest import MARK_VAR, ROOT, Run, fake_rank
 from tests.live import wait_registry
 from tests.support.blockers import BlockingMount, FifoStall, wedged_pynvml
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # tens of seconds of real time each: make test-slow
 
 GLOO = str(ROOT / "tests" / "fakes" / "gloo_loop.py")
 STALL_WRAPPER = ROOT / "tests" / "fakes" / "stall_dumps.py"

@@ -58,7 +58,7 @@ from tp_supervise.supervisor.nodes.tunnel import Tunnel, open_channel
 from tp_supervise.supervisor.nodes.wire import Refused
 from tp_supervise.supervisor.rank.net import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # tens of seconds of real time each: make test-slow
 
 PREFIX = "tpsv/v1/"
 TOKEN = "strangers-test-token"

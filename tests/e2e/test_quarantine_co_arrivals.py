@@ -36,7 +36,7 @@ from tests.conftest import wait_no_marked
 from tests.e2e.test_serving_through_faults import Served, serve
 from tp_supervise.engine.inject import POISON_MARKER
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # tens of seconds of real time each: make test-slow
 
 INNOCENT = 3
 BACKGROUND_TOKENS = 400  # at 200 ms a step: longer than a round
