@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.freezer import FREEZER_ROOT
+from tests.support.logs import json_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_RANK = ROOT / "tests" / "fakes" / "rank.py"
@@ -130,14 +131,14 @@ class Run:
             pytest.fail(f"supervise did not exit within {timeout} s\nstderr:\n{err[-4000:]}")
         self.ended = time.monotonic()
         self.stdout, self.stderr = out, err
-        self.lines = _json_lines(err)
+        self.lines = json_lines(err)
         return self.proc.returncode
 
     def lines_so_far(self) -> list[dict]:
         """The JSON log lines of a drained run that is still going (``lines`` once it ended)."""
         if self.ended is not None or not self.drains:
             return self.lines
-        return _json_lines("".join(list(self.drains[1][1])))
+        return json_lines("".join(list(self.drains[1][1])))
 
     @property
     def elapsed(self) -> float:
@@ -171,18 +172,6 @@ class Run:
             if line.get("run_id"):
                 return line["run_id"]
         return None
-
-
-def _json_lines(text: str) -> list[dict]:
-    lines = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                lines.append(json.loads(line))
-            except ValueError:
-                pass
-    return lines
 
 
 def open_fds() -> dict[int, str]:
