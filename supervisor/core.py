@@ -867,12 +867,11 @@ class Supervisor:
         self.monitor.watch(key, handle.proc, self.attempt.number, parent=parent)
 
     def _tick_between(self, ev: LoopTick) -> None:
-        self.services.liveness.beat()  # restarting on purpose is alive
+        self.services.liveness.beat()  # the loop turns (restarting on purpose is alive too)
         self.loop.after(LOOP_TICK_S, ev)
 
     def _on_loop_tick(self, ev: LoopTick) -> None:
-        self.services.liveness.beat()
-        self.loop.after(LOOP_TICK_S, ev)
+        self._tick_between(ev)
         # What the engine sets up in /dev/shm (vLLM's shm all-reduce buffers, made after the workers joined).
         self.attempt.look_at_shm(time.monotonic(), every_s=SHM_LOOK_EVERY_S)
         for handle in self.attempt.ranks.values():

@@ -85,7 +85,3 @@ class Loop:
             return self._queue.get(timeout=timeout)
         except queue.Empty:
             return self.due()
-
-    def pending(self) -> list[object]:
-        """Events of the timers still armed, earliest first (for tests and the status view)."""
-        return [t.event for t in sorted(self._heap) if not t.cancelled]

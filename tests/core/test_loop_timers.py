@@ -50,7 +50,7 @@ def test_timers_come_out_at_their_time_earliest_first_before_posted_events_and_c
     clock.now = 102.0
     loop.post("posted")
     assert [loop.next(), loop.next(), loop.next()] == ["early", "late", "posted"], "due timers first"
-    assert late.when == 102.0 and loop.pending() == []
+    assert late.when == 102.0 and loop.next_deadline() is None
     t0 = time.monotonic()
     assert loop.next(until=clock.now) is None, "nothing due, nothing posted: the wait ends at `until`"
     assert time.monotonic() - t0 < 1.0
@@ -101,16 +101,18 @@ def test_a_failure_held_for_the_other_nodes_news_is_ruled_at_the_end_of_its_wind
         rank_died_saying(pump, 1, b"Traceback ...\nRuntimeError: [gloo] Connection reset by peer\n")
 
         fail(sup, handle, info)
-        [check] = sup.loop.pending()
+        check = sup.loop.due()  # armed for now: the stderr is read at once
         assert isinstance(check, StderrCheck) and check.until == exited_at + STDERR_READ_S
-        sup._dispatch(sup.loop.due(), sup.handlers)  # the stderr says: a peer's connection broke
-        [window] = sup.loop.pending()
-        assert isinstance(window, ConsequenceWindowOver) and sup.loop.next_deadline() == exited_at + CONSEQUENCE_WAIT_S
+        assert sup.loop.next_deadline() is None, "one timer armed"
+        sup._dispatch(check, sup.handlers)  # the stderr says: a peer's connection broke
+        assert sup.loop.next_deadline() == exited_at + CONSEQUENCE_WAIT_S
 
         clock.now = exited_at + CONSEQUENCE_WAIT_S - 0.001
         assert sup.loop.due() is None and ruled == [], "inside the window: held for another node's fault"
         clock.now = exited_at + CONSEQUENCE_WAIT_S
-        sup._dispatch(sup.loop.due(), sup.handlers)
+        window = sup.loop.due()
+        assert isinstance(window, ConsequenceWindowOver) and sup.loop.next_deadline() is None, "one timer armed"
+        sup._dispatch(window, sup.handlers)
         assert ruled == [1], "no news by the end of the window: this node's own failure"
     finally:
         sup.monitor.stop()
@@ -129,7 +131,7 @@ def test_a_failure_whose_stderr_blames_no_peer_is_ruled_at_once_and_one_never_dr
         rank_died_saying(pump, 0, b"ValueError: a bug of its own\n")
         fail(sup, own, info)
         sup._dispatch(sup.loop.due(), sup.handlers)
-        assert ruled == [0] and sup.loop.pending() == []
+        assert ruled == [0] and sup.loop.next_deadline() is None
 
         # A rank whose stderr is still open (a child of it holds the pipe): looked at again until its read time.
         streams = pump.open(Source(rank=1, local_rank=1), "timers")
@@ -140,10 +142,11 @@ def test_a_failure_whose_stderr_blames_no_peer_is_ruled_at_once_and_one_never_dr
             late.exited_at = clock()
             fail(sup, late, info)
             looks = 0
-            while sup.loop.pending():
-                assert isinstance(sup.loop.pending()[0], StderrCheck)
-                clock.now = sup.loop.next_deadline()
-                sup._dispatch(sup.loop.due(), sup.handlers)
+            while (when := sup.loop.next_deadline()) is not None:
+                clock.now = when
+                look = sup.loop.due()
+                assert isinstance(look, StderrCheck), look
+                sup._dispatch(look, sup.handlers)
                 looks += 1
             assert ruled == [0, 1] and clock.now >= late.exited_at + STDERR_READ_S
             assert looks < 100, "looked again every few tens of milliseconds, not in a busy loop"
