@@ -111,7 +111,7 @@ class RuleHang:
 @dataclass(frozen=True)
 class Hold:
     """Nothing is ruled yet: ``event`` comes back to the decider at ``when`` (its loop's clock), unless the attempt
-    ended meanwhile (a timer of the main loop, supervisor/loop.py)."""
+    ended meanwhile (a timer of the main loop, supervisor/loop.py); ``event`` None: held by a timer armed before."""
 
     when: float
     event: object
