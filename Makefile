@@ -10,6 +10,9 @@ ARGS ?=
 # two pytest-xdist workers, each taking whole files (module-scoped runs stay one run), and the 30 slowest tests
 # listed at the end; PYTEST_ARGS= runs serially
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=30
+# Every supervisor, rank script and engine process the tests start imports this tree: with bytecode caching off
+# (some environments export PYTHONDONTWRITEBYTECODE=1) each of them compiled it again, ~0.3 s of CPU a process.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: serve test test-slow test-bench test-engines lint bench bench-vllm bench-vllm-relay bench-vllm-multinode bench-campaign gpu-check clean
 
