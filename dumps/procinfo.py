@@ -76,6 +76,17 @@ def proc_state(pid: int | None) -> str | None:
         return None
 
 
+def runq_wait_ns(pid: int) -> int | None:
+    """How long, in all, the process's main thread has been ready to run and waited for a CPU (nanoseconds, the
+    second field of ``/proc/<pid>/schedstat``; a cgroup's CPU throttling counts: the thread waits on the run
+    queue through it); None when it is gone or the kernel keeps no such count.  One small read, no lock of the
+    process: the watchdog reads it on its tick while a stall lasts."""
+    try:
+        return int(_read(f"/proc/{pid}/schedstat").split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _task_cpu_ns(pid: int, tid: str) -> int:
     try:
         return int(_read(f"/proc/{pid}/task/{tid}/schedstat").split()[0])

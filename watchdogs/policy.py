@@ -45,6 +45,17 @@ fed here, in the steady state only: each rank's progress since the previous
 observation (``adaptive.rank_progress``: its precise collective intervals and
 step durations), the length of a stall that ended in progress, and when
 neither exists the time between two progressing observations.
+
+**A stall the CPU caused.**  A process that is ready to run and waits for a
+CPU (a host whose cores are all taken, a container throttled by its cgroup's
+CPU limit) makes no progress through no fault of its own: its step is slow,
+not stuck.  The caller passes ``cpu_wait_s``, how long the watched processes
+waited on a run queue since the stall reached its soft stage (the longest of
+any of them, each process's main thread: where a step runs); that time is
+counted out of the stall against the hard bar, at most the bar itself, so a
+starved group is ruled no later than twice its bar and a stopped or spinning
+process (which waits for no CPU, or gets one) exactly at it.  The soft stage
+keeps the clock's stall: it only dumps and warns.
 """
 
 from __future__ import annotations
@@ -84,6 +95,8 @@ class VerdictKind(str, Enum):
 FIRING_KINDS = frozenset({VerdictKind.SOFT, VerdictKind.HARD, VerdictKind.STARTUP_TIMEOUT, VerdictKind.RECOVERED})
 STALLED_KINDS = frozenset({VerdictKind.SOFT, VerdictKind.SUSPECT, VerdictKind.HARD, VerdictKind.HUNG})
 
+# A stall's CPU wait below this is not mentioned in the verdict's sentence (it is in ``to_dict`` all the same).
+CPU_WAIT_WORTH_A_WORD_S = 0.5
 SOURCE_EXPLICIT = "explicit"
 SOURCE_LEARNED = "learned"
 SOURCE_WARMUP = "warmup"
@@ -175,6 +188,13 @@ class Verdict:
     # another node's hang query, those stopped, outside collectives or behind its sequence number; on this
     # node's own hard verdict, those stopped (state T/t, read by the caller: a stop inside a collective too)
     elsewhere_ranks: tuple[int, ...] = ()
+    cpu_wait_s: float = 0.0  # of the stall, time its processes waited for a CPU (counted out of the hard bar)
+
+    @property
+    def counted_out(self) -> bool:
+        """The stall is past the hard bar by the clock, short of it once the time its processes waited for a
+        CPU is counted out: a starved host, not (yet) a hang."""
+        return self.kind in (VerdictKind.SOFT, VerdictKind.SUSPECT) and self.stalled_s >= self.hard_timeout
 
     @property
     def fired(self) -> bool:
@@ -211,6 +231,7 @@ class Verdict:
             "external": None if self.external is None else self.external.to_dict(),
             "control": [_control_dict(c, self.at) for c in self.control],
             "thresholds_of_step_tokens": self.step_tokens,
+            "cpu_wait_seconds": round(self.cpu_wait_s, 3),
         }
 
 
@@ -322,13 +343,15 @@ def _steady_kind(
     hard: float,
     soft_fired: bool,
     hard_fired: bool,
+    cpu_wait_s: float = 0.0,
 ) -> tuple[VerdictKind, float, bool, bool]:
-    """(kind, stalled seconds, soft_fired, hard_fired) after startup.  Fired kinds are edge-triggered."""
+    """(kind, stalled seconds, soft_fired, hard_fired) after startup.  Fired kinds are edge-triggered.  The hard
+    bar is met by the stall less ``cpu_wait_s`` (at most ``hard``): time the processes could not run."""
     if stall_start is None or progress:
         kind = VerdictKind.RECOVERED if (soft_fired or hard_fired) else (VerdictKind.OK if busy else VerdictKind.IDLE)
         return kind, 0.0, False, False
     stalled = now - stall_start
-    if stalled >= hard:
+    if stalled - min(cpu_wait_s, hard) >= hard or hard_fired and stalled >= hard:
         return (VerdictKind.HUNG if hard_fired else VerdictKind.HARD), stalled, soft_fired, True
     if stalled >= soft or soft_fired:
         return (VerdictKind.SUSPECT if soft_fired else VerdictKind.SOFT), stalled, True, hard_fired
@@ -343,12 +366,17 @@ def observe(
     external: ExternalProgress | None = None,
     exited: Set[int] = frozenset(),
     control: Sequence[SlotSnapshot] = (),
+    cpu_wait_s: float = 0.0,
 ) -> tuple[WatchdogState, Verdict]:
     """Fold one reading of the heartbeat slots into the state and decide.
 
     ``now`` is ``time.monotonic()``; ``exited`` holds slot indices whose
     process is known dead (their stale flags must not make the group busy);
-    ``control``: the live control-plane slots (numbered apart from the ranks').
+    ``control``: the live control-plane slots (numbered apart from the ranks');
+    ``cpu_wait_s``: how long, in this stall since its soft stage, the watched
+    processes were ready to run and waited for a CPU (a starved host, a
+    throttled cgroup): counted out of the stall against the hard bar, at most
+    the bar itself (module docstring: "A stall the CPU caused").
     """
     live = [s for s in snapshots if s.claimed and not s.finished and s.slot not in exited]
     plane = [c for c in control if c.claimed and not c.finished]
@@ -447,7 +475,7 @@ def observe(
     stalled = 0.0
     if not pending:
         kind, stalled, soft_fired, hard_fired = _steady_kind(
-            now, stall_start, progress, busy, soft, hard, soft_fired, hard_fired
+            now, stall_start, progress, busy, soft, hard, soft_fired, hard_fired, cpu_wait_s
         )
 
     new_state = WatchdogState(
@@ -484,6 +512,7 @@ def observe(
         control=tuple(plane),
         step_tokens=tokens,
         missing=missing,
+        cpu_wait_s=cpu_wait_s if stall_start is not None and not progress else 0.0,
     )
     return new_state, verdict
 
@@ -506,6 +535,7 @@ def _verdict(
     control: tuple[SlotSnapshot, ...] = (),
     step_tokens: int = 0,
     missing: tuple[int, ...] = (),
+    cpu_wait_s: float = 0.0,
 ) -> Verdict:
     soft, hard, soft_src, hard_src = limits
     ordered = sorted(live, key=lambda s: (s.rank, s.slot))
@@ -527,6 +557,8 @@ def _verdict(
         message += f"; rank {ranks} has not arrived at the collective its peers wait in (hard {hard:.2f} s)"
     if kind in STALLED_KINDS and control:
         message += "; " + _control_where(control, now)
+    if kind in STALLED_KINDS and cpu_wait_s >= CPU_WAIT_WORTH_A_WORD_S:
+        message += f"; its processes waited {cpu_wait_s:.1f} s for a CPU meanwhile (not counted against the hard bar)"
     return Verdict(
         kind=kind,
         at=now,
@@ -550,6 +582,7 @@ def _verdict(
         external=external,
         control=control,
         step_tokens=step_tokens,
+        cpu_wait_s=cpu_wait_s,
     )
 
 

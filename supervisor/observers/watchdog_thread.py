@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import psutil
 import structlog
 
-from tp_supervise.dumps.procinfo import proc_state
+from tp_supervise.dumps.procinfo import proc_state, runq_wait_ns
 from tp_supervise.watchdogs import policy
 
 from ..events import AllRanksReady, ControlClaimed, RankClaimed, WatchdogVerdict
@@ -68,6 +68,32 @@ class AttemptWatch:
     # (slot pid, rank pid) -> whether the slot's writer descends from the rank (a wrapper script's python); the
     # process tree of a pid never changes that.
     descends: dict[tuple[int, int], bool] = field(default_factory=dict)
+    cpu_wait: CpuWait = field(default_factory=lambda: CpuWait())
+
+
+class CpuWait:
+    """How long the watched processes waited for a CPU in the stall at hand, since its soft stage (the policy
+    counts it out of the stall against the hard bar: watchdogs/policy.py, "A stall the CPU caused").  Read from
+    each process's main thread (``/proc/<pid>/schedstat``) on the ticks of a stall past its soft stage only: one
+    small read per process then, none otherwise."""
+
+    def __init__(self) -> None:
+        self.base: dict[int, int] = {}  # pid -> its run-queue wait when the stall reached its soft stage
+        self.said = False  # the stall at hand was said to be counted out (once per stall)
+
+    def seconds(self, soft_fired: bool, pids: list[int]) -> float:
+        if not soft_fired:
+            self.base.clear()
+            self.said = False
+            return 0.0
+        longest = 0
+        for pid in pids:
+            now = runq_wait_ns(pid)
+            if now is None:
+                continue
+            before = self.base.setdefault(pid, now)
+            longest = max(longest, now - before)
+        return longest / 1e9
 
 
 class WatchdogThread:
@@ -191,7 +217,20 @@ class WatchdogThread:
         control = self.control_slots(attempt)
         external = self._external(control)
         exited = {slot for slot, r in attempt.ranks.items() if not r.alive}
-        self.state, verdict = policy.observe(self.state, snaps, now, self.config, external, exited, control)
+        watched = [s.pid for s in (*snaps, *control) if s.claimed and not s.finished and s.slot not in exited]
+        waited = self.watch.cpu_wait.seconds(self.state.soft_fired and not self.state.hard_fired, watched)
+        self.state, verdict = policy.observe(
+            self.state, snaps, now, self.config, external, exited, control, cpu_wait_s=waited
+        )
+        if verdict.counted_out and not self.watch.cpu_wait.said:
+            self.watch.cpu_wait.said = True
+            log.warning(
+                "stall past the hard bar while its processes waited for a CPU: counted out, not a hang yet",
+                event_name="stall_cpu_starved",
+                stalled_s=round(verdict.stalled_s, 2),
+                cpu_wait_s=round(verdict.cpu_wait_s, 2),
+                hard_s=round(verdict.hard_timeout, 2),
+            )
         verdict = self._answer_hang_queries(verdict, snaps)
         if verdict.kind is policy.VerdictKind.HARD and not verdict.elsewhere_ranks:
             # a rank stopped by a signal is the culprit here, even inside a collective: no other node is asked

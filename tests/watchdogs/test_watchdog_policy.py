@@ -125,6 +125,39 @@ def test_stopped_rank_fires_soft_once_then_hard_once():
     assert hard.soft_source == hard.hard_source == "explicit"
 
 
+def test_time_waiting_for_a_cpu_is_counted_out_of_the_hard_bar_at_most_once_over():
+    """Soft 3 s, hard 6 s.  A stall whose processes wait for a CPU half the time since its soft stage is ruled
+    only when the stall less that wait reaches 6 s; a stall whose every second was waiting is ruled at twice the
+    bar (12 s), never later; no wait, at the bar exactly.  The soft stage keeps the clock's stall."""
+
+    def stall(wait_share: float) -> tuple[Driver, float]:
+        d = Driver(EXPLICIT)
+        g = SteadyGroup()
+        for _ in range(20):
+            d.tick(g.advance(0.05))
+        since, soft_at = d.now, None
+        for _ in range(200):
+            v = d.tick(g.stopped(1, since), cpu_wait_s=0.0 if soft_at is None else (d.now - soft_at) * wait_share)
+            if v.kind is K.SOFT:
+                soft_at = d.now
+        return d, since
+
+    d, since = stall(0.0)
+    assert d.first(K.HARD).stalled_s == pytest.approx(6.0, abs=TICK + 1e-9)
+    assert not any(v.counted_out for v in d.verdicts)
+    d, since = stall(0.5)
+    soft, hard = d.first(K.SOFT), d.first(K.HARD)
+    assert soft.stalled_s == pytest.approx(3.0, abs=TICK + 1e-9)
+    # stalled - (stalled - 3) / 2 >= 6  <=>  stalled >= 9
+    assert hard.stalled_s == pytest.approx(9.0, abs=2 * TICK)
+    assert "s for a CPU meanwhile" in hard.message and hard.to_dict()["cpu_wait_seconds"] == pytest.approx(3.0, abs=0.2)
+    over = [v for v in d.verdicts if v.counted_out]
+    assert over and over[0].stalled_s == pytest.approx(6.0, abs=TICK + 1e-9) and over[0].kind is K.SUSPECT
+    d, since = stall(1.0)
+    assert d.first(K.HARD).stalled_s == pytest.approx(12.0, abs=TICK + 1e-9)  # the bar counted out once, no more
+    assert d.fired() == [K.SOFT, K.HARD] and set(d.kinds()[d.kinds().index(K.HARD) + 1 :]) == {K.HUNG}
+
+
 def test_soft_and_hard_crossed_in_one_tick_fires_only_hard():
     d = Driver(EXPLICIT)
     g = SteadyGroup()

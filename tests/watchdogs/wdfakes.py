@@ -74,9 +74,12 @@ class Driver:
         dt: float = TICK,
         external: ExternalProgress | None = None,
         exited: Iterable[int] = (),
+        cpu_wait_s: float = 0.0,
     ) -> Verdict:
         self.now += dt
-        self.state, verdict = observe(self.state, snaps, self.now, self.config, external, frozenset(exited))
+        self.state, verdict = observe(
+            self.state, snaps, self.now, self.config, external, frozenset(exited), cpu_wait_s=cpu_wait_s
+        )
         self.verdicts.append(verdict)
         return verdict
 
