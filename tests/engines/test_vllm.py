@@ -24,9 +24,10 @@ from tests.dumps.test_slowness import cpu_cgroup_v1
 from tests.support.nodes import mapped_shm
 from tp_supervise.supervisor.rank.net import free_port
 
+from .clients import RESTART_TIMEOUT_S, Clients, LongStream, Readiness, references, wait_served_after
 from .conftest import VLLM_PYTHON
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
 SERVE_TIMEOUT_S = 300  # vLLM alone serves in ~60 s on 2 cores; under the suite's load it can take much longer
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -201,9 +202,11 @@ PLUGIN = str(Path(__file__).parent / "plugin")
 
 
 # -- one vLLM start, several faults: each ends in a restart, each asserted by its own bundle ------------------------
-# The faults a user meets most, one after another in one supervised run (--max-restarts): every one is a vLLM start
-# (the restart), none a start of its own.  The lane (SUPERVISE_DRILL, docs/drills.md) arms the faults that live
-# inside a process (stuck in Python in a step, in the scheduling call), as `supervise drill` does.
+# The faults a user meets most, one after another in one supervised run (--max-restarts) behind the relay: every
+# one is a vLLM start (the restart), none a start of its own.  The lane (SUPERVISE_DRILL, docs/drills.md) arms the
+# faults that live inside a process (stuck in Python in a step, in the scheduling call), as `supervise drill` does.
+# Eight clients of the official SDK ask through the relay all along (greedy, each text known): through every
+# fault none sees an error or a different text, and a stream cut by a SIGKILLed worker continues where it was.
 LEARN_S = 8.0  # load after each restart before the next fault: the watchdog keeps what earlier attempts taught
 FAULT_TIMEOUT_S = 240.0  # a fault to its bundle (a hang: the hard bar; vLLM's own timeout would be 300 s)
 
@@ -231,6 +234,17 @@ class Sequence:
     exit_code: int
     left: str  # what assert_nothing_left said ("" when nothing)
     straggler: Straggler
+    relayed: Relayed
+
+
+@dataclass
+class Relayed:
+    """What the clients behind the relay saw across the faults."""
+
+    errors: list[str]  # every error a client of the official SDK got
+    mismatches: list[str]  # texts that differ from an uninterrupted run's
+    long_stream: tuple[str | None, str]  # a stream cut by the SIGKILLed worker: (its text, the uninterrupted text)
+    readiness: list[tuple[float, int]]  # the relay's /readyz: (time, status)
 
 
 @dataclass
@@ -273,14 +287,17 @@ def sequence(supervise_module, tiny_model):
     lane = Path(tempfile.mkdtemp(prefix="lane-", dir=supervise_module.tmp))
     token = os.urandom(16).hex()
     env = dict(ENV, SUPERVISE_DRILL=f"{token}:{lane}")
-    port, before = free_port(), set(os.listdir("/dev/shm"))
-    run = supervise_module(["--tree", "--kill-grace", "3", "--max-restarts", "8"], launcher(tiny_model, port), env=env,
-                           drain=True)  # fmt: skip
+    port, pub, before = free_port(), free_port(), set(os.listdir("/dev/shm"))
+    run = supervise_module(["--tree", "--kill-grace", "3", "--max-restarts", "8", "--relay", f"127.0.0.1:{pub}"],
+                           launcher(tiny_model, port), env=env, drain=True)  # fmt: skip
     faults: dict[str, Fault] = {}
     wait_serving(run, port)
+    wait_serving(run, pub)  # through the relay
     text = post(port, "/v1/completions", {"model": "tiny", "prompt": "hello world", "max_tokens": 8})
     chat = post(port, "/v1/chat/completions",
                 {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
+    clients, ready = Clients(pub, references(pub)), Readiness(pub)
+    long_stream: LongStream | None = None
     load = Load(port, long_every_s=4)
     time.sleep(20)  # the first attempt's steps learned under load, long prompts among them
     status = subprocess.run(
@@ -307,6 +324,7 @@ def sequence(supervise_module, tiny_model):
         while len(workers(run)) < 2:  # the new attempt's workers, by their titles
             assert time.monotonic() < deadline, "the new attempt's workers were not found"
             time.sleep(0.5)
+        wait_served_after(run, clients, at + 1)  # every client behind the relay, served again
         time.sleep(LEARN_S)
 
     def kill(proc: psutil.Process, sig: int) -> int:
@@ -317,13 +335,25 @@ def sequence(supervise_module, tiny_model):
         _order(lane, token, pid, kind, seam)
         return pid
 
+    def cut_stream_and_kill(proc: psutil.Process) -> int:
+        """A long greedy stream a few chunks in when the worker is SIGKILLed: the relay continues it."""
+        nonlocal long_stream
+        long_stream = LongStream(pub)
+        assert long_stream.flowing.wait(60), long_stream.error
+        return kill(proc, signal.SIGKILL)
+
     try:
         fault("stopped_worker", lambda: kill(workers(run)[1], signal.SIGSTOP))
-        fault("killed_worker", lambda: kill(workers(run)[0], signal.SIGKILL))
+        fault("killed_worker", lambda: cut_stream_and_kill(workers(run)[0]))
         fault("killed_engine_core", lambda: kill(engine_core(run), signal.SIGKILL))
         fault("stopped_engine_core", lambda: kill(engine_core(run), signal.SIGSTOP))
         fault("stuck_scheduler", lambda: lane_order(engine_core(run).pid, "python_loop", "schedule"))
         fault("stuck_worker", lambda: lane_order(workers(run)[1].pid, "python_loop", "step"))
+        clients.close()
+        ready.close()
+        assert long_stream is not None
+        relayed = Relayed(clients.errors, clients.mismatches, (long_stream.result(timeout=RESTART_TIMEOUT_S),
+                          long_stream.reference), ready.seen)  # fmt: skip
         hangs_before = len(run.events("hang suspected"))
         started = time.monotonic()  # a long prefill after a run of short decode steps is not a hang
         long = post(port, "/v1/completions", {"model": "tiny", "prompt": [7] * 500, "max_tokens": 8}, timeout=120)
@@ -339,6 +369,8 @@ def sequence(supervise_module, tiny_model):
                 code = run.wait(timeout=120)
     finally:
         load.close()
+        clients.close()
+        ready.close()
         if run.proc.poll() is None:
             run.proc.send_signal(signal.SIGINT)
         code = run.wait(timeout=120)
@@ -348,7 +380,7 @@ def sequence(supervise_module, tiny_model):
     except AssertionError as exc:
         left = str(exc)
     return Sequence(run, port, faults, json.loads(status.stdout), (text, chat), prefill_s, last_hangs, load.done,
-                    code, left, straggler)  # fmt: skip
+                    code, left, straggler, relayed)  # fmt: skip
 
 
 def test_serves_restarts_after_every_fault_and_ctrl_c_leaves_nothing(sequence):
@@ -363,6 +395,22 @@ def test_serves_restarts_after_every_fault_and_ctrl_c_leaves_nothing(sequence):
     assert sequence.run.events("engine_metrics_source"), "the launcher's /metrics was not derived"
     assert not sequence.run.events("engine_adapter_unavailable")
     assert sequence.left == "", sequence.left
+
+
+def test_no_client_behind_the_relay_sees_an_error_through_six_faults(sequence):
+    """Eight SDK clients on the relay through the six faults: no error, every text as an uninterrupted run gives
+    it, the stream cut by the SIGKILLed worker continued with exactly its text; /readyz 503 during each restart
+    and 200 again before the next fault."""
+    r, run = sequence.relayed, sequence.run
+    assert not r.errors, r.errors[:5]
+    assert not r.mismatches, r.mismatches[:3]
+    assert r.long_stream[0] == r.long_stream[1], r.long_stream
+    resumed = run.events("request resumed")
+    assert resumed and all(line["resumed_tokens"] > 0 for line in resumed), run.stderr[-3000:]
+    edges = [f.at for f in sequence.faults.values()] + [float("inf")]
+    for name, start, end in zip(sequence.faults, edges, edges[1:]):
+        during = [code for t, code in r.readiness if start < t < end]
+        assert 503 in during and during[-1] == 200, (name, during)
 
 
 def test_status_shows_the_control_plane_by_role(sequence):

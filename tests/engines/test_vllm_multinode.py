@@ -123,7 +123,7 @@ def test_a_partition_between_the_nodes_is_ruled_on_both_sides(pair, lab):
 def test_relay_holds_sdk_clients_while_both_nodes_restart_after_a_worker_killed_on_node_1(pair, lab):
     """--relay on node 0, --max-restarts 1 on both: the group restarts together (node 0 decides, both meet at
     the barrier) and 8 clients of the official SDK on node 0's relay see no error; the group serves again."""
-    from .test_vllm_relay import PROMPTS, RESTART_TIMEOUT_S, Clients, ask
+    from .clients import PROMPTS, RESTART_TIMEOUT_S, Clients, ask
 
     class NodeZeroClients(Clients):
         def _run(self, i: int) -> None:
