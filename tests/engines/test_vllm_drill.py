@@ -20,7 +20,8 @@ from tp_supervise.supervisor.rank.net import free_port
 from .conftest import VLLM_PYTHON  # noqa: F401  (the tier's skip)
 from .test_vllm import ENV, launcher
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(1200)]
+# make test-engines-slow (the campaign's runner on vLLM: two starts for one kind): outside .ci/run's 30 minutes, in make test-all
+pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def test_the_drill_names_an_oom_kill(tmp_path, tiny_model):

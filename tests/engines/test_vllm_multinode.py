@@ -5,7 +5,8 @@ operator runs (docs/multinode.md): the same vLLM line on both nodes with its --n
 ``supervise serve --tree`` in front, told nothing the launcher already says.
 
 Each test starts its own pair (~30-90 s on 2 cores), makes one fault under load and times each node's exit
-from it."""
+from it.  The worker stopped on node 1 runs in .ci/run (make test-engines); the other faults are make
+test-engines-slow's (make test-all)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ def test_serves_through_node_0_then_a_worker_stopped_on_node_1_ends_both_naming_
     assert p.shm_left() == []
 
 
+@pytest.mark.slow  # make test-engines-slow: a pair of its own (make test-all)
 def test_node_1_supervisor_killed_node_0_exits_84_and_nothing_is_left_anywhere(pair, lab):
     p = pair()
     ended = fault_under_load(p, lab, p.nodes[1].proc.kill, NODE_LOST_BOUND_S + 20)
@@ -95,6 +97,7 @@ def test_node_1_supervisor_killed_node_0_exits_84_and_nothing_is_left_anywhere(p
     assert p.left() == {0: [], 1: []}
 
 
+@pytest.mark.slow  # make test-engines-slow: a pair of its own (make test-all)
 def test_node_0_engine_core_killed_ends_both_naming_it_on_node_0(pair, lab):
     p = pair()
     core = p.process(0, "VLLM::EngineCore")
@@ -108,6 +111,7 @@ def test_node_0_engine_core_killed_ends_both_naming_it_on_node_0(pair, lab):
     assert p.left() == {0: [], 1: []}
 
 
+@pytest.mark.slow  # make test-engines-slow: a pair of its own (make test-all)
 def test_a_partition_between_the_nodes_is_ruled_on_both_sides(pair, lab):
     p = pair()
     try:
@@ -120,6 +124,7 @@ def test_a_partition_between_the_nodes_is_ruled_on_both_sides(pair, lab):
     assert p.left() == {0: [], 1: []}
 
 
+@pytest.mark.slow  # make test-engines-slow: a pair of its own (make test-all)
 def test_relay_holds_sdk_clients_while_both_nodes_restart_after_a_worker_killed_on_node_1(pair, lab):
     """--relay on node 0, --max-restarts 1 on both: the group restarts together (node 0 decides, both meet at
     the barrier) and 8 clients of the official SDK on node 0's relay see no error; the group serves again."""

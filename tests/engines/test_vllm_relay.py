@@ -22,7 +22,8 @@ from .clients import RESTART_TIMEOUT_S, Clients, Readiness, references, wait_ser
 from .conftest import VLLM_PYTHON  # noqa: F401  (the tier's skip)
 from .test_vllm import ENV, PLUGIN, launcher, wait_serving, workers
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
+# make test-engines-slow (a hold past --relay-hold and a poison request, each its own vLLM start): outside .ci/run's 30 minutes, in make test-all
+pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def relayed(supervise, model, args: list[str], env=None):
