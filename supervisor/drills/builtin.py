@@ -101,20 +101,26 @@ def wait_answering(port: int, path: str, proc: subprocess.Popen, deadline: float
     return False
 
 
-def log_records(log_path: Path) -> list[dict]:
-    """The JSON lines of a supervisor's log (lines that are not JSON skipped)."""
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return []
+def json_lines(text: str) -> list[dict]:
+    """Every line of ``text`` that is a JSON object, in order (a supervisor's ``--log-format json`` lines; a
+    rank's or an engine's own lines are not)."""
     out = []
     for line in text.splitlines():
+        line = line.strip()
         if line.startswith("{"):
             try:
                 out.append(json.loads(line))
             except ValueError:
-                pass
+                continue
     return out
+
+
+def log_records(log_path: Path) -> list[dict]:
+    """``json_lines`` of a supervisor's log file; none while it cannot be read."""
+    try:
+        return json_lines(log_path.read_text(errors="replace"))
+    except OSError:
+        return []
 
 
 def wall_time(stamp: object) -> float | None:
