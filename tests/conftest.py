@@ -26,6 +26,7 @@ import pytest
 
 from tests.support.freezer import FREEZER_ROOT
 from tests.support.logs import json_lines
+from tests.support.sweep import sweep_killed
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_RANK = ROOT / "tests" / "fakes" / "rank.py"
@@ -185,26 +186,6 @@ def open_fds() -> dict[int, str]:
     return out
 
 
-def _sweep_killed(registry: Path, killed: set[int]) -> None:
-    """What the supervisors a test SIGKILLed on purpose left (their /dev/shm run directory, registry entry and
-    socket): swept as the next supervisor on the host would (processes/stale_runs.py), since a test's private
-    registry has no next supervisor.  Only those: a run that ended by itself and left anything is a leak to see."""
-    if not killed or not registry.is_dir():
-        return
-    from tp_supervise.supervisor.observers.control_socket import dead_runs
-    from tp_supervise.supervisor.processes.stale_runs import sweep
-
-    saved = os.environ.get("SUPERVISE_REGISTRY_DIR")
-    os.environ["SUPERVISE_REGISTRY_DIR"] = str(registry)
-    try:
-        sweep([run for run in dead_runs() if run.pid in killed])
-    finally:
-        if saved is None:
-            os.environ.pop("SUPERVISE_REGISTRY_DIR", None)
-        else:
-            os.environ["SUPERVISE_REGISTRY_DIR"] = saved
-
-
 @contextmanager
 def supervisor_runs(tmp_path: Path):
     """Start `supervise serve` with test-friendly defaults; checks for leaks after
@@ -261,7 +242,7 @@ def supervisor_runs(tmp_path: Path):
         except ProcessLookupError:
             pass
     assert not leaked, f"processes leaked: {leaked}"
-    _sweep_killed(tmp_path / "registry", {run.proc.pid for run in runs if run.proc.returncode == -signal.SIGKILL})
+    sweep_killed(tmp_path / "registry", {run.proc.pid for run in runs if run.proc.returncode == -signal.SIGKILL})
     for run in runs:  # a run the test waited on itself (proc.wait after a SIGKILL) still holds its pipes
         for stream in (run.proc.stdout, run.proc.stderr):
             if stream is not None and not stream.closed:

@@ -23,6 +23,7 @@ import psutil
 import structlog
 
 from . import pidfds as procs
+from . import shm
 from .cgroup import RunCgroup
 
 log = structlog.get_logger("supervise.control")
@@ -48,6 +49,9 @@ def sweep(dead: list[DeadRun]) -> list[str]:
             orphans |= cgroup.pids()
             cgroup.kill()
             cgroup.remove()
+        # What its processes registered with Python's resource tracker (vLLM's semaphores), recorded in its run
+        # directory by the hook: the tracker died with them, as the teardown would have, the sweep removes them.
+        shm.remove(set().union(*(shm.registered(d) for d in run.run_dirs)))
         for run_dir in run.run_dirs:
             shutil.rmtree(run_dir, ignore_errors=True)
         for path in run.files:

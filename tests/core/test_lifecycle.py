@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 from tests.conftest import fake_rank, marked_pids, wait_no_marked
 from tests.live import wait_for
+from tp_supervise.supervisor.rank.runtime import REGISTERED_SHM_FILE
 
 
 def _wait_ranks(mark: str, count: int, timeout: float = 20.0) -> list[int]:
@@ -61,12 +64,21 @@ def test_supervisor_sigkill_leaves_no_rank(supervise):
     # signal.  Every rank must be gone within a second.
     rank_pids = [p for p in pids if p not in (run.proc.pid, escapee)]
     assert not [p for p in left if p in rank_pids], f"ranks survived the supervisor: {left}"
+    # A semaphore its ranks registered with Python's resource tracker (as vLLM's do), recorded by the hook in the
+    # run's directory as it records one: the tracker died with the run, nobody unlinks it.
+    (entry,) = (supervise.tmp / "registry").glob("*.json")
+    run_dir = Path("/dev/shm") / f"tp-supervise-{json.loads(entry.read_text())['run_id']}"
+    sem = f"mp-tps{os.getpid()}"
+    (Path("/dev/shm") / f"sem.{sem}").write_bytes(b"\0" * 32)
+    with open(run_dir / REGISTERED_SHM_FILE, "a") as f:
+        f.write(f"semaphore /{sem}\n")
     # The next supervisor on the host sweeps what the dead one left behind:
-    # the setsid grandchild (no parent-death signal) and the registry entry.
+    # the setsid grandchild (no parent-death signal), the registry entry, the run's directory and that semaphore.
     nxt = supervise(["--nproc-per-node", "1"], fake_rank("--all", "finish", "--steps", "3"))
     assert nxt.wait(timeout=30) == 0, nxt.stderr[-3000:]
     swept = nxt.events("swept a run whose supervisor died")
     assert swept and sorted(swept[0]["killed"]) == sorted(left)
+    assert not run_dir.exists() and not (Path("/dev/shm") / f"sem.{sem}").exists()
     assert wait_no_marked(supervise.mark, timeout=2.0) == []
     run.wait(timeout=10)
 

@@ -21,6 +21,7 @@ import psutil
 
 from tests.conftest import MARK_VAR, ROOT, event_name, marked_pids
 from tests.netlab import Lab, in_netns
+from tests.support.sweep import sweep_killed
 
 VLLM_CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -60,6 +61,7 @@ class Node:
     alive_at_bound: bool | None = None
     stacks: str = ""  # py-spy of a supervisor still running at the end of the watch
     _lines: list[dict] | None = None
+    registry: Path | None = None  # its SUPERVISE_REGISTRY_DIR, where it has one of its own
 
     @property
     def code(self) -> int | None:
@@ -115,6 +117,8 @@ def stop_nodes(nodes: list[Node]) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if n.registry is not None and n.proc.returncode == -signal.SIGKILL:
+            sweep_killed(n.registry, {n.proc.pid})
 
 
 def vllm_line(python: Path, model: Path, node: int, master: str, api_port: int = API_PORT) -> list[str]:
@@ -210,7 +214,7 @@ class VllmPair:
                 proc = self.lab.run_in(
                     node, argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
                 )
-            self.nodes.append(Node(node, node, proc, log, dump_dir, mark))
+            self.nodes.append(Node(node, node, proc, log, dump_dir, mark, registry=self.tmp / f"registry-{node}"))
 
     def wait_serving(self, port: int = API_PORT) -> None:
         deadline = time.monotonic() + SERVE_TIMEOUT_S
