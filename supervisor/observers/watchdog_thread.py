@@ -81,13 +81,15 @@ class CpuWait:
         self.base: dict[int, int] = {}  # pid -> its run-queue wait when the stall reached its soft stage
         self.said = False  # the stall at hand was said to be counted out (once per stall)
 
-    def seconds(self, soft_fired: bool, pids: list[int]) -> float:
+    def seconds(self, soft_fired: bool, pids: Callable[[], list[int]]) -> float:
+        """``pids()`` is asked only past the soft stage: a tick of a healthy group builds nothing here."""
         if not soft_fired:
-            self.base.clear()
-            self.said = False
+            if self.base or self.said:
+                self.base.clear()
+                self.said = False
             return 0.0
         longest = 0
-        for pid in pids:
+        for pid in pids():
             now = runq_wait_ns(pid)
             if now is None:
                 continue
@@ -217,8 +219,10 @@ class WatchdogThread:
         control = self.control_slots(attempt)
         external = self._external(control)
         exited = {slot for slot, r in attempt.ranks.items() if not r.alive}
-        watched = [s.pid for s in (*snaps, *control) if s.claimed and not s.finished and s.slot not in exited]
-        waited = self.watch.cpu_wait.seconds(self.state.soft_fired and not self.state.hard_fired, watched)
+        waited = self.watch.cpu_wait.seconds(
+            self.state.soft_fired and not self.state.hard_fired,
+            lambda: [s.pid for s in (*snaps, *control) if s.claimed and not s.finished and s.slot not in exited],
+        )
         self.state, verdict = policy.observe(
             self.state, snaps, now, self.config, external, exited, control, cpu_wait_s=waited
         )
