@@ -54,7 +54,7 @@ import threading
 import time
 from typing import Any
 
-from . import drill_lane, engines, runtime, works
+from . import compiled, drill_lane, engines, runtime, works
 from .collectives import COALESCING_MANAGER, COLLECTIVES, cached_describe
 from .heartbeat import ARRIVAL_INDEX as _ARRIVAL_INDEX
 
@@ -89,6 +89,8 @@ def _wrap_collective(name: str, fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if compiled.is_compiling():  # traced by torch.compile: the engine's call alone (compiled)
+            return fn(*args, **kwargs)
         ln = _thread.lane  # always the current writer's (runtime drops it in a forked child)
         if ln is None:
             ln = runtime.lane()
@@ -167,6 +169,8 @@ def _wrap_coalescing(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         inner = fn(*args, **kwargs)
+        if compiled.is_compiling():
+            return inner
         ln = _thread.lane
         nested = (ln is not None and ln.depth) or _thread.depth  # batch_isend_irecv uses one itself
         return inner if nested else _Coalescing(inner)
@@ -312,7 +316,7 @@ def _wrap_funcol_issue(name: str, fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if _rt.writer is None:
+        if compiled.is_compiling() or _rt.writer is None:
             return fn(*args, **kwargs)
         _funcol.last = text = (op, cached_describe(cache, args, kwargs))
         runtime.begin_collective(*text)
@@ -330,7 +334,7 @@ def _wrap_funcol_wait(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if _rt.writer is None:
+        if compiled.is_compiling() or _rt.writer is None:
             return fn(*args, **kwargs)
         op, desc = getattr(_funcol, "last", ("funcol.wait_tensor", ""))
         name = wait_names.get(op)
@@ -396,6 +400,7 @@ def patch_resource_tracker(module) -> None:
 
 FUNCOL_MODULE = "torch.distributed._functional_collectives"
 _PATCHERS = {
+    "torch.compiler": compiled.bind,  # first: the gate every wrapper passes (compiled)
     "torch.distributed": patch,
     FUNCOL_MODULE: patch_functional,
     "multiprocessing.resource_tracker": patch_resource_tracker,

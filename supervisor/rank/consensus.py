@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import encoding
+from . import compiled, encoding
 from .channel import RankConsensusSpec
 from .ring import RingWriter
 
@@ -284,6 +284,8 @@ def rank_consensus(
 
         @functools.wraps(func)
         def wrapper(*a: Any, **kw: Any) -> Any:
+            if compiled.is_compiling():  # traced by torch.compile: nothing of ours in its graph (compiled)
+                return func(*a, **kw)
             rec = _recorder
             if rec is None:
                 return func(*a, **kw)

@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Any
 
+from . import compiled
+
 ENV_DRILL = "SUPERVISE_DRILL"
 POLL_S = 0.2
 GROW_CHUNK = 64 << 20  # grow_memory: bytes a step, every GROW_EVERY_S, each page touched
@@ -165,7 +167,7 @@ def _once(owner: Any, name: str, fire) -> None:
     taken = threading.Lock()
 
     def drilled(*args, **kwargs):
-        if not taken.acquire(blocking=False):
+        if compiled.is_compiling() or not taken.acquire(blocking=False):
             return original(*args, **kwargs)
         setattr(owner, name, original)
         return fire(original, args, kwargs)

@@ -57,7 +57,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import runtime
+from . import compiled, runtime
 from .collectives import cached_describe, describe
 
 if TYPE_CHECKING:
@@ -149,6 +149,8 @@ def _wait_in_lane(ln, orig, self, entry, timeout):
 def _waiter(orig):
     # The lane case of _wait_in_lane inlined: every blocking collective runs this wait.
     def wait(self, timeout=_NO_TIMEOUT):
+        if compiled.is_compiling():
+            return orig(self) if timeout is _NO_TIMEOUT else orig(self, timeout)
         ln = _thread.lane
         if ln is not None and ln.depth:  # torch's own wait inside a collective call (every blocking one)
             return orig(self) if timeout is _NO_TIMEOUT else orig(self, timeout)
@@ -172,7 +174,7 @@ def _waiter(orig):
 def _observer(orig):
     def is_completed(self, *args, **kwargs):
         done = orig(self, *args, **kwargs)
-        if done and _pending:
+        if done and not compiled.is_compiling() and _pending:
             _pending.pop(id(self), None)
         return done
 
@@ -182,6 +184,8 @@ def _observer(orig):
 def _future_linker(orig):
     def get_future(self, *args, **kwargs):
         fut = orig(self, *args, **kwargs)
+        if compiled.is_compiling():
+            return fut
         entry = _pending.get(id(self))
         if entry is not None and entry[0]() is self:
             try:
@@ -195,6 +199,8 @@ def _future_linker(orig):
 
 def _future_waiter(orig):
     def wait(self):
+        if compiled.is_compiling():
+            return orig(self)
         link = _futures.pop(id(self), None) if _futures else None
         if link is None or link[0]() is not self:
             return orig(self)

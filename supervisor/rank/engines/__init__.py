@@ -74,8 +74,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from .. import compiled, runtime
 from .. import heartbeat as hb
-from .. import runtime
 from . import sglang, vllm
 from .seams import Seam
 
@@ -306,6 +306,8 @@ def _wrap_step(seam: Seam, fn: Any) -> Any:
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
+        if compiled.is_compiling():
+            return fn(self, *args, **kwargs)
         w = _rt.writer
         if w is None or _step.depth or _rt.pid != os.getpid():
             return fn(self, *args, **kwargs)
@@ -343,6 +345,8 @@ def _end_step(w: Any) -> None:
 def _wrap_idle(seam: Seam, fn: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
+        if compiled.is_compiling():
+            return fn(self, *args, **kwargs)
         w = _rt.writer
         if w is not None and not _step.depth and _idle_shown[0] is not w and _rt.pid == os.getpid():
             try:
@@ -380,6 +384,8 @@ def _control_around(seam: Seam, fn: Any, before: Callable[[Any], None], after: C
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
+        if compiled.is_compiling():
+            return fn(self, *args, **kwargs)
         w = _control(role)
         if w is None:
             return fn(self, *args, **kwargs)
@@ -434,6 +440,8 @@ def _wrap_control_idle(seam: Seam, fn: Any) -> Any:
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
+        if compiled.is_compiling():
+            return fn(self, *args, **kwargs)
         w = _control(role)
         if w is not None:
             try:
@@ -472,6 +480,8 @@ def _wrap_frontend(seam: Seam, fn: Any, output: bool = False) -> Any:
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         result = fn(self, *args, **kwargs)
+        if compiled.is_compiling():
+            return result
         w = _control(role)
         if w is not None:
             try:
