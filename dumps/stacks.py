@@ -211,14 +211,39 @@ DISPATCH_FRAMES: dict[str, frozenset[str]] = {
     "module.py": frozenset({"_call_impl", "_wrapped_call_impl"}),
     "eval_frame.py": frozenset({"*"}),
     "autohook.py": frozenset({"wrapper", "_call_counted"}),
-    "engines.py": frozenset({"wrapper"}),
 }
+# Our wrappers elsewhere in the rank package (the engine adapters' in ``engines/__init__.py``): by path.
+_RANK_PACKAGE_PART = os.sep.join(("", "supervisor", "rank", ""))
+_OUR_WRAPPERS = frozenset({"wrapper", "wait", "drilled"})
 
 
 def is_dispatch(frame: Frame) -> bool:
-    """A frame that only passes the call on (``DISPATCH_FRAMES``)."""
+    """A frame that only passes the call on (``DISPATCH_FRAMES``, and our wrappers in the rank package)."""
     names = DISPATCH_FRAMES.get(frame.base_file)
-    return names is not None and ("*" in names or frame.base_function in names)
+    if names is not None and ("*" in names or frame.base_function in names):
+        return True
+    return frame.base_function in _OUR_WRAPPERS and _RANK_PACKAGE_PART in frame.filename
+
+
+# Code torch.compile made: Inductor's generated modules (its cache, ``torchinductor_<user>``; vLLM's own,
+# ``torch_compile_cache``) and Dynamo's compiled frames and resume functions.
+_COMPILED_PATHS = ("torchinductor", "torch_compile_cache")
+_COMPILED_FUNCTIONS = ("__compiled_fn", "torch_dynamo_resume_in", "__resume_at")
+
+
+def compiled_code(frame: Frame) -> bool:
+    """The frame runs code torch.compile generated (a compiled model's forward), not the engine's source."""
+    return any(p in frame.filename for p in _COMPILED_PATHS) or frame.base_function.startswith(_COMPILED_FUNCTIONS)
+
+
+def where_text(frame: Frame | None) -> str:
+    """Where a process is, in words: "load_batch (data.py)", or "the compiled model (call in c3x.py)" when it is
+    inside code torch.compile generated (its file is a hash, not the engine's)."""
+    if frame is None:
+        return ""
+    if compiled_code(frame):
+        return f"the compiled model (torch.compile: {frame.base_function} in {frame.base_file})"
+    return f"{frame.base_function} ({frame.base_file})"
 
 
 def innermost_function(threads: Sequence[ThreadStack], skip: Iterable[str] = ()) -> Frame | None:

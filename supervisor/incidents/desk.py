@@ -60,8 +60,9 @@ from ..outcome import new_incident_id
 from ..processes import output_pump as output
 from ..processes.exits import ExitInfo
 from ..processes.pidfds import helpers_below, named_thread
-from ..processes.spawn import error_file
+from ..processes.spawn import RANK_PACKAGE_DIR, error_file
 from ..rank.engines import role_from_title, role_words
+from . import hook_fault
 from .error_file import last_traceback, read_error_file
 from .exchange import IncidentExchange
 
@@ -576,7 +577,15 @@ class IncidentDesk:
             if not data:
                 return {}, {}
             files = {f"logs/{name}.txt": data}
-            found = last_traceback(data.decode("utf-8", "replace")) if with_error else None
+            text = data.decode("utf-8", "replace")
+            ours = hook_fault.find(text, RANK_PACKAGE_DIR)
+            if ours is not None:  # our code raised, not the engine's: say so before anything the engine said
+                return {
+                    "hook_fault": ours.to_dict(),
+                    "error": {"message": ours.exception, "traceback": ours.traceback, "source": "stderr"},
+                    "verdict": f"{verdict}: {ours.words()}",
+                }, files
+            found = last_traceback(text) if with_error else None
             if found is None:
                 return {}, files
             message, traceback_text = found

@@ -38,7 +38,10 @@ from . import pidfds as procs
 from .cgroup import join_in_child
 from .exits import ExitInfo
 
-HOOK_DIR = Path(__file__).resolve().parents[1] / "rank" / "_hook"  # holds sitecustomize.py and nothing else
+# The rank package the ranks load (by file location, from its sitecustomize): a traceback whose innermost frame is in
+# it is our code's (supervisor/incidents/hook_fault.py).
+RANK_PACKAGE_DIR = Path(__file__).resolve().parents[1] / "rank"
+HOOK_DIR = RANK_PACKAGE_DIR / "_hook"  # holds sitecustomize.py and nothing else
 STACK_SIGNAL = signal.SIGRTMIN + 3
 ENV_RUN_KEY = "SUPERVISE_RUN_KEY"  # the marker teardown and the sweep look for (supervisor/processes/pidfds.py)
 ROLE_NAME = "default"  # torchrun's role name when none is given

@@ -122,7 +122,7 @@ def test_where_skips_dispatch_and_wrapper_frames():
 
     frames = (
         Frame("__call__", "/venv/torch/_ops.py", 1255),
-        Frame("wrapper", "/x/tp_supervise/supervisor/rank/engines.py", 10),
+        Frame("wrapper", "/x/tp_supervise/supervisor/rank/engines/__init__.py", 10),
         Frame("all_reduce", "/venv/vllm/distributed/parallel_state.py", 203),
         Frame("__call__", "/venv/torch/_ops.py", 1255),
         Frame("tensor_model_parallel_all_reduce", "/venv/vllm/distributed/communication_op.py", 14),
@@ -132,3 +132,24 @@ def test_where_skips_dispatch_and_wrapper_frames():
     thread = ThreadStack(thread_id="1", name="MainThread", frames=frames, is_main=True)
     where = innermost_function([thread])
     assert (where.base_function, where.base_file) == ("all_reduce", "parallel_state.py")
+
+
+def test_where_names_the_compiled_model_not_a_hash():
+    """vLLM's default mode runs its forward as code torch.compile generated (Inductor's module, a hash for a name):
+    "where" says the compiled model, with the generated function and file beside it (issue 43)."""
+    from tp_supervise.dumps.stacks import Frame, ThreadStack, innermost_function, where_text
+
+    frames = (
+        Frame("call", "/tmp/torchinductor_root/ct/ct64jzf52khgkqtpc3ljyriibgey4wo7cj37ixeyvatpgrtyifzh.py", 412),
+        Frame("__call__", "/venv/vllm/compilation/cuda_graph.py", 120),
+        Frame("forward", "/venv/vllm/model_executor/models/llama.py", 400),
+        Frame("execute_model", "/venv/vllm/v1/worker/gpu_model_runner.py", 3000),
+    )
+    where = innermost_function([ThreadStack(thread_id="1", name="MainThread", frames=frames, is_main=True)])
+    assert where_text(where) == (
+        "the compiled model (torch.compile: call in ct64jzf52khgkqtpc3ljyriibgey4wo7cj37ixeyvatpgrtyifzh.py)"
+    )
+    plain = Frame("load_batch", "/srv/app/data.py", 3)
+    assert where_text(plain) == "load_batch (data.py)"
+    assert where_text(Frame("__compiled_fn_7", "<eval_with_key>.3", 5)).startswith("the compiled model")
+    assert where_text(None) == ""
