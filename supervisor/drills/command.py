@@ -40,6 +40,7 @@ from pathlib import Path
 from ..observers import control_socket as control
 from ..observers.status_view import fetch
 from ..rank.drill_lane import ENV_DRILL
+from ..rank.engines.launcher_flags import compiles_model
 from ..rank.net import free_port
 from . import host
 from .builtin import bundles, log_records, rulings, wait_answering, wall_time
@@ -709,6 +710,7 @@ def main(args, command: list[str]) -> int:
             progress.kind("soak", 1, 1)
             return soak(setup, soak_minutes, fmt)
         problems = host.host_problems()
+        compiled = compiles_model(command)
         results = []
         for kind in kinds:
             for trial in range(1, trials + 1):
@@ -717,6 +719,9 @@ def main(args, command: list[str]) -> int:
                     t = not_run(kind, trial, "needs the engine on two nodes: `make bench-vllm-multinode` drills it")
                 elif problems and (kind.cpu_share is not None or kind.memory or kind.environment):
                     t = not_run(kind, trial, problems[0])
+                elif compiled and kind.lane is not None and kind.lane[1] == "collective":
+                    t = not_run(kind, trial, f"{compiled}: its collectives run inside the compiled graph, where neither "
+                                "the drill's lane nor any Python of ours runs; drill this kind in eager mode")  # fmt: skip
                 else:
                     t = run_trial(kind, trial, setup)
                 progress.done(t)

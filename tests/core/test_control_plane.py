@@ -263,3 +263,29 @@ def test_the_scrape_pause_drops_any_reading_taken_before_it():
     assert adapter.paused and adapter.latest is None
     adapter.pause(False)
     assert not adapter.paused and adapter.latest is None
+
+
+def test_a_release_outside_the_checked_range_is_wrapped_and_said_once(monkeypatch, capsys):
+    """The installed vLLM is older than the releases its seams were checked on (engines/vllm.py
+    CHECKED_RELEASES): seams whose signatures match are wrapped all the same, and one line (the supervisor logs it
+    as ``engine_adapter_unchecked``) names them, the range, and what a run without them loses."""
+    monkeypatch.setitem(__import__("sys").modules, "vllm", types.SimpleNamespace(__version__="0.26.1"))
+    monkeypatch.setattr(engines, "_reported", set())
+    module = patched("vllm.v1.engine.output_processor", OutputProcessor=type("OP", (OutputProcessor,), {}))
+    try:
+        assert getattr(module.OutputProcessor.add_request, "__tp_supervise_wrapped__", False)
+        err = capsys.readouterr().err.splitlines()
+        lines = [line for line in err if line.startswith(f"supervise: {engines.UNCHECKED} vllm 0.26.1 ")]
+        assert len(lines) == 1, err
+        low, high = engines.vllm.CHECKED_RELEASES
+        assert f"OutputProcessor.add_request checked on {low}..{high}" in lines[0]
+        assert "requests in flight" in lines[0] and "--no-hook" in lines[0]
+        patched("vllm.v1.engine.output_processor", OutputProcessor=type("OP2", (OutputProcessor,), {}))
+        assert not [l for l in capsys.readouterr().err.splitlines() if engines.UNCHECKED in l], "said once"
+    finally:
+        engines.uninstrument()
+    monkeypatch.setitem(__import__("sys").modules, "vllm", types.SimpleNamespace(__version__=f"{high}+cpu"))
+    monkeypatch.setattr(engines, "_reported", set())
+    patched("vllm.v1.engine.output_processor", OutputProcessor=type("OP3", (OutputProcessor,), {}))
+    engines.uninstrument()
+    assert engines.UNCHECKED not in capsys.readouterr().err, "a checked release says nothing"

@@ -169,3 +169,17 @@ def test_cli_exits_64_naming_both_values_before_anything_starts(tmp_path):
     )
     assert out.returncode == 64, out.stderr[-2000:]
     assert "--node-rank 0 contradicts the launcher's --node-rank 1" in out.stderr
+
+
+def test_which_launchers_compile_their_model():
+    """vLLM compiles unless --enforce-eager; SGLang only with --enable-torch-compile; a program we do not know,
+    never (the drill and the docs' "Engine modes" read this)."""
+    from tp_supervise.supervisor.rank.engines.launcher_flags import compiles_model
+
+    assert "vllm compiles its model by default" in compiles_model(["vllm", "serve", "m", "-tp", "2"])
+    assert compiles_model(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--enforce-eager"]) == ""
+    assert compiles_model(["python", "-m", "sglang.launch_server", "--model-path", "m", "--tp", "2"]) == ""
+    assert "--enable-torch-compile" in compiles_model(
+        ["python", "-m", "sglang.launch_server", "--model-path", "m", "--enable-torch-compile"]
+    )
+    assert compiles_model(["python", "train.py"]) == ""

@@ -80,7 +80,22 @@ from . import sglang, vllm
 from .seams import Seam
 
 UNAVAILABLE = "engine_adapter_unavailable"
+UNCHECKED = "engine_adapter_unchecked"
 IDLE_PHASE = "idle"
+
+# What a run loses when a seam of this kind is not wrapped (said in the lines above).
+LOSES: dict[str, str] = {
+    "collective": "per-collective progress and straggler arrivals (steps, stacks and process states still name "
+    "a culprit)",
+    "step": "step-aware verdicts (the engine's /metrics become the progress source)",
+    "idle": "idle told from busy by the rank (the engine's /metrics tell it)",
+    "control_step": "the engine core's own slot (its title and process state still name it)",
+    "control_idle": "the engine core's own slot (its title and process state still name it)",
+    "control_schedule": "the engine core's scheduling phase",
+    "control_phase": "the engine core's request phase",
+    "frontend": "the API server's requests in flight (the engine's /metrics are read instead)",
+    "frontend_output": "the API server's requests in flight (the engine's /metrics are read instead)",
+}
 
 _monotonic = time.monotonic
 _rt = runtime.state
@@ -189,6 +204,42 @@ def engine_version(engine: str) -> str:
     return "unknown"
 
 
+def release(text: str) -> tuple[int, ...]:
+    """A release as numbers: "0.32.0+cpu" -> (0, 32, 0), "0.10.1.1.post2" -> (0, 10, 1, 1); () when none."""
+    out: list[int] = []
+    for part in text.split("+", 1)[0].split("."):
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        out.append(int(digits))
+        if len(digits) != len(part):
+            break
+    return tuple(out)
+
+
+def checked_on(version: str, releases: tuple[str, str]) -> bool:
+    """``version`` lies in the inclusive range ``releases`` (an unknown version does not)."""
+    have = release(version)
+    return bool(have) and release(releases[0]) <= have <= release(releases[1])
+
+
+def _unchecked(engine: str, found: list[tuple[Seam, Any, Any]]) -> list[Seam]:
+    """The seams about to be wrapped whose checked releases do not hold the installed version."""
+    module = BY_NAME.get(engine)
+    default = getattr(module, "CHECKED_RELEASES", None)
+    version = engine_version(engine)
+    out = []
+    for seam, _owner, _fn in found:
+        releases = seam.releases or default
+        if releases is not None and not checked_on(version, releases):
+            out.append(seam)
+    return out
+
+
 def check(module: Any, seams: tuple[Seam, ...]) -> tuple[list[tuple[Seam, Any, Any]], list[str]]:
     """(what to wrap: (seam, class, function), what does not match) for ``module`` as installed."""
     found: list[tuple[Seam, Any, Any]] = []
@@ -210,23 +261,42 @@ def check(module: Any, seams: tuple[Seam, ...]) -> tuple[list[tuple[Seam, Any, A
                 why = f"{seam.owner}.{seam.method}{tuple(names or ())} does not take {seam.params}"
         if why:
             if seam.required:
-                problems.append(why)
+                problems.append(f"{why} (lost: {LOSES.get(seam.kind, seam.kind)})")
             continue
         found.append((seam, owner, fn))
     return found, problems
 
 
-def _report(engine: str, module_name: str, problems: list[str]) -> None:
-    """One line per engine and module in this process (the supervisor logs it once per run)."""
-    key = f"{engine}:{module_name}"
+def _report(engine: str, module_name: str, problems: list[str], what: str = UNAVAILABLE, then: str = "") -> None:
+    """One line per engine, module and kind of line in this process (the supervisor logs it once per run)."""
+    key = f"{what}:{engine}:{module_name}"
     if key in _reported:
         return
     _reported.add(key)
+    then = then or "falling back to the torch.distributed hook and the engine's metrics"
     print(
-        f"supervise: {UNAVAILABLE} {engine} {engine_version(engine)} {module_name}: {'; '.join(problems)}; "
-        "falling back to the torch.distributed hook and the engine's metrics",
+        f"supervise: {what} {engine} {engine_version(engine)} {module_name}: {'; '.join(problems)}; {then}",
         file=sys.stderr,
         flush=True,
+    )
+
+
+def _report_unchecked(engine: str, module_name: str, seams: list[Seam]) -> None:
+    """The installed release is outside what these seams were checked on: they are wrapped all the same (their
+    signatures matched), and the line says what a user loses with ``--no-hook`` if one misbehaves."""
+    default = getattr(BY_NAME.get(engine), "CHECKED_RELEASES", ("?", "?"))
+    parts = []
+    for seam in seams:
+        low, high = seam.releases or default
+        parts.append(f"{seam.owner}.{seam.method} checked on {low}..{high}")
+    lost = sorted({LOSES.get(seam.kind, seam.kind) for seam in seams})
+    _report(
+        engine,
+        module_name,
+        parts,
+        UNCHECKED,
+        "wrapped all the same (their signatures match); the supervisor's docs/watchdogs.md lists the releases; "
+        f"without them (--no-hook) a run loses: {'; '.join(lost)}",
     )
 
 
@@ -244,6 +314,9 @@ def patcher(collective_wrapper: Callable[[str, Any], Any]) -> Callable[[Any], No
         if problems:
             _report(engine, module.__name__, problems)
             return
+        unchecked = _unchecked(engine, found)
+        if unchecked:
+            _report_unchecked(engine, module.__name__, unchecked)
         with _lock:
             for seam, owner, fn in found:
                 if getattr(fn, "__tp_supervise_wrapped__", False):

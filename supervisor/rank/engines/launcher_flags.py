@@ -44,6 +44,21 @@ def launcher_engine(command: Sequence[str]) -> str | None:
     return _engine_at(command)[0]
 
 
+def compiles_model(command: Sequence[str]) -> str:
+    """Why the engine ``command`` launches runs its model compiled (torch.compile), in words; "" when it runs
+    eagerly or is no engine we know.  The collectives inside a compiled model run in its graph, without Python
+    (docs/watchdogs.md, "Engine modes")."""
+    name = launcher_engine(command)
+    if name is None:
+        return ""
+    engine = BY_NAME[name]
+    words = [w.partition("=")[0] for w in command]
+    if engine.COMPILES_BY_DEFAULT and not any(flag in words for flag in engine.EAGER_FLAGS):
+        return f"{name} compiles its model by default (no {' / '.join(engine.EAGER_FLAGS)})"
+    given = [flag for flag in engine.COMPILE_FLAGS if flag in words]
+    return f"{name} compiles its model ({given[0]})" if given else ""
+
+
 def _engine_at(command: Sequence[str]) -> tuple[str | None, int]:
     """(engine, index of the word after its launcher words) or (None, -1)."""
     for i, arg in enumerate(command):

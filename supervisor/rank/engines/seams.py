@@ -20,7 +20,9 @@ class Seam:
     ``control_schedule``, ``control_phase``, ``frontend``, ``frontend_output`` (the control slot of ``role``).  ``params``: the
     names its leading parameters must have (after ``self``); ``required``: a module whose required seam is
     missing is not wrapped at all (``optional`` ones are skipped alone: names that come and go between
-    versions).  ``label``: the op (collectives) or phase (steps) shown.
+    versions).  ``label``: the op (collectives) or phase (steps) shown.  ``releases``: the engine's releases
+    (lowest, highest, inclusive) this seam was checked on, where it differs from the engine module's
+    ``CHECKED_RELEASES``.
     """
 
     owner: str
@@ -30,6 +32,7 @@ class Seam:
     required: bool = True
     label: str = ""
     role: int = hb.ROLE_RANK  # whose slot the seam writes: the rank's, or a control-plane role's
+    releases: tuple[str, str] | None = None
 
 
 def group_coordinator(engine: str) -> tuple[Seam, ...]:

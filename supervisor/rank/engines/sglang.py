@@ -8,7 +8,7 @@ from __future__ import annotations
 from .seams import Seam
 
 NAME = "sglang"
-CHECKED_VERSION = "0.5.23"
+CHECKED_RELEASES = ("0.5.23", "0.5.23")  # the releases its seams were checked on (see engines/vllm.py)
 
 
 def _group_coordinator() -> tuple[Seam, ...]:
@@ -75,6 +75,11 @@ LAUNCHER_WORDS: tuple[str, ...] = ("sglang.launch_server", "sglang.srt.server", 
 CLI: tuple[str, ...] = ()
 NO_API_FLAGS: tuple[str, ...] = ()  # its nodes > 0 serve no API either: engine_launch says so
 MULTI_CONTROL_FLAGS: tuple[str, ...] = ("--dp-size", "--dp", "--data-parallel-size")
+# Its model runs eagerly unless asked (--enable-torch-compile); on GPUs it captures CUDA graphs by default
+# (--disable-cuda-graph), which hide the same collectives from Python.
+COMPILES_BY_DEFAULT = False
+EAGER_FLAGS: tuple[str, ...] = ()
+COMPILE_FLAGS: tuple[str, ...] = ("--enable-torch-compile",)
 DEFAULT_PORT = 30000  # its listener's default (127.0.0.1:30000)
 TP_FLAGS: tuple[str, ...] = ("--tp-size", "--tp_size", "--tp", "--tensor-parallel-size", "--tensor_parallel_size")
 PP_FLAGS: tuple[str, ...] = ("--pp-size", "--pp_size", "--pp", "--pipeline-parallel-size", "--pipeline_parallel_size")

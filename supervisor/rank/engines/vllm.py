@@ -14,7 +14,9 @@ from .. import heartbeat as hb
 from .seams import Seam, group_coordinator
 
 NAME = "vllm"
-CHECKED_VERSION = "0.32.0"
+# The releases the seams below were checked on (lowest, highest; a seam says its own where it differs): outside
+# them each seam is still checked by its signature before it is wrapped, and one line says so.
+CHECKED_RELEASES = ("0.27.0", "0.32.0")
 
 # module -> the seams wrapped when it is imported in a process of the run
 SEAMS: dict[str, tuple[Seam, ...]] = {
@@ -72,6 +74,12 @@ NO_API_FLAGS: tuple[str, ...] = ("--headless",)  # a launcher with one of these 
 # More than one API server or engine core (each claims a control slot of its own only where it is the first):
 # the front end's slot does not speak for all of them, so its /metrics are still read for progress.
 MULTI_CONTROL_FLAGS: tuple[str, ...] = ("--api-server-count", "-asc", "--data-parallel-size", "-dp")
+# Its model is compiled (torch.compile, fullgraph; on GPUs CUDA graphs too) unless one of these is given: the
+# collectives inside the model then run in the compiled graph, where no Python of ours runs (docs/watchdogs.md,
+# "Engine modes").
+COMPILES_BY_DEFAULT = True
+EAGER_FLAGS: tuple[str, ...] = ("--enforce-eager",)
+COMPILE_FLAGS: tuple[str, ...] = ()
 DEFAULT_PORT = 8000  # its listener's default (0.0.0.0:8000)
 # --tensor-parallel-size / --pipeline-parallel-size: the ranks it starts on this node
 TP_FLAGS: tuple[str, ...] = ("--tensor-parallel-size", "--tensor_parallel_size", "-tp")
