@@ -29,9 +29,10 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VL
 
 
 def vllm_line(model: Path, port: int) -> list[str]:
+    """vLLM in its default mode (compiled), as bench/vllm_run.py starts it."""
     return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--tensor-parallel-size", "2", "--enforce-eager", "--dtype", "float32", "--port", str(port),
-            "--host", "127.0.0.1", "--max-model-len", "512", "--served-model-name", "tiny"]  # fmt: skip
+            "--tensor-parallel-size", "2", "--dtype", "float32", "--port", str(port),
+            "--host", "127.0.0.1", "--max-model-len", "4096", "--served-model-name", "tiny"]  # fmt: skip
 
 
 def drill(tmp: Path, model: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess:

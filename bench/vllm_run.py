@@ -80,12 +80,19 @@ def make_model(path: Path) -> None:
     )
 
 
-def launcher(model: Path, port: int) -> list[str]:
-    """vLLM's OpenAI server as its users start it (the module entry point of the CPU build)."""
+MAX_MODEL_LEN = 4096
+EAGER = False  # a benchmark's --eager: every start with --enforce-eager (vLLM's default is compiled)
+
+
+def launcher(model: Path, port: int, eager: bool | None = None) -> list[str]:
+    """vLLM's OpenAI server as its users start it (the module entry point of the CPU build), in its default mode
+    (the model compiled with torch.compile) unless ``eager`` (``--enforce-eager``; default: ``EAGER``)."""
+    eager = EAGER if eager is None else eager
     return [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--tensor-parallel-size", str(TP), "--enforce-eager", "--dtype", "float32", "--port", str(port),
-        "--host", "127.0.0.1", "--max-model-len", "512", "--served-model-name", MODEL_NAME,
+        "--tensor-parallel-size", str(TP), *(["--enforce-eager"] if eager else []), "--dtype", "float32",
+        "--port", str(port), "--host", "127.0.0.1", "--max-model-len", str(MAX_MODEL_LEN),
+        "--served-model-name", MODEL_NAME,
     ]  # fmt: skip
 
 
@@ -342,7 +349,43 @@ COMPLETION = {"model": MODEL_NAME, "prompt": "the quick brown fox", "max_tokens"
 CHAT = {"model": MODEL_NAME, "max_tokens": 24, "messages": [{"role": "user", "content": "tell me a story"}]}
 
 
-LONG_PROMPT = {"model": "tiny", "prompt": [7] * 500, "max_tokens": 4}  # --max-model-len 512, as token ids
+LONG_PROMPT = {"model": "tiny", "prompt": [7] * 4000, "max_tokens": 4}  # at --max-model-len 4096, as token ids
+
+# vLLM's everyday features, one request each (issue 43): what a soak sends between its loads.  The tiny model's
+# tokenizer has JSON's characters as tokens (tests/engines/make_tiny_llama.py), so a schema can be satisfied.
+SHARED_PREFIX = [9] * 1024  # prefix caching: every such request after the first reuses these blocks
+FEATURES: dict[str, tuple[str, dict]] = {
+    "json_schema": ("/v1/completions", {
+        "model": MODEL_NAME, "prompt": "hello", "max_tokens": 12,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
+    }),
+    "n2_logprobs": ("/v1/completions", {
+        "model": MODEL_NAME, "prompt": "tell me a story", "max_tokens": 16, "n": 2, "logprobs": 3, "temperature": 0.8,
+    }),
+    "stop_sequence": ("/v1/completions", {
+        "model": MODEL_NAME, "prompt": "the quick brown fox", "max_tokens": 32, "stop": ["dog", "rank"],
+    }),
+    "prefix_cached": ("/v1/completions", {
+        "model": MODEL_NAME, "prompt": SHARED_PREFIX + [11, 12], "max_tokens": 8,
+    }),
+    "chat_logprobs": ("/v1/chat/completions", {
+        "model": MODEL_NAME, "max_tokens": 12, "logprobs": True, "top_logprobs": 2,
+        "messages": [{"role": "user", "content": "hello world"}],
+    }),
+}  # fmt: skip
+
+
+def features(port: int) -> dict[str, str]:
+    """One request of each of ``FEATURES``: feature -> "ok" or what went wrong (an answer without choices too)."""
+    out = {}
+    for name, (path, body) in FEATURES.items():
+        try:
+            answer = post(port, path, body)
+            out[name] = "ok" if answer.get("choices") else f"no choices: {str(answer)[:200]}"
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
 
 
 class MixedLoad:

@@ -14,6 +14,8 @@ WORDS = (
     "every rank must run the same sequence of collectives with the same shapes in the same order one rank "
     "stopped and its peers spin inside an all reduce that looks like useful work the supervisor names the rank "
     "that is somewhere else and leaves no process behind hello world tell me a story about a small model"
+    # the characters of JSON, each a token of its own: a JSON-schema request (structured output) can be served
+    ' { } [ ] " : , - . 0 1 2 3 4 5 6 7 8 9 true false null a b c'
 ).split()
 
 CHAT_TEMPLATE = (
@@ -44,7 +46,7 @@ def make(path: str) -> None:
         num_hidden_layers=2,
         num_attention_heads=2,  # head_dim 64: one the CPU attention kernels support (16 is refused)
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=4096,  # the context the tests serve (a 4096-token limit, as issue 43 runs it)
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
