@@ -71,11 +71,9 @@ FINAL_DRAIN_S = 0.2  # of JOIN_S: reading what the ranks left in their pipes
 ERROR_PAUSE_S = 0.05  # after a failed pass, so a persistent failure cannot spin
 STREAMS = ("stdout", "stderr")
 # The line a rank-side engine adapter prints when the installed engine's seams do not match (rank/engines/).
-# Lines a rank-side engine adapter prints (rank/engines/): logged once per run as the event of that name.
-ADAPTER_LINES: dict[str, str] = {
-    "supervise: engine_adapter_unavailable": "engine adapter not installed: ",
-    "supervise: engine_adapter_unchecked": "engine release outside the adapter's checked releases: ",
-}
+# Lines a rank-side engine adapter prints (rank/engines/): each logged once per run as the event of that name.
+ADAPTER_UNAVAILABLE = "supervise: engine_adapter_unavailable"
+ADAPTER_UNCHECKED = "supervise: engine_adapter_unchecked"
 
 
 @dataclass(frozen=True)
@@ -413,10 +411,18 @@ class RankOutput:
         for line in lines:
             if line.startswith("supervise: engine_adapter_") and line not in self._adapter_lines:
                 # A rank-side engine adapter met a version it does not know (rank/engines/): once per run.
-                for prefix, words in ADAPTER_LINES.items():
-                    if line.startswith(prefix):
-                        self._adapter_lines.add(line)
-                        log.warning(words + line[len(prefix) :].strip(), event_name=prefix.split(" ", 1)[1])
+                self._adapter_lines.add(line)
+                if line.startswith(ADAPTER_UNAVAILABLE):
+                    log.warning(
+                        "engine adapter not installed: " + line[len(ADAPTER_UNAVAILABLE) :].strip(),
+                        event_name="engine_adapter_unavailable",
+                    )
+                elif line.startswith(ADAPTER_UNCHECKED):
+                    log.warning(
+                        "engine release outside the adapter's checked releases: "
+                        + line[len(ADAPTER_UNCHECKED) :].strip(),
+                        event_name="engine_adapter_unchecked",
+                    )
         if self.json:
             ids = {"launcher": True} if source.rank is None else {"rank": source.rank, "local_rank": source.local_rank}
             for line in lines:

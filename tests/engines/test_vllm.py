@@ -31,7 +31,9 @@ from tp_supervise.supervisor.rank.net import free_port
 from .clients import RESTART_TIMEOUT_S, Clients, LongStream, Readiness, references, wait_served_after
 from .conftest import VLLM_PYTHON
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
+# The shared run: seven vLLM starts in its default mode (the first compiles the model; the others read vLLM's compile
+# cache), about 12 minutes on 2 idle cores.
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(1800)]
 
 SERVE_TIMEOUT_S = 300  # vLLM alone serves in ~60 s on 2 cores; under the suite's load it can take much longer
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
