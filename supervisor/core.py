@@ -1012,7 +1012,7 @@ class Supervisor:
 
     def _on_peer_hang_query(self, ev: events.PeerHangQuery) -> None:
         if self.attempt.outcome is None and self.node_rules.peer_hang_query(ev, self.case):
-            self.watchdog.answer_hang_query(ev.query.seq, ev.query.node)
+            self.watchdog.answer_hang_query(ev.query.seq, ev.query.node, ev.query.inside_step)
 
     def _on_hang_query_unanswered(self, ev: HangQueryUnanswered) -> None:
         if self.attempt.outcome is None:

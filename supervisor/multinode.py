@@ -26,6 +26,7 @@ from .events import ConsequenceWindowOver, HangQueryUnanswered, StderrCheck, Wat
 from .nodes import messages
 from .outcome import EXIT_HANG, EXIT_OK, EXIT_PEER, Outcome, new_incident_id
 from .processes import output_pump
+from .rank.engines.launcher_flags import compiles_model
 from .restart import RESTART_BACKOFF_MAX_S, RestartPolicy
 
 if TYPE_CHECKING:
@@ -208,6 +209,8 @@ class GroupOfNodes:
 
     def __init__(self, spec: LaunchSpec, run_id: str, link: NodeLink, transport: NodeTransport):
         self.spec, self.run_id, self.link, self.transport = spec, run_id, link, transport
+        # the engine runs its model compiled: its ranks wait in collectives the hook does not see (ask_where)
+        self.compiled = spec.tree and bool(compiles_model(spec.command))
         self.end: Outcome | None = None  # why the group could not go on between attempts
         self._carried: list = []  # faults of the next attempt that arrived while this node was between attempts
 
@@ -427,22 +430,32 @@ class GroupOfNodes:
         whose own watchdog may see nothing (a stopped rank outside collectives looks idle there).  Ask the
         others (nodes.HangQuery); the node that holds it raises the hang under this incident id and this node
         follows it (81: the group hung).  Nobody within HANG_QUERY_WAIT_S: rule here on this node's evidence.  A hold:
-        the hard verdict waits for the answer; None: rule it now."""
+        the hard verdict waits for the answer; None: rule it now.
+
+        An engine that compiled its model runs the collectives of its forward in the compiled graph, unseen: its
+        ranks waiting for a peer show as inside a step, outside collectives.  There every rank of this node inside
+        a step (none stopped) asks too, by step (``HangQuery.inside_step``; docs/multinode.md)."""
         v = ev.verdict
-        if case.hang_query is not None or case.peer_hang_query is not None or v.outside_collective:
+        if case.hang_query is not None or case.peer_hang_query is not None:
+            return None
+        blind = self.compiled and bool(v.outside_collective) and set(v.outside_collective) <= set(v.outside_in_step)
+        if v.outside_collective and not blind:
             return None
         if v.elsewhere_ranks:  # a rank of this node is stopped: the culprit is here
             return None
-        if not v.in_collective:
+        if not blind and not v.in_collective:
             return None
-        seq = max(c.coll_seq for c in v.in_collective)
-        case.hang_query = messages.HangQuery(self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500])
+        seq = v.max_step if blind else max(c.coll_seq for c in v.in_collective)
+        case.hang_query = messages.HangQuery(
+            self.spec.node_rank, new_incident_id(self.run_id), seq, ev.message[:500], inside_step=blind
+        )
         case.deferred_hang = ev
         self.link.ask_where(case.hang_query)
         log.warning(
             "hang here, cause elsewhere: every rank of this node waits in a collective; asking the other nodes",
             event_name="hang_query_sent",
             seq=seq,
+            inside_step=blind,
             wait_s=messages.HANG_QUERY_WAIT_S,
             incident_id=case.hang_query.incident_id,
         )

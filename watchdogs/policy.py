@@ -189,6 +189,8 @@ class Verdict:
     # node's own hard verdict, those stopped (state T/t, read by the caller: a stop inside a collective too)
     elsewhere_ranks: tuple[int, ...] = ()
     cpu_wait_s: float = 0.0  # of the stall, time its processes waited for a CPU (counted out of the hard bar)
+    outside_in_step: tuple[int, ...] = ()  # of outside_collective, the ranks inside a step (compiled: its
+    # collectives run in the compiled graph, unseen)
 
     @property
     def counted_out(self) -> bool:
@@ -583,6 +585,7 @@ def _verdict(
         control=control,
         step_tokens=step_tokens,
         cpu_wait_s=cpu_wait_s,
+        outside_in_step=tuple(s.rank for s in ordered if not s.in_collective and s.in_step),
     )
 
 
@@ -652,15 +655,24 @@ def _message(
 
 
 def answer_hang_query(
-    seq: int, node: int, verdict: Verdict, snaps: Sequence[SlotSnapshot], states: Mapping[int, str | None]
+    seq: int,
+    node: int,
+    verdict: Verdict,
+    snaps: Sequence[SlotSnapshot],
+    states: Mapping[int, str | None],
+    inside_step: bool = False,
 ) -> tuple[Verdict, list[str]]:
     """Multi-node: every rank of ``node`` waits in collective #``seq``.  Is the missing rank here?
 
     A rank of this node is elsewhere when it is stopped (``states``: pid -> the
     scheduler state the caller read), outside collectives, or behind ``seq``.
-    Returns the verdict, made HARD naming those ranks when there are any, and
-    the list of what is elsewhere (empty: every rank here is in that
-    collective too, and the verdict is unchanged)."""
+    ``inside_step``: the asking node's ranks are inside step ``seq`` with no
+    collective in view (an engine that compiled its model: its collectives
+    run unseen); a rank here is then elsewhere when it is stopped, outside any
+    step, or behind that step (inside a step outside collectives is where its
+    peers are).  Returns the verdict, made HARD naming those ranks when there
+    are any, and the list of what is elsewhere (empty: every rank here is in
+    that collective too, and the verdict is unchanged)."""
     elsewhere, ranks = [], []
     for s in snaps:
         if not s.claimed or s.finished:
@@ -668,6 +680,12 @@ def answer_hang_query(
         state = states.get(s.pid)
         if state in ("T", "t"):
             elsewhere.append(f"rank {s.rank} is stopped (state {state})")
+        elif inside_step and not s.in_step and not s.in_collective:
+            elsewhere.append(f"rank {s.rank} is outside steps at step {s.step}")
+        elif inside_step and s.step < seq:
+            elsewhere.append(f"rank {s.rank} is behind, at step {s.step}")
+        elif inside_step:
+            continue
         elif not s.in_collective:
             elsewhere.append(f"rank {s.rank} is outside collectives at step {s.step}")
         elif s.coll_seq < seq:
@@ -677,5 +695,6 @@ def answer_hang_query(
         ranks.append(s.rank)
     if not elsewhere:
         return verdict, elsewhere
-    message = f"every rank of node {node} waits in collective #{seq}; here {'; '.join(elsewhere)}"
+    where = f"step {seq} (its collectives unseen)" if inside_step else f"collective #{seq}"
+    message = f"every rank of node {node} waits in {where}; here {'; '.join(elsewhere)}"
     return replace(verdict, kind=VerdictKind.HARD, message=message, elsewhere_ranks=tuple(ranks)), elsewhere

@@ -153,12 +153,20 @@ class HangQuery:
     node that holds the rank that is elsewhere (stopped, outside collectives,
     behind) raises the hang itself, under ``incident_id``; when nobody does
     within ``HANG_QUERY_WAIT_S`` the asking node rules on its own evidence.
+
+    ``inside_step``: the asking node's ranks are inside step ``seq`` with no
+    collective in view, as in an engine that compiled its model (its
+    collectives run in the compiled graph, where the hook sees none): the
+    rank that is elsewhere is stopped, dead, outside any step or behind that
+    step; a rank inside a step outside collectives is where its peers are.
+    Nodes that predate the field read it as False.
     """
 
     node: int
     incident_id: str
     seq: int
     verdict: str
+    inside_step: bool = False
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -167,5 +175,9 @@ class HangQuery:
     def decode(cls, raw: bytes, nnodes: int | None = None) -> HangQuery:
         data = _load(raw)
         return cls(
-            _int(data, "node", 0, nnodes), _incident_id(data), _int(data, "seq", 0, None), _text(data, "verdict")
+            _int(data, "node", 0, nnodes),
+            _incident_id(data),
+            _int(data, "seq", 0, None),
+            _text(data, "verdict"),
+            data.get("inside_step") is True,
         )

@@ -135,7 +135,7 @@ class WatchdogThread:
         self.retired: set[int] = set()  # pids that claimed a slot in an earlier attempt
         # (seq, node) other nodes asked about: put by the main thread, taken by this one (a queue: none is lost
         # between a read and a clear, nor overwritten by another node's)
-        self._hang_queries: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self._hang_queries: queue.SimpleQueue[tuple[int, int, bool]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = named_thread(self._run, "watchdog")
         self.adapter = (
@@ -287,22 +287,23 @@ class WatchdogThread:
                 log.info("engine metrics scrape resumed", event_name="engine_metrics_resumed")
         return None if paused else self.adapter.latest
 
-    def answer_hang_query(self, seq: int, node: int) -> None:
-        """Multi-node: every rank of ``node`` waits in collective #``seq``.  On the next tick, rule a hard
-        hang here if a rank of this node is elsewhere: stopped, outside collectives, or behind ``seq``."""
-        self._hang_queries.put((seq, node))
+    def answer_hang_query(self, seq: int, node: int, inside_step: bool = False) -> None:
+        """Multi-node: every rank of ``node`` waits in collective #``seq`` (``inside_step``: inside step ``seq``,
+        its collectives unseen).  On the next tick, rule a hard hang here if a rank of this node is elsewhere:
+        stopped, outside collectives (outside steps), or behind ``seq`` (policy.answer_hang_query)."""
+        self._hang_queries.put((seq, node, inside_step))
 
     def _answer_hang_queries(self, verdict: policy.Verdict, snaps: list[SlotSnapshot]) -> policy.Verdict:
         """Every query asked since the last tick, in order, until one rules a hard hang here."""
         while True:
             try:
-                seq, node = self._hang_queries.get_nowait()
+                seq, node, inside_step = self._hang_queries.get_nowait()
             except queue.Empty:
                 return verdict
             if self.state.hard_fired:
                 continue  # ruled already: the other nodes hear of it as a fault
             states = {s.pid: proc_state(s.pid) for s in snaps if s.claimed and not s.finished}
-            verdict, elsewhere = policy.answer_hang_query(seq, node, verdict, snaps, states)
+            verdict, elsewhere = policy.answer_hang_query(seq, node, verdict, snaps, states, inside_step)
             if not elsewhere:
                 log.info(
                     "hang query of another node: every rank here is in that collective too",

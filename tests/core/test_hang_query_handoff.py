@@ -65,9 +65,9 @@ def test_a_query_handed_over_at_any_opcode_of_a_tick_is_answered(monkeypatch):
     answered: list[int] = []
     real = watchdog_thread.policy.answer_hang_query
 
-    def spy(seq, node, verdict, snaps, states):
+    def spy(seq, node, verdict, snaps, states, inside_step=False):
         answered.append(seq)
-        return real(seq, node, verdict, snaps, states)
+        return real(seq, node, verdict, snaps, states, inside_step)
 
     monkeypatch.setattr(watchdog_thread.policy, "answer_hang_query", spy)
     opcodes = tick_with_query_at(watchdog(), None, -1)
