@@ -331,7 +331,7 @@ def sequence(supervise_module, tiny_model):
     status = subprocess.run(
         [str(Path(sys.executable).parent / "supervise"), "status", "--json"],
         env=dict(os.environ, SUPERVISE_REGISTRY_DIR=str(supervise_module.tmp / "registry")),  # the fixture's
-        capture_output=True, text=True, timeout=30,
+        capture_output=True, text=True, timeout=120,  # a CLI's start on 2 cores vLLM fills (30 s was once too short)
     )  # fmt: skip
     assert status.returncode == 0, status.stderr
 
