@@ -376,7 +376,7 @@ def soak_run(model: Path, work: Path, minutes: float) -> Soak:
     ``minutes`` are over, then Ctrl-C."""
     srv = vr.start(model, work, supervised=True)
     requests = errors = longs = cancelled = rounds = 0
-    failed: dict[str, str] = {}
+    features_failed: dict[str, str] = {}
     code, serve_s, note = None, None, ""
     try:
         serve_s, note = _serve(srv)
@@ -392,7 +392,7 @@ def soak_run(model: Path, work: Path, minutes: float) -> Soak:
             answers = vr.features(srv.port)
             rounds += 1
             requests += sum(1 for v in answers.values() if v == "ok")
-            failed.update({k: v for k, v in answers.items() if v != "ok"})
+            features_failed.update({k: v for k, v in answers.items() if v != "ok"})
             time.sleep(max(0.0, min(SOAK_IDLE_S, deadline - time.monotonic())))
         if srv.proc.poll() is not None:
             note = note or f"the supervisor exited during the load ({srv.proc.returncode})"
@@ -408,7 +408,7 @@ def soak_run(model: Path, work: Path, minutes: float) -> Soak:
     outlived = len(left.outlived) + len(left.survivors)
     return Soak(
         minutes, serve_s, requests, errors, longs, incidents, bundles, code, outlived, len(left.shm), note, cancelled,
-        failed, rounds,
+        features_failed, rounds,
     )
 
 
