@@ -70,7 +70,6 @@ JOIN_S = 0.5  # close(): the pump's final drain and join, at most
 FINAL_DRAIN_S = 0.2  # of JOIN_S: reading what the ranks left in their pipes
 ERROR_PAUSE_S = 0.05  # after a failed pass, so a persistent failure cannot spin
 STREAMS = ("stdout", "stderr")
-# The line a rank-side engine adapter prints when the installed engine's seams do not match (rank/engines/).
 # Lines a rank-side engine adapter prints (rank/engines/): each logged once per run as the event of that name.
 ADAPTER_UNAVAILABLE = "supervise: engine_adapter_unavailable"
 ADAPTER_UNCHECKED = "supervise: engine_adapter_unchecked"

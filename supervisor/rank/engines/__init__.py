@@ -227,16 +227,15 @@ def checked_on(version: str, releases: tuple[str, str]) -> bool:
     return bool(have) and release(releases[0]) <= have <= release(releases[1])
 
 
-def _unchecked(engine: str, found: list[tuple[Seam, Any, Any]]) -> list[Seam]:
-    """The seams about to be wrapped whose checked releases do not hold the installed version."""
-    module = BY_NAME.get(engine)
-    default = getattr(module, "CHECKED_RELEASES", None)
+def _unchecked(engine: str, found: list[tuple[Seam, Any, Any]]) -> list[tuple[Seam, tuple[str, str]]]:
+    """The seams about to be wrapped whose checked releases do not hold the installed version, with those."""
+    default = getattr(BY_NAME.get(engine), "CHECKED_RELEASES", None)
     version = engine_version(engine)
     out = []
     for seam, _owner, _fn in found:
         releases = seam.releases or default
         if releases is not None and not checked_on(version, releases):
-            out.append(seam)
+            out.append((seam, releases))
     return out
 
 
@@ -281,15 +280,11 @@ def _report(engine: str, module_name: str, problems: list[str], what: str = UNAV
     )
 
 
-def _report_unchecked(engine: str, module_name: str, seams: list[Seam]) -> None:
+def _report_unchecked(engine: str, module_name: str, seams: list[tuple[Seam, tuple[str, str]]]) -> None:
     """The installed release is outside what these seams were checked on: they are wrapped all the same (their
     signatures matched), and the line says what a user loses with ``--no-hook`` if one misbehaves."""
-    default = getattr(BY_NAME.get(engine), "CHECKED_RELEASES", ("?", "?"))
-    parts = []
-    for seam in seams:
-        low, high = seam.releases or default
-        parts.append(f"{seam.owner}.{seam.method} checked on {low}..{high}")
-    lost = sorted({LOSES.get(seam.kind, seam.kind) for seam in seams})
+    parts = [f"{seam.owner}.{seam.method} checked on {low}..{high}" for seam, (low, high) in seams]
+    lost = sorted({LOSES.get(seam.kind, seam.kind) for seam, _releases in seams})
     _report(
         engine,
         module_name,
