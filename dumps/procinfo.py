@@ -108,16 +108,17 @@ def process_comm(pid: int) -> str:
         return ""
 
 
-def process_title(pid: int, limit: int = TITLE_LIMIT) -> str:
+def process_title(pid: int, limit: int = TITLE_LIMIT, comm_fallback: bool = True) -> str:
     """What the process calls itself now: its command line as ``ps`` shows it (``VLLM::Worker_TP1`` once the
-    engine called setproctitle), else its kernel name; empty when it is gone."""
+    engine called setproctitle), else (``comm_fallback``) its kernel name; empty when it is gone.  A process
+    that is exiting has released its memory, command line included: its kernel name is all that is left."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             raw = f.read(4 * limit)
     except OSError:
         raw = b""
     text = " ".join(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part).strip()
-    if not text:
+    if not text and comm_fallback:
         try:
             stat = _read(f"/proc/{pid}/stat")
             text = stat[stat.find("(") + 1 : stat.rfind(")")]

@@ -34,7 +34,7 @@ from .processes import exits
 from .processes.attempt import LAUNCHER_SLOT, Attempt
 from .processes.exits import ExitInfo, ExitStatus
 from .processes.spawn import RankHandle
-from .rank.heartbeat import SlotSnapshot
+from .rank.heartbeat import RENDEZVOUS_PHASE, SlotSnapshot
 
 # A rank that exits 0 is a fault only if its peers do not follow it within
 # this window (all ranks of a finished job exit within moments of each other).
@@ -76,7 +76,8 @@ def classify_exit(
     # A rank that declared it was finishing (runtime.finished, or the hook
     # seeing it leave the group) is done, not lost or early, even while
     # its peers still run.
-    said_finished = handle.slot >= 0 and read_slot(handle.slot).finished
+    slot = read_slot(handle.slot) if handle.slot >= 0 else None
+    said_finished = slot is not None and slot.finished
     if status is None:
         if said_finished:
             return ExitInfo(None, exits.CLEAN, "finished (its launcher owns the exit status)")
@@ -85,7 +86,9 @@ def classify_exit(
         said = oom_said(handle.pid)
         if said:
             return exits.oom_killed_unseen(said)
-        return exits.engine_process_gone() if handle.slot < LAUNCHER_SLOT else exits.lost()
+        if handle.slot < LAUNCHER_SLOT:
+            return exits.engine_process_gone()
+        return exits.lost(joining=slot is not None and slot.phase == RENDEZVOUS_PHASE)
     return exits.classify(
         status,
         peers_running=bool(peers) and not said_finished,

@@ -807,7 +807,8 @@ class Supervisor:
         handle.proc = procs.open_verified(ev.pid, identity.owns)
         handle.read_title()
         self.attempt.add_rank(handle)
-        log.info("rank joined the group", rank=ev.rank, pid=ev.pid, title=handle.title)
+        # Found at its claim: inside init_process_group (rendezvous=True) when the rank was known before the join.
+        log.info("rank joined the group", rank=ev.rank, pid=ev.pid, title=handle.title, rendezvous=ev.joining)
         if handle.proc is None:  # gone already (or not ours): its exit is all there is to report
             self.post(ProcessExited(("tree-rank", ev.slot), ev.pid, None, time.monotonic(), self.attempt.number))
             return

@@ -108,6 +108,7 @@ class RankClaimed:
     rank: int
     pid: int
     attempt: int = 0  # number of the attempt being watched
+    joining: bool = False  # claimed inside init_process_group, before the rendezvous completed
 
 
 @dataclass(frozen=True)

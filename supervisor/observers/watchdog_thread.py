@@ -37,7 +37,7 @@ from ..events import AllRanksReady, ControlClaimed, RankClaimed, WatchdogVerdict
 from ..processes.attempt import PerAttempt
 from ..processes.pidfds import named_thread
 from ..rank.engines import several_control
-from ..rank.heartbeat import CONTROL_SLOT_BASE, ROLE_FRONTEND, SlotSnapshot, empty_slot
+from ..rank.heartbeat import CONTROL_SLOT_BASE, RENDEZVOUS_PHASE, ROLE_FRONTEND, SlotSnapshot, empty_slot
 
 if TYPE_CHECKING:
     from tp_supervise.watchdogs.progress import ExternalProgress
@@ -378,7 +378,7 @@ class WatchdogThread:
                     # the restart (vLLM).  A live process with that pid is a new one that reused it.
                     continue
                 self.watch.known_pids[snap.slot] = snap.pid
-                self.post(RankClaimed(snap.slot, snap.rank, snap.pid, attempt))
+                self.post(RankClaimed(snap.slot, snap.rank, snap.pid, attempt, snap.phase == RENDEZVOUS_PHASE))
 
 
 def _gone(pid: int) -> bool:

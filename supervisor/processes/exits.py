@@ -122,9 +122,17 @@ def classify(status: ExitStatus, *, peers_running: bool, oom_said: str = "") -> 
     return ExitInfo(status, SIGNALED, f"was killed by {name}{core}")
 
 
-def lost() -> ExitInfo:
+def lost(joining: bool = False) -> ExitInfo:
     """A tree-mode rank (not our child) ended without saying it was finishing: not by a clean return of its
-    program (the hook marks that), so a signal, ``os._exit`` or a native crash; its parent holds the status."""
+    program (the hook marks that), so a signal, ``os._exit`` or a native crash; its parent holds the status.
+    ``joining``: it ended inside ``init_process_group`` (an exception there too: nothing it did counts as done)."""
+    if joining:
+        return ExitInfo(
+            None,
+            LOST,
+            "ended while joining the process group (inside init_process_group, before the rendezvous completed); "
+            "it was not our child, so its exit status is unknown",
+        )
     return ExitInfo(
         None,
         LOST,

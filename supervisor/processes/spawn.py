@@ -107,7 +107,9 @@ class RankHandle:
         """Read the title again while the process is alive (kept once it is gone)."""
         if self.alive:
             self.comm = _comm(self.pid)
-            self.title = process_title(self.pid) or self.title
+            # A title once read is not replaced by the kernel's 15-character name of a process already exiting
+            # (its command line gone with its memory: VLLM::EngineCore would become VLLM::EngineCor).
+            self.title = process_title(self.pid, comm_fallback=not self.title) or self.title
 
     def renamed(self) -> bool:
         """Its kernel name changed since the title was read (``/proc/<pid>/comm``: no lock of the process is taken,

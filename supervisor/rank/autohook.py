@@ -182,7 +182,7 @@ def _wrap_coalescing(fn):
 def _wrap_init(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        runtime.enter_rendezvous()
+        runtime.enter_rendezvous(_rank_argument(args, kwargs))
         result = fn(*args, **kwargs)
         try:
             import torch.distributed as dist
@@ -204,6 +204,18 @@ def _wrap_init(fn):
 
     _mark_wrapped(wrapper)
     return wrapper
+
+
+def _rank_argument(args, kwargs) -> int:
+    """The global rank ``init_process_group`` was asked to join as (its ``rank`` argument, else ``RANK`` as
+    its env:// rendezvous reads it), -1 when not known before the join."""
+    try:
+        rank = kwargs.get("rank", args[4] if len(args) > 4 else -1)
+        if rank is None or int(rank) < 0:
+            rank = os.environ.get("RANK", -1)
+        return int(rank)
+    except (TypeError, ValueError):
+        return -1
 
 
 def _wrap_destroy(fn):
@@ -237,9 +249,12 @@ def _at_exit() -> None:
 
     In tree mode the supervisor cannot read a grandchild's exit status; this
     flag is how it tells a finishing rank from a vanished one.  (os._exit and
-    fatal signals skip atexit, so they still count as vanished.)
+    fatal signals skip atexit, so they still count as vanished.)  A process
+    still inside ``init_process_group`` did not finish: multiprocessing's
+    worker bootstrap catches the target's exception and leaves through
+    ``sys.exit(1)``, which runs atexit with no excepthook called.
     """
-    if not _crashed:
+    if not _crashed and not runtime.joining():
         runtime.finished()
 
 

@@ -86,6 +86,8 @@ class _Runtime:
         self.forked = False
         # Control-plane slots this process writes (role -> writer; None: asked once, not to be had).
         self.control: dict[int, SlotWriter | None] = {}
+        # The pid of the process inside init_process_group (0: none): one that exits there did not finish its work.
+        self.joining_pid = 0
 
     def claim(self, slot: int, rank: int, instrumented: bool) -> bool:
         path = os.environ.get(ENV_HEARTBEAT)
@@ -337,11 +339,24 @@ def ready() -> None:
 RENDEZVOUS_PHASE = hb.RENDEZVOUS_PHASE
 
 
-def enter_rendezvous() -> None:
-    """The rank is joining the process group (the startup watchdog waits for it)."""
+def enter_rendezvous(rank: int = -1) -> None:
+    """The rank is joining the process group (the startup watchdog waits for it).
+
+    ``rank``: its global rank when the caller knows it before the join (tree mode then claims the slot now,
+    so a rank that dies inside the rendezvous, say on a taken port, is a rank the supervisor names, not a
+    process it never heard of).
+    """
+    _rt.joining_pid = os.getpid()
+    if rank >= 0:
+        claim(rank)
     w = _rt.writer if _rt.pid == os.getpid() else None
     if w is not None:
         w.set_phase(RENDEZVOUS_PHASE, time.monotonic())
+
+
+def joining() -> bool:
+    """True between ``enter_rendezvous`` and ``joined_group`` in this process."""
+    return _rt.joining_pid == os.getpid()
 
 
 def joined_group(rank: int) -> None:
@@ -350,6 +365,7 @@ def joined_group(rank: int) -> None:
     Claims the slot of ``rank`` (tree mode finds ranks this way).  A rank that
     does not report readiness itself counts as ready once it joined.
     """
+    _rt.joining_pid = 0
     if not claim(rank):
         return
     w = _rt.writer

@@ -32,6 +32,19 @@ def test_multiprocessing_launcher_clean_run(supervise):
     assert run.bundles() == []
 
 
+def test_a_rank_that_dies_inside_init_process_group_is_named_at_once(supervise):
+    """Rank 0's store cannot bind its port: it dies inside init_process_group and rank 1 waits on a store that
+    never answers, with the launcher waiting on rank 1.  Found at the start of its rendezvous, rank 0 is named
+    as the rank that ended while joining, with its own error, long before the startup timeout (600 s)."""
+    run = supervise(["--tree", "--nproc-per-node", "2"], mp_launcher("--tp", "2", "--fault", "port-taken"))
+    assert run.wait(timeout=120) == 80, run.stderr[-4000:]
+    summary = run.summary("-rank_exit")
+    assert summary["culprit_ranks"] == [0], summary["verdict"]
+    assert "while joining the process group" in summary["verdict"], summary["verdict"]
+    assert "EADDRINUSE" in summary["verdict"], summary["verdict"]
+    assert run.events("startup timeout") == []
+
+
 def test_multiprocessing_launcher_stopped_rank_is_a_hang(supervise):
     run = supervise(
         ["--tree", "--nproc-per-node", "2", "--soft-timeout", "2", "--hard-timeout", "4", "--kill-grace", "2"],

@@ -1,8 +1,13 @@
 """A launcher that spawns its TP ranks with multiprocessing, the way vLLM and
 SGLang do (spawn context, ranks are grandchildren of the supervisor).
 
-    python mp_launcher.py --tp 2 [--fault stop|stall|none] [--fault-rank 1] [--iters N] [--set-title]
+    python mp_launcher.py --tp 2 [--fault stop|stall|crash|port-taken|none] [--fault-rank 1] [--iters N] [--set-title]
                           [--engine-core PIDFILE] [--restart-delay S]
+
+``--fault port-taken``: the launcher listens on the port it hands its workers, so rank 0's store cannot bind
+it (``EADDRINUSE`` inside ``init_process_group``: multiprocessing's bootstrap prints the traceback and exits 1)
+and rank 1 waits forever on a store that never answers; the launcher waits for rank 1 (a launcher that does
+not watch its workers, as a port race in a real deployment leaves it).
 
 ``--set-title``: each worker names itself with the real ``setproctitle`` once it
 joined, as vLLM's (``VLLM::Worker_TP<r>``) and SGLang's workers do; that
@@ -75,16 +80,24 @@ def main():
     args = p.parse_args()
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         time.sleep(args.restart_delay)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    if args.engine_core:
-        core = ctx.Process(target=engine_core, args=(port, args), name="EngineCore")
-        core.start()
-        core.join()
-        sys.exit(core.exitcode if core.exitcode >= 0 else 128 - core.exitcode)
-    sys.exit(run_workers(port, args))
+    # The port stays bound here (SO_REUSEADDR, never listening) while the workers run: rank 0's TCPStore,
+    # which sets SO_REUSEADDR too, can bind it, and no other process on the host can take it meanwhile (a
+    # port picked and released first was once taken by a parallel test before rank 0 listened).
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        if args.fault == "port-taken":
+            held.listen()
+        ctx = mp.get_context("spawn")
+        if args.engine_core:
+            core = ctx.Process(target=engine_core, args=(port, args), name="EngineCore")
+            core.start()
+            core.join()
+            code = core.exitcode if core.exitcode >= 0 else 128 - core.exitcode
+        else:
+            code = run_workers(port, args)
+    sys.exit(code)
 
 
 def run_workers(port, args):
