@@ -7,9 +7,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
-# two pytest-xdist workers, each taking whole files (module-scoped runs stay one run), and the 30 slowest tests
-# listed at the end; PYTEST_ARGS= runs serially
-PYTEST_ARGS ?= -n 2 --dist loadfile --durations=30
+# three pytest-xdist workers on two cores (most of a test's time is a supervisor waiting on real time: 8:38 against
+# ~10 with two workers, measured 2026-12-07), each taking whole files (module-scoped runs stay one run), and the 30
+# slowest tests listed at the end; PYTEST_ARGS= runs serially
+PYTEST_ARGS ?= -n 3 --dist loadfile --durations=30
 # Every supervisor, rank script and engine process the tests start imports this tree: with bytecode caching off
 # (some environments export PYTHONDONTWRITEBYTECODE=1) each of them compiled it again, ~0.3 s of CPU a process.
 unexport PYTHONDONTWRITEBYTECODE
@@ -31,8 +32,10 @@ test: $(STAMP)
 
 # Runs whose subject needs tens of seconds of real time (a straggler is named after a sustained window, a minute of
 # load shows nothing diverges, a slow or idle rank is shown not to be a hang, a fuzzer's hundreds of bodies, a COMMAND
-# behind the relay, --on-straggler's actions, repeated node losses, network namespaces, drill runs, dump deadlines, forged node frames), ~8 min:
-# their own tier, in make test-all (outside .ci/run's 30 minutes).
+# behind the relay, --on-straggler's actions, repeated node losses, network namespaces, drill runs, dump deadlines, forged node frames), and
+# the second and later scenarios of an area whose first stays in make test (more multi-node refusals and restarts, a
+# poison request behind the relay, HF transformers under torchrun, renamed ranks, the install/uninstall round trip),
+# ~12 min: their own tier, in make test-all (outside .ci/run's 30 minutes, which keep make test under 11).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) -m "slow and not engines"
 
@@ -44,10 +47,12 @@ test-bench: $(STAMP)
 # tests/engines/setup_vllm.sh), the tests in tests/engines, in vLLM's default mode (its model compiled; eager where
 # eager is the subject): a vLLM start costs ~80-130 s on 2 cores (the first compiles the model), so a run takes
 # several faults that each end in a restart where the scenarios allow (asserted per bundle).  test-engines is the
-# focused set .ci/run runs (~18 min: one run behind the relay taking six faults, a renamed seam in eager mode, the
-# two-node launch with a worker stopped on node 1, SGLang's GroupCoordinator); test-engines-slow the scenarios that
-# each need starts of their own (the relay's hold limit and poison request, the other two-node faults, the drill's
-# runner, the straggler named from eager mode's per-collective arrivals).
+# focused set .ci/run runs (~12 min: one run behind the relay taking three faults (worker stopped, worker killed
+# mid-stream, engine core stopped), a renamed seam in eager mode, the two-node launch with a worker stopped on node 1,
+# SGLang's GroupCoordinator); test-engines-slow the scenarios that each need starts of their own (a second run
+# behind the relay taking the other three faults (engine core killed, engine core stuck in its scheduler, worker
+# stuck in execute_model), the relay's hold limit and poison request, the other two-node faults, the drill's runner,
+# the straggler named from eager mode's per-collective arrivals).
 VLLM_VENV ?= .venv-vllm
 ENGINES_PYTEST = VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -q -p no:randomly --durations=0
 test-engines: $(STAMP)

@@ -78,6 +78,7 @@ def classify_exit(
     # its peers still run.
     slot = read_slot(handle.slot) if handle.slot >= 0 else None
     said_finished = slot is not None and slot.finished
+    joining = slot is not None and slot.phase == RENDEZVOUS_PHASE and not said_finished
     if status is None:
         if said_finished:
             return ExitInfo(None, exits.CLEAN, "finished (its launcher owns the exit status)")
@@ -88,12 +89,13 @@ def classify_exit(
             return exits.oom_killed_unseen(said)
         if handle.slot < LAUNCHER_SLOT:
             return exits.engine_process_gone()
-        return exits.lost(joining=slot is not None and slot.phase == RENDEZVOUS_PHASE)
-    return exits.classify(
+        return exits.lost(joining=joining)
+    info = exits.classify(
         status,
         peers_running=bool(peers) and not said_finished,
         oom_said=oom_said(handle.pid) if status.signal == signal.SIGKILL else "",
     )
+    return exits.while_joining(info) if joining and info.failed else info
 
 
 def rule_exit(attempt: Attempt, handle: RankHandle, info: ExitInfo, *, tearing_down: bool) -> Ruling:

@@ -54,6 +54,7 @@ def site_packages(venv: Path) -> Path:
     return venv / "lib" / f"python{sysconfig.get_python_version()}" / "site-packages"
 
 
+@pytest.mark.slow
 def test_install_and_uninstall_leave_supervisord_working(venv_with_supervisord, tmp_path):
     venv = venv_with_supervisord
     pip = venv / "bin" / "pip"

@@ -122,6 +122,14 @@ def classify(status: ExitStatus, *, peers_running: bool, oom_said: str = "") -> 
     return ExitInfo(status, SIGNALED, f"was killed by {name}{core}")
 
 
+JOINING = "while joining the process group (inside init_process_group, before the rendezvous completed)"
+
+
+def while_joining(info: ExitInfo) -> ExitInfo:
+    """``info`` of a rank that ended inside ``init_process_group``: its sentence says where."""
+    return ExitInfo(info.status, info.reason, f"{info.description} {JOINING}")
+
+
 def lost(joining: bool = False) -> ExitInfo:
     """A tree-mode rank (not our child) ended without saying it was finishing: not by a clean return of its
     program (the hook marks that), so a signal, ``os._exit`` or a native crash; its parent holds the status.
@@ -130,8 +138,7 @@ def lost(joining: bool = False) -> ExitInfo:
         return ExitInfo(
             None,
             LOST,
-            "ended while joining the process group (inside init_process_group, before the rendezvous completed); "
-            "it was not our child, so its exit status is unknown",
+            f"ended {JOINING}; it was not our child, so its exit status is unknown",
         )
     return ExitInfo(
         None,

@@ -81,6 +81,7 @@ def test_a_skipped_all_reduce_armed_with_the_runs_token_names_that_rank(supervis
         assert "SIGABRT" in bundle["verdict"] and len(bundle["culprit_ranks"]) == 1, bundle["verdict"]
 
 
+@pytest.mark.slow
 def test_nothing_listens_in_a_run_the_drill_did_not_start(supervise, tmp_path):
     lane = tmp_path / "lane"
     lane.mkdir()

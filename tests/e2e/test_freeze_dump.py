@@ -32,6 +32,7 @@ def stacks(bundle: Path, rank: int) -> str:
     return text.split("\n\n", 1)[1] if "\n\n" in text else ""
 
 
+@pytest.mark.slow
 def test_enforced_divergence_freezes_the_group_before_the_dump(supervise):
     run, port = serve(supervise, "--kill-grace", "2", "--control-plane", "replicated", "--consensus", "enforce",
                       "--inject", "diverge_batch@1:20")

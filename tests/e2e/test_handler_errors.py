@@ -21,6 +21,7 @@ RAISING_DESK = ROOT / "tests" / "fakes" / "raising_desk.py"
 RUN_TIMEOUT_S = 90.0
 
 
+@pytest.mark.slow
 def test_a_hang_whose_handler_raises_ends_with_the_internal_error_exit_and_leaves_nothing(supervise, tmp_path):
     run = supervise(
         ["--nproc-per-node", "2", "--soft-timeout", "2", "--hard-timeout", "4", "--kill-grace", "2",

@@ -78,6 +78,7 @@ def test_slow_rank_under_soft_timeout_is_not_a_hang(supervise):
     assert run.bundles() == []
 
 
+@pytest.mark.slow
 def test_adaptive_default_detects_a_stopped_rank_well_under_a_minute(supervise):
     run = supervise(
         ["--nproc-per-node", "2", "--kill-grace", "2"],

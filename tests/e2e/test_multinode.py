@@ -68,6 +68,7 @@ def test_a_rank_exit_on_node_1_takes_node_0_down_with_84(rank_exit_on_node_1):
     assert node0.ended - node1.ended < 10
 
 
+@pytest.mark.slow
 def test_a_sigkilled_node_1_is_a_lost_node(supervise, tmp_path):
     node0, node1 = two_nodes(supervise, tmp_path, lambda i: [], lambda i: ("--all", "loop"))
     wait_joined(tmp_path, 2)

@@ -42,6 +42,7 @@ def test_node_diverging_from_the_others_is_named_by_global_rank_and_exits_82(sup
     assert node0.events("divergence across nodes") or "diverged" in peer["verdict"], peer["verdict"]
 
 
+@pytest.mark.slow
 def test_agreeing_nodes_finish_cleanly(supervise, tmp_path):
     node0, node1 = two_nodes(supervise, tmp_path, "enforce", ["--steps", "300", "--step-sleep", "0.005"])
     assert node0.wait(EXIT_TIMEOUT_S) == 0, node0.stderr[-3000:]

@@ -62,6 +62,7 @@ def test_a_model_path_that_differs_is_refused_naming_the_field_and_both_values(s
     assert_refused(supervise, runs, "job.model: node 0: '/models/tiny'; node 1: '/models/other'")
 
 
+@pytest.mark.slow
 def test_an_engine_version_that_differs_is_refused_before_the_engine_starts(supervise, tmp_path):
     """Node 1's interpreter finds another vLLM first on its path (a stale install shadowing the image's)."""
     shadow = tmp_path / "site"
@@ -72,6 +73,7 @@ def test_an_engine_version_that_differs_is_refused_before_the_engine_starts(supe
     assert_refused(supervise, runs, "engine.vllm: node 0:", "node 1: 'vllm 0.31.0'")
 
 
+@pytest.mark.slow
 def test_nnodes_that_differ_are_refused_on_every_node(supervise, tmp_path):
     port = free_port()
     runs = start(supervise, tmp_path, [vllm_line(port, 0), vllm_line(port, 1, nnodes=3)])

@@ -45,6 +45,7 @@ def analyze(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_on_node_1_is_merged_with_node_0s_waiting_rank(supervise, tmp_path):
     port, store_port = free_port(), free_port()
     runs = []

@@ -98,6 +98,7 @@ def _lines_until(run, text: str, timeout: float = 30.0) -> list[dict]:
     raise AssertionError(f"no {text!r} line within {timeout} s")
 
 
+@pytest.mark.slow
 def test_a_frozen_node_0_is_a_lost_store_for_node_1(supervise, tmp_path):
     node0, node1 = gloo_nodes(supervise, tmp_path)
     wait_joined(tmp_path, 2)
@@ -116,6 +117,7 @@ def test_a_frozen_node_0_is_a_lost_store_for_node_1(supervise, tmp_path):
         node0.proc.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_two_node_0s_both_refuse_naming_the_node_rank(supervise, tmp_path):
     port, store_port = free_port(), free_port()
     runs = []

@@ -46,6 +46,7 @@ def test_a_fault_on_node_1_restarts_the_whole_group_until_the_budget_is_spent(su
     assert [line["restart"] for line in node1.events("restarting the group with node 0")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_stop_signal_during_the_backoff_stops_every_node(supervise, tmp_path):
     node0, node1 = two_nodes(supervise, tmp_path, 5, lambda node: ("--all", "loop", "--on", "1=exit:3", "--delay", "1"))
     deadline = time.monotonic() + 60
@@ -56,6 +57,7 @@ def test_a_stop_signal_during_the_backoff_stops_every_node(supervise, tmp_path):
     assert node1.wait(EXIT_TIMEOUT_S) == 0, node1.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_mismatched_max_restarts_are_refused_before_anything_starts(supervise, tmp_path):
     port, store_port = free_port(), free_port()
     runs = []
@@ -106,6 +108,7 @@ def _wait_bundle(path, pattern, timeout=60.0):
     assert list(path.glob(pattern)), f"no {pattern} in {path}"
 
 
+@pytest.mark.slow
 def test_a_node_lost_after_a_group_restart_is_still_seen(supervise, tmp_path):
     node0, node1 = _sh_nodes(supervise, tmp_path, 2)
     _wait_bundle(tmp_path / "dumps-0", "*peer_failed*")
@@ -118,6 +121,7 @@ def test_a_node_lost_after_a_group_restart_is_still_seen(supervise, tmp_path):
     assert [line["attempt"] for line in node0.events("rank started")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_stop_on_node_1_between_attempts_stops_node_0_too(supervise, tmp_path):
     node0, node1 = _sh_nodes(supervise, tmp_path, 3)
     _wait_bundle(tmp_path / "dumps-1", "*rank_exit*")

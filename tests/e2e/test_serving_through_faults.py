@@ -494,6 +494,7 @@ def thread_names(pid: int) -> list[str]:
     return names
 
 
+@pytest.mark.slow
 def test_a_poison_request_is_quarantined_after_at_most_two_group_failures(poison_run):
     run = poison_run
     assert isinstance(run.poison_error, openai.BadRequestError), repr(run.poison_error)

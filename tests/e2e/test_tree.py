@@ -56,6 +56,7 @@ def test_multiprocessing_launcher_stopped_rank_is_a_hang(supervise):
     assert hang["ranks"]["1"]["state"] == "T"
 
 
+@pytest.mark.slow
 def test_ranks_that_rename_themselves_stay_held(supervise):
     """setproctitle (vLLM, SGLang) wipes /proc/<pid>/environ, run marker included: the ranks are still the run's
     (its cgroup, their ancestry), a clean run stays clean and a stopped rank is still the hang's culprit, named
@@ -77,6 +78,7 @@ def test_ranks_that_rename_themselves_stay_held(supervise):
     assert hang["ranks"]["0"]["title"] == "VLLM::Worker_TP0", hang["ranks"]["0"]
 
 
+@pytest.mark.slow
 def test_a_restarted_attempt_whose_ranks_join_late_is_not_judged_by_the_last_attempts_slots(supervise):
     """--max-restarts in tree mode with ranks that join seconds after the restart (vLLM loads its model again):
     the slots still name the dead ranks of the first attempt, busy in an all_reduce.  Neither is a rank of the
@@ -198,6 +200,7 @@ def tiny_llama(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_torchrun_transformers_tp_generate(supervise, tiny_llama):
     torchrun = str(VENV_BIN / "torchrun")
     script = str(FAKES / "hf_tp_generate.py")

@@ -51,6 +51,7 @@ def send_request(port: int) -> tuple[http.client.HTTPConnection, float]:
     return conn, took
 
 
+@pytest.mark.slow
 def test_engine_serves_on_an_inherited_socket_and_waiting_connections_survive_a_restart(launch_engine, tmp_path):
     listener = socket.create_server(("127.0.0.1", 0), backlog=listen_backlog())
     port = listener.getsockname()[1]
