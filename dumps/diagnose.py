@@ -178,7 +178,7 @@ def _place(ev: RankEvidence, hb: SlotSnapshot | None, exit_info: dict | None, fr
         op = _stack_collective(ev.threads)
         if op:
             in_coll, collective, key = True, op, (op,)
-    where = st.where_text(st.innermost_function(ev.threads, skip=WAIT_FUNCTIONS))
+    where = st.where(ev.threads, skip=WAIT_FUNCTIONS)
     progressed = None
     if hb is not None and ev.prev_progress is not None:
         progressed = (hb.step, hb.coll_seq) > tuple(ev.prev_progress)
@@ -421,7 +421,7 @@ class _Process:
 
 
 def _process(ev: RankEvidence) -> _Process:
-    where = st.where_text(st.innermost_function(ev.threads, skip=WAIT_FUNCTIONS))
+    where = st.where(ev.threads, skip=WAIT_FUNCTIONS)
     return _Process(ev, where, st.stack_signature(ev.threads))
 
 

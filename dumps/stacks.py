@@ -246,6 +246,38 @@ def where_text(frame: Frame | None) -> str:
     return f"{frame.base_function} ({frame.base_file})"
 
 
+_TORCH_PART = os.sep.join(("", "torch", ""))
+
+
+def compiled_from(threads: Sequence[ThreadStack], compiled: Frame) -> Frame | None:
+    """The model's own function a compiled frame runs the graph of: the first frame outward of ``compiled``
+    that is neither generated code nor torch's machinery around it (vLLM's ``LlamaModel.forward``)."""
+    main = main_thread(threads)
+    if main is None:
+        return None
+    frames = main.python_frames
+    try:
+        at = frames.index(compiled)
+    except ValueError:
+        return None
+    for f in frames[at + 1 :]:
+        if not compiled_code(f) and _TORCH_PART not in f.filename and not is_dispatch(f):
+            return f
+    return None
+
+
+def where(threads: Sequence[ThreadStack], skip: Iterable[str] = ()) -> str:
+    """Where a process is, in words (``where_text`` of ``innermost_function``); inside a compiled model, also
+    whose graph it runs: "the compiled model (torch.compile: call in c3x.py) of LlamaModel.forward (llama.py)"."""
+    frame = innermost_function(threads, skip)
+    text = where_text(frame)
+    if frame is not None and compiled_code(frame):
+        origin = compiled_from(threads, frame)
+        if origin is not None:
+            text += f" of {origin.function} ({origin.base_file})"
+    return text
+
+
 def innermost_function(threads: Sequence[ThreadStack], skip: Iterable[str] = ()) -> Frame | None:
     """The innermost Python frame of the main thread, skipping library names in ``skip``.
 

@@ -153,3 +153,38 @@ def test_where_names_the_compiled_model_not_a_hash():
     assert where_text(plain) == "load_batch (data.py)"
     assert where_text(Frame("__compiled_fn_7", "<eval_with_key>.3", 5)).startswith("the compiled model")
     assert where_text(None) == ""
+
+
+def test_where_in_a_compiled_model_names_the_function_it_compiles():
+    """The main thread of a vLLM 0.32 worker SIGSTOPped in its compiled forward (py-spy's frames as a bundle of
+    the engine tier holds them): the generated module is named with the model's function whose graph it runs,
+    past torch's AOT and Dynamo wrappers."""
+    from tp_supervise.dumps.stacks import Frame, ThreadStack, where
+
+    site = "/venv/lib/python3.11/site-packages"
+    frames = (
+        Frame("OpOverload.__call__", f"{site}/torch/_ops.py", 875),
+        Frame(
+            "Runner.call",
+            "/root/.cache/vllm/torch_compile_cache/torch_aot_compile/7143/inductor_cache/t6/"
+            "ct64jzf52khgkqtpc3ljyriibgey4wo7cj37ixeyvatpgrtyifzh.py",
+            723,
+        ),  # fmt: skip
+        Frame("CompiledFxGraph.__call__", f"{site}/torch/_inductor/output_code.py", 763),
+        Frame(
+            "SerializableCompiledFunction.__call__", f"{site}/torch/_functorch/_aot_autograd/runtime_wrappers.py", 2548
+        ),
+        Frame("aot_module_simplified.<locals>.forward", f"{site}/torch/_functorch/aot_autograd.py", 1277),
+        Frame("DisableContext.__call__.<locals>._fn", f"{site}/torch/_dynamo/eval_frame.py", 1446),
+        Frame("BundledAOTAutogradSerializableCallable.__call__", f"{site}/torch/_dynamo/aot_compile_types.py", 221),
+        Frame("LlamaModel.forward", f"{site}/vllm/model_executor/models/llama.py", 406),
+        Frame("AOTCompiledFunction.__call__", f"{site}/torch/_dynamo/aot_compile.py", 244),
+        Frame("GPUModelRunner.execute_model", f"{site}/vllm/v1/worker/gpu_model_runner.py", 4207),
+    )
+    threads = [ThreadStack(thread_id="1", name="MainThread", frames=frames, is_main=True)]
+    assert where(threads) == (
+        "the compiled model (torch.compile: call in ct64jzf52khgkqtpc3ljyriibgey4wo7cj37ixeyvatpgrtyifzh.py) "
+        "of LlamaModel.forward (llama.py)"
+    )
+    eager = [ThreadStack(thread_id="1", name="MainThread", frames=frames[7:], is_main=True)]
+    assert where(eager) == "forward (llama.py)"
