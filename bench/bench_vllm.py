@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -332,6 +333,8 @@ class Soak:
     cancelled_streams: int = 0  # streams whose client hung up after the first chunk
     features: dict[str, str] = field(default_factory=dict)  # vLLM's everyday features (vr.FEATURES): what failed
     feature_rounds: int = 0
+    said: list[str] = field(default_factory=list)  # the supervisor's warning/error lines, when, in its words
+    kept: str = ""  # where the bundles were copied (the run's own folder is a temporary one)
 
     @property
     def valid(self) -> bool:
@@ -412,10 +415,20 @@ def soak_run(model: Path, work: Path, minutes: float) -> Soak:
         - {"engine_adapter_unavailable"}
     )
     bundles = sorted(p.name for p in srv.dump_dir.glob("*") if p.is_dir()) if srv.dump_dir.is_dir() else []
+    said = [
+        f"{ev.get('timestamp', '')} {ev.get('message', ev.get('event'))}"
+        for ev in srv.log_lines()
+        if ev.get("level") in ("warning", "error") and ev.get("event") != "engine_adapter_unavailable"
+    ]
+    kept = ""
+    if bundles:  # what the supervisor suspected must outlive the run's temporary folder to be read
+        keep = Path(tempfile.gettempdir()) / f"bench-vllm-soak-{time.strftime('%Y%m%dT%H%M%S')}"
+        shutil.copytree(srv.dump_dir, keep)
+        kept = str(keep)
     outlived = len(left.outlived) + len(left.survivors)
     return Soak(
         minutes, serve_s, requests, errors, longs, incidents, bundles, code, outlived, len(left.shm), note, cancelled,
-        features_failed, rounds,
+        features_failed, rounds, said[:20], kept,
     )
 
 
@@ -423,6 +436,10 @@ def soak_text(soak: Soak | None) -> str:
     if soak is None:
         return "Soak: not run (`--soak 0`)."
     verdict = "no incident" if soak.valid else f"NOT clean: {soak.note or soak.incidents or soak.bundles}"
+    if soak.said:
+        verdict += " (" + "; ".join(f"`{line[:300]}`" for line in soak.said[:4]) + ")"
+    if soak.kept:
+        verdict += f"; bundles kept in {soak.kept}"
     return (
         f"### Soak\n\n{soak.minutes:g} minutes on one supervised start, in cycles of {SOAK_LOAD_S:.0f} s of mixed "
         f"load (3 clients: completions and chat, 24 tokens; a {len(LONG_PROMPT['prompt'])}-token prompt every "
