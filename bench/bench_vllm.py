@@ -410,16 +410,14 @@ def soak_run(model: Path, work: Path, minutes: float) -> Soak:
             code = srv.stop()
     finally:
         left = srv.cleanup()
-    incidents = sorted(
-        {str(ev.get("event")) for ev in srv.log_lines() if ev.get("level") in ("warning", "error")}
-        - {"engine_adapter_unavailable"}
-    )
-    bundles = sorted(p.name for p in srv.dump_dir.glob("*") if p.is_dir()) if srv.dump_dir.is_dir() else []
-    said = [
-        f"{ev.get('timestamp', '')} {ev.get('message', ev.get('event'))}"
+    warned = [
+        ev
         for ev in srv.log_lines()
         if ev.get("level") in ("warning", "error") and ev.get("event") != "engine_adapter_unavailable"
     ]
+    incidents = sorted({str(ev.get("event")) for ev in warned})
+    said = [f"{ev.get('timestamp', '')} {ev.get('message', ev.get('event'))}" for ev in warned]
+    bundles = sorted(p.name for p in srv.dump_dir.glob("*") if p.is_dir()) if srv.dump_dir.is_dir() else []
     kept = ""
     if bundles:  # what the supervisor suspected must outlive the run's temporary folder to be read
         keep = Path(tempfile.gettempdir()) / f"bench-vllm-soak-{time.strftime('%Y%m%dT%H%M%S')}"

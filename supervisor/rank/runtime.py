@@ -86,8 +86,6 @@ class _Runtime:
         self.forked = False
         # Control-plane slots this process writes (role -> writer; None: asked once, not to be had).
         self.control: dict[int, SlotWriter | None] = {}
-        # The pid of the process inside init_process_group (0: none): one that exits there did not finish its work.
-        self.joining_pid = 0
 
     def claim(self, slot: int, rank: int, instrumented: bool) -> bool:
         path = os.environ.get(ENV_HEARTBEAT)
@@ -346,7 +344,6 @@ def enter_rendezvous(rank: int = -1) -> None:
     so a rank that dies inside the rendezvous, say on a taken port, is a rank the supervisor names, not a
     process it never heard of).
     """
-    _rt.joining_pid = os.getpid()
     if rank >= 0:
         claim(rank)
     w = _rt.writer if _rt.pid == os.getpid() else None
@@ -355,8 +352,10 @@ def enter_rendezvous(rank: int = -1) -> None:
 
 
 def joining() -> bool:
-    """True between ``enter_rendezvous`` and ``joined_group`` in this process."""
-    return _rt.joining_pid == os.getpid()
+    """This process holds a slot and is inside ``init_process_group``: its slot's phase says so (what the
+    supervisor reads too), set by ``enter_rendezvous`` and cleared by ``joined_group``."""
+    w = _rt.writer
+    return w is not None and _rt.pid == os.getpid() and w.phase == RENDEZVOUS_PHASE
 
 
 def joined_group(rank: int) -> None:
@@ -365,7 +364,6 @@ def joined_group(rank: int) -> None:
     Claims the slot of ``rank`` (tree mode finds ranks this way).  A rank that
     does not report readiness itself counts as ready once it joined.
     """
-    _rt.joining_pid = 0
     if not claim(rank):
         return
     w = _rt.writer
