@@ -18,6 +18,8 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 
 from .evidence import CpuSamples, ProcInfo
 
@@ -85,6 +87,61 @@ def runq_wait_ns(pid: int) -> int | None:
         return int(_read(f"/proc/{pid}/schedstat").split()[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+# Fields of /proc/<pid>/stat after comm (0-based): ppid, then the CPU of the process (utime, stime) and of its
+# children it has reaped (cutime, cstime: theirs and their own reaped children's), in clock ticks.
+_STAT_PPID, _STAT_CUTIME, _STAT_CSTIME = 1, 13, 14
+
+
+@dataclass(frozen=True)
+class Helpers:
+    """What the processes a watched process started (and the engine does not watch) have used of the CPU:
+    ``cpu_s`` in all (the live ones and those already reaped), ``live`` each live one's (pid -> (comm, cpu_s))."""
+
+    cpu_s: float
+    live: Mapping[int, tuple[str, float]]
+
+
+def helper_cpu(roots: Iterable[int], known: Collection[int]) -> dict[int, Helpers]:
+    """For each root pid, the CPU used by its helper processes: its descendants that are not ``known`` (the
+    engine's watched processes: a worker below vLLM's engine core is no helper of it) nor below one, live, plus
+    the children it has reaped (a compiler that ended between two reads is counted through the root's
+    ``cutime``).  One pass over /proc (each process's ``stat``: no lock of any process); a gone root is
+    absent.  A compiler the rank runs inside a step (Inductor's C++ build) is such a helper."""
+    parent: dict[int, int] = {}
+    comm: dict[int, str] = {}
+    own: dict[int, float] = {}  # its CPU and its reaped children's
+    reaped: dict[int, float] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            text = _read(f"/proc/{name}/stat")
+            fields = _stat_fields(text)
+            pid = int(name)
+            parent[pid] = int(fields[_STAT_PPID])
+            comm[pid] = text[text.index("(") + 1 : text.rindex(")")]
+            kids = int(fields[_STAT_CUTIME]) + int(fields[_STAT_CSTIME])
+            reaped[pid] = kids / _CLK_TCK
+            own[pid] = (int(fields[_STAT_UTIME]) + int(fields[_STAT_STIME]) + kids) / _CLK_TCK
+        except (OSError, ValueError, IndexError):
+            continue
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    out = {}
+    for root in roots:
+        if root not in reaped:
+            continue
+        live = {}
+        todo = [c for c in children.get(root, ()) if c not in known]
+        while todo:
+            pid = todo.pop()
+            live[pid] = (comm[pid], own[pid])
+            todo += [c for c in children.get(pid, ()) if c not in known]
+        out[root] = Helpers(reaped[root] + sum(cpu for _comm, cpu in live.values()), live)
+    return out
 
 
 def _task_cpu_ns(pid: int, tid: str) -> int:

@@ -56,6 +56,16 @@ counted out of the stall against the hard bar, at most the bar itself, so a
 starved group is ruled no later than twice its bar and a stopped or spinning
 process (which waits for no CPU, or gets one) exactly at it.  The soft stage
 keeps the clock's stall: it only dumps and warns.
+
+**A stall a helper worked through.**  A rank that runs a compiler inside
+its step (Inductor builds the C++ of a kernel it meets for the first time in
+a child process, and waits for it) makes no progress of its own while its
+helper works.  The caller passes ``helper_work_s``: how long, in the stall at
+hand, the processes the watched ones started (and the engine does not
+watch) used a CPU.  That time is counted out of the stall against both bars,
+at most ``startup_timeout`` (the time the operator gives a start, compiles
+included): a compile is work, however long; a rank stopped or spinning
+itself, or waiting on an idle child, is judged at its bar as before.
 """
 
 from __future__ import annotations
@@ -189,6 +199,7 @@ class Verdict:
     # node's own hard verdict, those stopped (state T/t, read by the caller: a stop inside a collective too)
     elsewhere_ranks: tuple[int, ...] = ()
     cpu_wait_s: float = 0.0  # of the stall, time its processes waited for a CPU (counted out of the hard bar)
+    helper_work_s: float = 0.0  # of the stall, time processes they started worked (counted out of both bars)
     outside_in_step: tuple[int, ...] = ()  # of outside_collective, the ranks inside a step (compiled: its
     # collectives run in the compiled graph, unseen)
 
@@ -196,7 +207,10 @@ class Verdict:
     def counted_out(self) -> bool:
         """The stall is past the hard bar by the clock, short of it once the time its processes waited for a
         CPU is counted out: a starved host, not (yet) a hang."""
-        return self.kind in (VerdictKind.SOFT, VerdictKind.SUSPECT) and self.stalled_s >= self.hard_timeout
+        return (
+            self.kind in (VerdictKind.SOFT, VerdictKind.SUSPECT)
+            and self.stalled_s - self.helper_work_s >= self.hard_timeout
+        )
 
     @property
     def fired(self) -> bool:
@@ -234,6 +248,7 @@ class Verdict:
             "control": [_control_dict(c, self.at) for c in self.control],
             "thresholds_of_step_tokens": self.step_tokens,
             "cpu_wait_seconds": round(self.cpu_wait_s, 3),
+            "helper_work_seconds": round(self.helper_work_s, 3),
         }
 
 
@@ -346,16 +361,19 @@ def _steady_kind(
     soft_fired: bool,
     hard_fired: bool,
     cpu_wait_s: float = 0.0,
+    helper_work_s: float = 0.0,
 ) -> tuple[VerdictKind, float, bool, bool]:
-    """(kind, stalled seconds, soft_fired, hard_fired) after startup.  Fired kinds are edge-triggered.  The hard
-    bar is met by the stall less ``cpu_wait_s`` (at most ``hard``): time the processes could not run."""
+    """(kind, stalled seconds, soft_fired, hard_fired) after startup.  Fired kinds are edge-triggered.  Both bars
+    are met by the stall less ``helper_work_s`` (already capped), the hard bar less ``cpu_wait_s`` too (at most
+    ``hard``): time the processes could not run."""
     if stall_start is None or progress:
         kind = VerdictKind.RECOVERED if (soft_fired or hard_fired) else (VerdictKind.OK if busy else VerdictKind.IDLE)
         return kind, 0.0, False, False
     stalled = now - stall_start
-    if stalled - min(cpu_wait_s, hard) >= hard or hard_fired and stalled >= hard:
+    own = stalled - helper_work_s
+    if own - min(cpu_wait_s, hard) >= hard or hard_fired and stalled >= hard:
         return (VerdictKind.HUNG if hard_fired else VerdictKind.HARD), stalled, soft_fired, True
-    if stalled >= soft or soft_fired:
+    if own >= soft or soft_fired:
         return (VerdictKind.SUSPECT if soft_fired else VerdictKind.SOFT), stalled, True, hard_fired
     return VerdictKind.OK, stalled, soft_fired, hard_fired
 
@@ -369,6 +387,7 @@ def observe(
     exited: Set[int] = frozenset(),
     control: Sequence[SlotSnapshot] = (),
     cpu_wait_s: float = 0.0,
+    helper_work_s: float = 0.0,
 ) -> tuple[WatchdogState, Verdict]:
     """Fold one reading of the heartbeat slots into the state and decide.
 
@@ -378,7 +397,9 @@ def observe(
     ``cpu_wait_s``: how long, in this stall since its soft stage, the watched
     processes were ready to run and waited for a CPU (a starved host, a
     throttled cgroup): counted out of the stall against the hard bar, at most
-    the bar itself (module docstring: "A stall the CPU caused").
+    the bar itself (module docstring: "A stall the CPU caused"); ``helper_work_s``:
+    how long, in this stall, the processes they started worked (module
+    docstring: "A stall a helper worked through").
     """
     live = [s for s in snapshots if s.claimed and not s.finished and s.slot not in exited]
     plane = [c for c in control if c.claimed and not c.finished]
@@ -475,9 +496,10 @@ def observe(
             hard = max(soft, min(hard, config.adaptive.arrival_floor))
 
     stalled = 0.0
+    helper_work_s = min(helper_work_s, config.startup_timeout) if stall_start is not None and not progress else 0.0
     if not pending:
         kind, stalled, soft_fired, hard_fired = _steady_kind(
-            now, stall_start, progress, busy, soft, hard, soft_fired, hard_fired, cpu_wait_s
+            now, stall_start, progress, busy, soft, hard, soft_fired, hard_fired, cpu_wait_s, helper_work_s
         )
 
     new_state = WatchdogState(
@@ -515,6 +537,7 @@ def observe(
         step_tokens=tokens,
         missing=missing,
         cpu_wait_s=cpu_wait_s if stall_start is not None and not progress else 0.0,
+        helper_work_s=helper_work_s,
     )
     return new_state, verdict
 
@@ -538,6 +561,7 @@ def _verdict(
     step_tokens: int = 0,
     missing: tuple[int, ...] = (),
     cpu_wait_s: float = 0.0,
+    helper_work_s: float = 0.0,
 ) -> Verdict:
     soft, hard, soft_src, hard_src = limits
     ordered = sorted(live, key=lambda s: (s.rank, s.slot))
@@ -561,6 +585,8 @@ def _verdict(
         message += "; " + _control_where(control, now)
     if kind in STALLED_KINDS and cpu_wait_s >= CPU_WAIT_WORTH_A_WORD_S:
         message += f"; its processes waited {cpu_wait_s:.1f} s for a CPU meanwhile (not counted against the hard bar)"
+    if kind in STALLED_KINDS and helper_work_s:
+        message += f"; processes they started worked {helper_work_s:.1f} s of it (a compiler: counted out)"
     return Verdict(
         kind=kind,
         at=now,
@@ -585,6 +611,7 @@ def _verdict(
         control=control,
         step_tokens=step_tokens,
         cpu_wait_s=cpu_wait_s,
+        helper_work_s=helper_work_s,
         outside_in_step=tuple(s.rank for s in ordered if not s.in_collective and s.in_step),
     )
 

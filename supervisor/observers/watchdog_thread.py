@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import psutil
 import structlog
 
-from tp_supervise.dumps.procinfo import proc_state, runq_wait_ns
+from tp_supervise.dumps.procinfo import helper_cpu, proc_state, runq_wait_ns
 from tp_supervise.watchdogs import policy
 
 from ..events import AllRanksReady, ControlClaimed, RankClaimed, WatchdogVerdict
@@ -69,6 +69,7 @@ class AttemptWatch:
     # process tree of a pid never changes that.
     descends: dict[tuple[int, int], bool] = field(default_factory=dict)
     cpu_wait: CpuWait = field(default_factory=lambda: CpuWait())
+    helper_work: HelperWork = field(default_factory=lambda: HelperWork())
 
 
 class CpuWait:
@@ -96,6 +97,57 @@ class CpuWait:
             before = self.base.setdefault(pid, now)
             longest = max(longest, now - before)
         return longest / 1e9
+
+
+class HelperWork:
+    """How long, in the stall at hand, the watched processes' helpers worked: the processes a rank or the
+    scheduler started that the engine does not watch (a compiler Inductor runs inside a step, its compile
+    workers), read as their CPU time (``procinfo.helper_cpu``).  An interval counts when they used at least
+    ``BUSY_FRACTION`` of a CPU in it; the policy counts it out of the stall (watchdogs/policy.py, "A stall a
+    helper worked through").  Read only in a stall that has lasted ``LOOK_AFTER_S``, every ``EVERY_S`` (one pass
+    over /proc each): a healthy group's steps never pay for it."""
+
+    LOOK_AFTER_S = 0.5
+    EVERY_S = 0.25
+    BUSY_FRACTION = 0.2
+
+    def __init__(self) -> None:
+        self._begin(None)
+
+    def _begin(self, stall_start: float | None) -> None:
+        self.stall_start = stall_start  # the stall being measured
+        self.at: float | None = None  # the last read
+        self.cpu: dict[int, float] = {}  # root -> its helpers' CPU seconds at the last read
+        self.live: dict[int, float] = {}  # helper pid -> its CPU seconds at the last read
+        self.worked_s = 0.0
+        self.busiest: tuple[int, int, str] | None = None  # (root, pid, comm) of the latest interval's busiest
+        self.said = False  # the stall at hand was said to be counted out (once per stall)
+
+    def seconds(
+        self, stall_start: float | None, now: float, roots: Callable[[], list[int]], known: Callable[[], set[int]]
+    ) -> float:
+        """``roots()`` and ``known()`` are asked only in a stall past ``LOOK_AFTER_S``."""
+        if stall_start != self.stall_start:
+            self._begin(stall_start)  # a new stall, or none: nothing of the last one holds
+        if stall_start is None or now - stall_start < self.LOOK_AFTER_S:
+            return 0.0
+        if self.at is not None and now - self.at < self.EVERY_S:
+            return self.worked_s
+        read = helper_cpu(roots(), known())
+        if self.at is not None:
+            used = sum(h.cpu_s - self.cpu[root] for root, h in read.items() if root in self.cpu)
+            if used >= self.BUSY_FRACTION * (now - self.at):
+                self.worked_s += now - self.at
+                gains = [
+                    (cpu - self.live.get(pid, 0.0), root, pid, name)
+                    for root, h in read.items()
+                    for pid, (name, cpu) in h.live.items()
+                ]
+                self.busiest = max(gains)[1:] if gains else None
+        self.at = now
+        self.cpu = {root: h.cpu_s for root, h in read.items()}
+        self.live = {pid: cpu for h in read.values() for pid, (_name, cpu) in h.live.items()}
+        return self.worked_s
 
 
 class WatchdogThread:
@@ -221,11 +273,30 @@ class WatchdogThread:
         exited = {slot for slot, r in attempt.ranks.items() if not r.alive}
         waited = self.watch.cpu_wait.seconds(
             self.state.soft_fired and not self.state.hard_fired,
-            lambda: [s.pid for s in (*snaps, *control) if s.claimed and not s.finished and s.slot not in exited],
+            lambda: [s.pid for s in (*snaps, *control) if _watched(s, exited)],
+        )
+        worked = self.watch.helper_work.seconds(
+            self.state.stall_start,
+            now,
+            lambda: [s.pid for s in (*snaps, *control) if _watched(s, exited) and s.role != ROLE_FRONTEND],
+            lambda: attempt_pids(attempt) | {s.pid for s in control if s.claimed},
         )
         self.state, verdict = policy.observe(
-            self.state, snaps, now, self.config, external, exited, control, cpu_wait_s=waited
+            self.state, snaps, now, self.config, external, exited, control, cpu_wait_s=waited, helper_work_s=worked
         )
+        helpers = self.watch.helper_work
+        if verdict.helper_work_s and not helpers.said:
+            helpers.said = True
+            root, pid, name = helpers.busiest or (None, None, "")
+            log.info(
+                "a stall while a process the engine started works (a compiler): counted out of the stall",
+                event_name="stall_helper_working",
+                stalled_s=round(verdict.stalled_s, 2),
+                helper_work_s=round(verdict.helper_work_s, 2),
+                helper_pid=pid,
+                helper=name,
+                of_pid=root,
+            )
         if verdict.counted_out and not self.watch.cpu_wait.said:
             self.watch.cpu_wait.said = True
             log.warning(
@@ -379,6 +450,16 @@ class WatchdogThread:
                     continue
                 self.watch.known_pids[snap.slot] = snap.pid
                 self.post(RankClaimed(snap.slot, snap.rank, snap.pid, attempt, snap.phase == RENDEZVOUS_PHASE))
+
+
+def _watched(snap: SlotSnapshot, exited: set[int]) -> bool:
+    """A slot of a live process this pass watches."""
+    return snap.claimed and not snap.finished and snap.slot not in exited
+
+
+def attempt_pids(attempt: AttemptView) -> set[int]:
+    """Every process of the attempt the supervisor knows: its ranks, launcher and engine processes."""
+    return {view.pid for view in (*attempt.ranks.values(), *attempt.control_plane()) if view.pid}
 
 
 def _gone(pid: int) -> bool:

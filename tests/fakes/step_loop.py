@@ -8,11 +8,16 @@ Each step: N all_reduces of a small tensor, with compute (sleep) between them,
 sleeps ``--slow-share`` of the step before the step's first collective (or
 collective ``--slow-at`` of the step; its peers wait for it there).  ``--uneven-rank`` does ``--uneven-share`` of the
 step as extra work *after* the step's last collective, from the start (a role
-that is uneven by design: rank 0 detokenising).  Runs ``--seconds`` (rank 0's clock, agreed every step) and exits 0.
+that is uneven by design: rank 0 detokenising).  ``--child-rank R --child-at T --child-s S --child spin|sleep``:
+once, at T seconds, rank R runs a child process for S seconds before the step's first collective and waits for it
+(its peers wait in the collective): ``spin`` burns S seconds of CPU, as the compiler Inductor runs inside a step;
+``sleep`` only waits.  Runs ``--seconds`` (rank 0's clock, agreed every step) and exits 0.
 """
 
 import argparse
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -31,7 +36,15 @@ def main() -> None:
     ap.add_argument("--uneven-rank", type=int, default=-1)
     ap.add_argument("--uneven-share", type=float, default=0.2)
     ap.add_argument("--busy", action="store_true", help="compute by spinning the CPU instead of sleeping")
+    ap.add_argument("--child-rank", type=int, default=-1)
+    ap.add_argument("--child-at", type=float, default=0.0)
+    ap.add_argument("--child-s", type=float, default=0.0)
+    ap.add_argument("--child", choices=("spin", "sleep"), default="spin")
     a = ap.parse_args()
+    child = {
+        "spin": [sys.executable, "-c", f"import time\nwhile time.process_time() < {a.child_s}: pass"],
+        "sleep": ["sleep", str(a.child_s)],
+    }[a.child]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     print(f"pid {os.getpid()} rank {rank}", flush=True)
@@ -47,6 +60,10 @@ def main() -> None:
         if go.item() == 0.0:
             break
         slow = rank == a.slow_rank and time.monotonic() - start >= a.slow_from
+        if rank == a.child_rank and time.monotonic() - start >= a.child_at:
+            print(f"child {a.child} from {time.monotonic()}", flush=True)
+            subprocess.run(child, check=True)
+            a.child_rank = -1
         if slow and not slow_announced:
             print(f"slow from {time.monotonic()}", flush=True)
             slow_announced = True

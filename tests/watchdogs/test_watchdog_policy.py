@@ -158,6 +158,39 @@ def test_time_waiting_for_a_cpu_is_counted_out_of_the_hard_bar_at_most_once_over
     assert d.fired() == [K.SOFT, K.HARD] and set(d.kinds()[d.kinds().index(K.HARD) + 1 :]) == {K.HUNG}
 
 
+def test_time_a_helper_worked_is_counted_out_of_both_bars_up_to_the_startup_timeout():
+    """Soft 3 s, hard 6 s, startup 30 s.  A rank waiting on a compiler it started: the seconds the compiler
+    worked are not the rank's stall, for the soft bar as for the hard one; a helper that works for ever is
+    counted out for the startup timeout at most, then the stall is ruled like any other."""
+
+    def stall(work_from: float, work_until: float) -> Driver:
+        d = Driver(EXPLICIT)
+        g = SteadyGroup()
+        for _ in range(20):
+            d.tick(g.advance(0.05))
+        since, worked = d.now, 0.0
+        for _ in range(600):
+            stalled = d.now - since
+            if work_from <= stalled < work_until:
+                worked += TICK
+            d.tick(g.stopped(1, since), helper_work_s=worked)
+        return d
+
+    d = stall(1.0, 11.0)  # 10 s of compiler work inside the stall: the bars move by 10 s
+    soft, hard = d.first(K.SOFT), d.first(K.HARD)
+    assert soft.stalled_s == pytest.approx(13.0, abs=2 * TICK) and hard.stalled_s == pytest.approx(16.0, abs=2 * TICK)
+    assert "processes they started worked 10.0 s of it" in hard.message
+    assert hard.to_dict()["helper_work_seconds"] == pytest.approx(10.0, abs=TICK)
+    assert not any(v.counted_out for v in d.verdicts)
+    d = stall(0.0, math.inf)  # a helper that never stops: counted out for 30 s, then ruled
+    assert d.first(K.SOFT).stalled_s == pytest.approx(33.0, abs=2 * TICK)
+    assert d.first(K.HARD).stalled_s == pytest.approx(36.0, abs=2 * TICK)
+    assert d.fired() == [K.SOFT, K.HARD]
+    d = stall(0.0, 0.0)  # a stall nobody worked through: at its bars exactly
+    assert d.first(K.SOFT).stalled_s == pytest.approx(3.0, abs=TICK + 1e-9)
+    assert "started worked" not in d.first(K.HARD).message
+
+
 def test_soft_and_hard_crossed_in_one_tick_fires_only_hard():
     d = Driver(EXPLICIT)
     g = SteadyGroup()

@@ -75,10 +75,18 @@ class Driver:
         external: ExternalProgress | None = None,
         exited: Iterable[int] = (),
         cpu_wait_s: float = 0.0,
+        helper_work_s: float = 0.0,
     ) -> Verdict:
         self.now += dt
         self.state, verdict = observe(
-            self.state, snaps, self.now, self.config, external, frozenset(exited), cpu_wait_s=cpu_wait_s
+            self.state,
+            snaps,
+            self.now,
+            self.config,
+            external,
+            frozenset(exited),
+            cpu_wait_s=cpu_wait_s,
+            helper_work_s=helper_work_s,
         )
         self.verdicts.append(verdict)
         return verdict
