@@ -15,7 +15,7 @@ PYTEST_ARGS ?= -n 3 --dist loadfile --durations=30
 # (some environments export PYTHONDONTWRITEBYTECODE=1) each of them compiled it again, ~0.3 s of CPU a process.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: serve test test-slow test-bench test-engines test-engines-slow test-engines-matrix test-all lint bench bench-vllm bench-vllm-relay bench-vllm-multinode bench-campaign gpu-check clean
+.PHONY: serve test test-slow test-bench test-engines test-engines-slow test-engines-matrix test-all lint bench bench-vllm bench-vllm-cost bench-vllm-relay bench-vllm-multinode bench-campaign gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -94,6 +94,12 @@ bench: $(STAMP)
 bench-vllm: $(STAMP)
 	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
 	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m bench.bench_vllm --update-docs $(ARGS)
+
+# Where supervised vLLM's throughput cost goes: alone, supervised, supervised --no-hook, supervised without torch's
+# flight recorder, interleaved rounds (~22 min on 2 cores); rewrites its section of docs/benchmarks.md.
+bench-vllm-cost: $(STAMP)
+	bash tests/engines/setup_vllm.sh $(VLLM_VENV)
+	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m bench.bench_vllm_cost --update-docs $(ARGS)
 
 # Real vLLM behind `supervise serve --tree --relay`: the relay's cost without faults, and a worker SIGKILLed under
 # official-SDK clients through the relay and straight on vLLM's port (~8 min on 2 cores).
