@@ -47,11 +47,11 @@ test-bench: $(STAMP)
 # tests/engines/setup_vllm.sh), the tests in tests/engines, in vLLM's default mode (its model compiled; eager where
 # eager is the subject): a vLLM start costs ~80-130 s on 2 cores (the first compiles the model), so a run takes
 # several faults that each end in a restart where the scenarios allow (asserted per bundle).  test-engines is the
-# focused set .ci/run runs (~9 min: one run behind the relay taking two faults (worker stopped, worker killed
-# mid-stream), the two-node launch with a worker stopped on node 1, SGLang's GroupCoordinator); test-engines-slow the
-# scenarios that each need starts of their own (a second run behind the relay taking the other four faults (engine
-# core stopped, engine core killed, engine core stuck in its scheduler, worker stuck in execute_model), a renamed
-# seam in eager mode, the relay's hold limit and poison request, the other two-node faults, the drill's runner,
+# focused set .ci/run runs (~8 min: one run behind the relay taking two faults (worker stopped, worker killed
+# mid-stream), SGLang's GroupCoordinator); test-engines-slow the scenarios that each need starts of their own (a
+# second run behind the relay taking the other four faults (engine core stopped, engine core killed, engine core
+# stuck in its scheduler, worker stuck in execute_model), a renamed seam in eager mode, the two-node launch with a
+# worker stopped on node 1, the relay's hold limit and poison request, the other two-node faults, the drill's runner,
 # the straggler named from eager mode's per-collective arrivals).
 VLLM_VENV ?= .venv-vllm
 ENGINES_PYTEST = VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -q -p no:randomly --durations=0

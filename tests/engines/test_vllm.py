@@ -300,7 +300,10 @@ def _new_bundle(run, seen: int, timeout_s: float) -> Path:
     deadline = time.monotonic() + timeout_s
     while len(fatal_bundles(run)) <= seen:
         assert run.proc.poll() is None, "supervise exited"
-        assert time.monotonic() < deadline, f"no bundle within {timeout_s:.0f} s of the fault"
+        if time.monotonic() >= deadline:  # what the supervisor said meanwhile, not the ranks' own lines
+            said = [line for line in run.lines_so_far() if line.get("event") != "rank_output"]
+            raise AssertionError(f"no bundle within {timeout_s:.0f} s of the fault; the supervisor's last lines: "
+                                 + "\n".join(json.dumps(line) for line in said[-60:]))  # fmt: skip
         time.sleep(0.5)
     bundle = fatal_bundles(run)[seen]
     summary = bundle / "summary.json"
@@ -312,6 +315,7 @@ def _new_bundle(run, seen: int, timeout_s: float) -> Path:
 
 # The faults of one run.  .ci/run's engine tier takes the first two (a vLLM start each costs ~2 min compiled on
 # two cores: three made .ci/run 31.5 min on the CI host); make test-engines-slow the other four, in a run of their own.
+# Each fault is asserted by its own test; a run that took fewer faults fails in its fixture.
 FAULTS = ("stopped_worker", "killed_worker")
 MORE_FAULTS = ("stopped_engine_core", "killed_engine_core", "stuck_scheduler", "stuck_worker")
 
@@ -441,7 +445,8 @@ def test_serves_restarts_after_every_fault_and_ctrl_c_leaves_nothing(any_sequenc
     assert structured["choices"][0]["text"].replace(" ", "").startswith("{"), structured
     assert sequence.load_done > 0
     assert sequence.exit_code == 0, sequence.run.stderr[-4000:]
-    assert n == 3 and len(fatal_bundles(sequence.run)) == n, [b.name for b in sequence.run.bundles()]
+    assert tuple(sequence.faults) in (FAULTS, MORE_FAULTS), sequence.faults
+    assert len(fatal_bundles(sequence.run)) == n, [b.name for b in sequence.run.bundles()]
     assert len(sequence.run.events("restarting the group")) == n
     joined = sequence.run.events("rank joined the group")
     assert sorted(line["rank"] for line in joined) == sorted([0, 1] * (n + 1)), "both workers joined every attempt"
