@@ -87,6 +87,7 @@ class ProcInfo:
     name: str
     wchan: str = ""
     session: int = 0
+    group: int = 0  # its process group
 
     def describe(self) -> str:
         wchan = f", wchan {self.wchan}" if self.wchan and self.wchan != "0" else ""
@@ -120,7 +121,15 @@ def proc_info(pid: int, wchan: bool = True) -> ProcInfo | None:
                 where = f.read().strip()
         except OSError:
             pass
-    return ProcInfo(pid=pid, ppid=int(fields[1]), state=fields[0], name=name, wchan=where, session=int(fields[3]))
+    return ProcInfo(
+        pid=pid,
+        ppid=int(fields[1]),
+        state=fields[0],
+        name=name,
+        wchan=where,
+        session=int(fields[3]),
+        group=int(fields[2]),
+    )
 
 
 def has_run_marker(pid: int, marker: bytes) -> bool:
@@ -484,21 +493,22 @@ def reap_orphans(keep: Iterable[int]) -> int:
 
     Never ``waitpid(-1)``: each zombie is reaped by its pid (``waitid(P_PID)``),
     and only when it is not in ``keep`` (ranks and the launcher: their status
-    belongs to the exit monitor) and not in our own session.  The supervisor's
-    own helpers (py-spy, ...) share its session and are waited for by whoever
-    started them; every process of the run lives in a rank's session (each
-    rank is a session leader) or in one it made itself, never in ours.  A
-    zombie stays a zombie until reaped, so its pid cannot change hands between
-    the check and the reap.  Returns how many were reaped.
+    belongs to the exit monitor) and not in our own process group.  The
+    supervisor's own helpers (py-spy, ...) share its process group and are
+    waited for by whoever started them; every process of the run lives in a
+    rank's group (each rank leads one) or in a group or session it made
+    itself, never in ours.  A zombie stays a zombie until reaped, so its pid
+    cannot change hands between the check and the reap.  Returns how many were
+    reaped.
     """
     keep = set(keep)
-    own_session = os.getsid(0)
+    own_group = os.getpgid(0)
     reaped = 0
     for pid in child_pids():
         if pid in keep or pid in OWN_HELPERS:
             continue
         info = proc_info(pid, wchan=False)
-        if info is None or info.state != "Z" or info.session == own_session:
+        if info is None or info.state != "Z" or info.group == own_group:
             continue
         try:
             if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG) is not None:

@@ -1,8 +1,18 @@
 """Starting rank processes (spawn mode) and the launcher (tree mode).
 
 Every rank:
-* runs in its own session and process group (``start_new_session``), so a
-  group signal reaches its children and nothing else;
+* runs in a process group of its own (``process_group=0``), so a group signal
+  reaches its children and nothing else, and a terminal's Ctrl-C reaches the
+  supervisor only (the rank's group is never the foreground one).  It stays in
+  the supervisor's *session*: where the kernel groups CPU time by session
+  (autogroup, ``/proc/sys/kernel/sched_autogroup_enabled``, on most
+  distributions' kernels), a session of its own made the engine's processes and
+  the supervisor two scheduling groups, and vLLM on a host whose cores it fills
+  served 0.74x the tokens/s it served alone (the same with the supervisor's
+  session shared: 1.0x; docs/benchmarks.md, "Where supervised vLLM's cost
+  goes");
+* reads its stdin from /dev/null (a background group reading the terminal
+  would be stopped by SIGTTIN);
 * gets ``PR_SET_PDEATHSIG = SIGKILL`` between fork and exec, so it dies with
   the supervisor whatever language it is written in (the signal fires when the
   *thread* that forked it exits: ranks are only ever spawned from the main
@@ -204,7 +214,7 @@ def rank_env(
 
 def _child_setup(supervisor_pid: int, cgroup_procs: str | None):
     def setup() -> None:
-        # Runs in the child after fork (and setsid), before exec.
+        # Runs in the child after fork (and setpgid), before exec.
         if cgroup_procs:
             join_in_child(cgroup_procs)
         procs.set_parent_death_signal(signal.SIGKILL)
@@ -230,7 +240,8 @@ def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None, pump: output.
             list(spec.argv),
             env=dict(spec.env),
             cwd=cwd,
-            start_new_session=True,
+            process_group=0,
+            stdin=subprocess.DEVNULL,
             pass_fds=(ctx.death_fd, *spec.pass_fds),
             preexec_fn=_child_setup(ctx.supervisor_pid, ctx.cgroup_procs),
             close_fds=True,

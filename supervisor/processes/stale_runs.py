@@ -1,8 +1,8 @@
 """What a supervisor that died without a teardown (SIGKILL, OOM) left behind, ended by the next one.
 
 Its ranks died with it (parent-death signal), but a stopped rank of a
-launcher's tree or a setsid escapee (a process that left the rank's session
-and process group) can remain, and so do the run's cgroup, shared-memory run
+launcher's tree or a setsid escapee (a process that left the rank's process
+group) can remain, and so do the run's cgroup, shared-memory run
 directory, registry entry and socket.  The registry says which runs are dead
 (``observers.control_socket.dead_runs``: entries validated, everything derived
 from the run id); this module does the killing and removing, as the teardown

@@ -215,7 +215,7 @@ class RelayProcess:
                     stdin=stdin,
                     stdout=sys.stderr,
                     env=env,
-                    start_new_session=True,
+                    process_group=0,  # as the ranks (processes.spawn): the terminal's Ctrl-C is the supervisor's
                     preexec_fn=_dies_with_us,
                 )
             except BaseException:
