@@ -25,7 +25,9 @@ from tp_supervise.supervisor.events import ProcessExited
 from tp_supervise.supervisor.processes import pidfds as procs
 from tp_supervise.supervisor.processes.exit_monitor import PARENT_WAIT_S, ExitMonitor
 
-# Prints "<child pid> <the id of its own second thread>", then exits with code 3 once its stdin closes.
+# Prints "<child pid> <the id of the parent's second thread>" (the child prints it once its parent-death signal is
+# set: on a loaded host a child printed for by its parent could still be without one when the parent exits), then
+# the parent exits with code 3 once its stdin closes.
 PARENT = r"""
 import ctypes, os, sys, threading, time
 side = threading.Thread(target=time.sleep, args=(10**6,), daemon=True)
@@ -33,9 +35,9 @@ side.start()
 child = os.fork()
 if child == 0:
     ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    print(os.getpid(), side.native_id, flush=True)
     while True:
         time.sleep(1)
-print(child, side.native_id, flush=True)
 sys.stdin.read()
 os._exit(3)
 """
