@@ -1,7 +1,7 @@
 """Starting rank processes (spawn mode) and the launcher (tree mode).
 
 Every rank:
-* runs in a process group of its own (``process_group=0``), so a group signal
+* runs in a process group of its own (``setpgid`` before exec), so a group signal
   reaches its children and nothing else, and a terminal's Ctrl-C reaches the
   supervisor only (the rank's group is never the foreground one).  It stays in
   the supervisor's *session*: where the kernel groups CPU time by session
@@ -214,7 +214,8 @@ def rank_env(
 
 def _child_setup(supervisor_pid: int, cgroup_procs: str | None):
     def setup() -> None:
-        # Runs in the child after fork (and setpgid), before exec.
+        # Runs in the child after fork, before exec (Popen returns once it has: the group exists by then).
+        os.setpgid(0, 0)  # a process group of its own, in the supervisor's session (module docstring)
         if cgroup_procs:
             join_in_child(cgroup_procs)
         procs.set_parent_death_signal(signal.SIGKILL)
@@ -240,7 +241,6 @@ def spawn(spec: RankSpec, ctx: RunContext, cwd: str | None = None, pump: output.
             list(spec.argv),
             env=dict(spec.env),
             cwd=cwd,
-            process_group=0,
             stdin=subprocess.DEVNULL,
             pass_fds=(ctx.death_fd, *spec.pass_fds),
             preexec_fn=_child_setup(ctx.supervisor_pid, ctx.cgroup_procs),

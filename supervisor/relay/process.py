@@ -52,7 +52,9 @@ RESTART_WINDOW_S = 60.0
 
 
 def _dies_with_us() -> None:
-    """Between fork and exec: the relay never outlives the supervisor (as the ranks, processes/spawn.py)."""
+    """Between fork and exec: the relay never outlives the supervisor, and runs in a process group of its own in
+    the supervisor's session (as the ranks, processes/spawn.py: the terminal's Ctrl-C is the supervisor's)."""
+    os.setpgid(0, 0)
     set_parent_death_signal(signal.SIGKILL)
 
 
@@ -215,7 +217,6 @@ class RelayProcess:
                     stdin=stdin,
                     stdout=sys.stderr,
                     env=env,
-                    process_group=0,  # as the ranks (processes.spawn): the terminal's Ctrl-C is the supervisor's
                     preexec_fn=_dies_with_us,
                 )
             except BaseException:
