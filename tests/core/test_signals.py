@@ -13,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import fake_rank
@@ -71,8 +72,25 @@ def test_sigquit_writes_a_bundle_then_stops(supervise, tmp_path):
     assert _left_behind(tmp_path, entry) == []
 
 
+def _ignoring_sigterm(pid: int) -> list[int]:
+    """The supervisor's children whose SIGTERM disposition is SIG_IGN (their /proc status)."""
+    out = []
+    for child in psutil.Process(pid).children():
+        try:
+            status = Path(f"/proc/{child.pid}/status").read_text()
+        except OSError:
+            continue
+        ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+        if ignored & (1 << (signal.SIGTERM - 1)):
+            out.append(child.pid)
+    return out
+
+
 def test_a_second_sigterm_cuts_the_grace_short(supervise, tmp_path):
     run, _entry = _started(supervise, tmp_path, action="ignore_term", grace="30")
+    # Both ranks ignore SIGTERM before the first one comes (on a loaded host the run directory exists before a
+    # rank has run that far: a rank that died of the first SIGTERM ended the run inside the grace).
+    wait_for(lambda: len(_ignoring_sigterm(run.proc.pid)) == 2, 30, "both ranks ignoring SIGTERM")
     run.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     t0 = time.monotonic()
