@@ -283,8 +283,7 @@ class IncidentDesk:
         if self.spec.tree and launcher is not None and launcher.alive:
             # The rest of the launcher's tree (vLLM's resource tracker, SGLang's detokenizer), not what runs
             # under a rank: role helper, or what the title says.
-            held = {v.pid for v in (*attempt.ranks.values(), *plane)}
-            for pid in helpers_below(launcher.pid, held, MAX_HELPERS):
+            for pid in helpers_below(launcher.pid, attempt.pids(), MAX_HELPERS):
                 title = process_comm(pid)  # not the command line: reading it takes the process's mmap lock
                 role = role_from_title(title)
                 role = role if role not in ("", "rank") else "helper"

@@ -279,7 +279,7 @@ class WatchdogThread:
             self.state.stall_start,
             now,
             lambda: [s.pid for s in (*snaps, *control) if _watched(s, exited) and s.role != ROLE_FRONTEND],
-            lambda: attempt_pids(attempt) | {s.pid for s in control if s.claimed},
+            lambda: attempt.pids() | {s.pid for s in control if s.claimed},
         )
         self.state, verdict = policy.observe(
             self.state, snaps, now, self.config, external, exited, control, cpu_wait_s=waited, helper_work_s=worked
@@ -455,11 +455,6 @@ class WatchdogThread:
 def _watched(snap: SlotSnapshot, exited: set[int]) -> bool:
     """A slot of a live process this pass watches."""
     return snap.claimed and not snap.finished and snap.slot not in exited
-
-
-def attempt_pids(attempt: AttemptView) -> set[int]:
-    """Every process of the attempt the supervisor knows: its ranks, launcher and engine processes."""
-    return {view.pid for view in (*attempt.ranks.values(), *attempt.control_plane()) if view.pid}
 
 
 def _gone(pid: int) -> bool:

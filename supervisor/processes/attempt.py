@@ -152,6 +152,10 @@ class AttemptView:
         launcher = [self.launcher] if self.launcher is not None else []
         return [*launcher, *self.engine_processes.values()]
 
+    def pids(self) -> set[int]:
+        """Every process of the attempt the supervisor knows: its ranks, launcher and engine processes."""
+        return {view.pid for view in (*self.ranks.values(), *self.control_plane()) if view.pid}
+
     def process(self, pid: int) -> RankView | None:
         """The process of this attempt with ``pid`` (a rank, the launcher or an engine process)."""
         for view in (*self.ranks.values(), *self.control_plane()):
